@@ -1,0 +1,75 @@
+"""The `miles` console script.
+
+    miles validate [FLAGS...]        resolved config as JSON (exit 0) or the problems (exit 2)
+    miles buffer inspect RUN_URI     counts of the durable buffer as JSON
+    miles report RUN_URI [-o FILE]   self-contained HTML report of a run
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from miles_core.config import ConfigError, config_to_json, flag_table, parse_flags
+
+USAGE = __doc__
+
+
+def _validate(argv: list[str]) -> int:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: miles validate [FLAGS...]\n")
+        for s in flag_table():
+            choices = f" {{{','.join(s.choices)}}}" if s.choices else ""
+            print(f"  {s.flag}{choices}  (default {s.default!r})\n      {s.help}")
+        return 0
+    try:
+        cfg = parse_flags(argv)
+    except ConfigError as e:
+        print(f"miles validate: {e}", file=sys.stderr)
+        return 2
+    print(config_to_json(cfg))
+    return 0
+
+
+def _buffer(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "inspect":
+        print("usage: miles buffer inspect RUN_URI", file=sys.stderr)
+        return 2
+    from miles_core.buffer.inspect import inspect_buffer
+
+    print(json.dumps(inspect_buffer(argv[1]), indent=2, sort_keys=True))
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    if not argv:
+        print("usage: miles report RUN_URI [-o FILE]", file=sys.stderr)
+        return 2
+    from miles_core.metrics.report import write_report
+
+    out = argv[argv.index("-o") + 1] if "-o" in argv else "report.html"
+    print(write_report(argv[0], out))
+    return 0
+
+
+COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        print(USAGE, file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[argv[0]](argv[1:])
+    except Exception as e:  # noqa: BLE001 - one clear line for users, not a stack trace
+        from miles_core.storage import StorageError
+
+        if isinstance(e, (StorageError, ValueError, FileNotFoundError)):
+            print(f"miles {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""The config tree: one frozen dataclass per component, each field one CLI flag.
+
+Field names are unique across sections; the flag is the field name in kebab case
+(`rollout_batch_size` -> `--rollout-batch-size`). `metadata["help"]` becomes `--help` and the
+generated flag reference (docs/reference/flags.md); `metadata["choices"]` lists the allowed values.
+Defaults are the embedded default run (DESIGN §10), so an empty command line is a valid, runnable
+config. Each section checks only its own invariants (`problems()`); cross-section rules live in
+`miles_core.config.validate`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def opt(default, help: str, choices: tuple[str, ...] | None = None, **kw):
+    meta = {"help": help}
+    if choices:
+        meta["choices"] = choices
+    return field(default=default, metadata=meta, **kw)
+
+
+def opt_list(help: str):
+    return field(default_factory=list, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    run_id: str = opt("default", "Run id: the run root is {storage_root}/runs/{run_id}/.")
+    storage_root: str = opt(".miles", "Object-storage prefix for runs (file://, s3://, gs://, memory://, or a local path).")
+    num_rollout: int = opt(160, "Number of training steps (rollouts) of the run, counted from step 0 across segments.")
+    segment_steps: Optional[int] = opt(None, "Run at most this many steps in this segment, then checkpoint and exit (scheduled continuation).")
+    deadline_seconds: Optional[float] = opt(None, "Stop this segment cleanly after this many seconds (checkpoint first).")
+    seed: int = opt(1, "Global seed (model init, data shuffling, sampling).")
+    fully_async: bool = opt(True, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer.")
+    one_step_off: bool = opt(False, "One-step-off driver: generate batch k+1 while training on batch k.")
+    colocate: bool = opt(False, "Place engines and trainer on the same devices (time-shared); sync driver only.")
+    partial_rollout: bool = opt(False, "Keep partially generated samples across weight updates by aborting and resuming them.")
+    rollout_function_path: str = opt("", "module:function replacing the whole rollout loop (sync drivers only).")
+    rollout_all_samples_process_path: str = opt("", "module:function called with every generated sample, kept or not (sync drivers only).")
+    prefill_logprob_recompute: bool = opt(False, "Recompute rollout log-probs with a prefill pass on the engines (sync drivers only).")
+    multi_lora: bool = opt(False, "Serve several LoRA adapters on the engines (sync drivers only).")
+    progress: bool = opt(True, "Show a progress bar (step, reward, staleness, tokens/s) on local runs.")
+    num_cpus_per_engine: float = opt(1.0, "Ray CPUs reserved by each engine actor.")
+    num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by the trainer actor.")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI (Llama/Qwen2/GPT-2 family), or builtin:tiny-gpt / builtin:tiny-llama (random init from --seed).")
+    tiny_num_layers: int = opt(2, "Layers of a builtin tiny model.")
+    tiny_hidden_size: int = opt(128, "Hidden size of a builtin tiny model.")
+    tiny_num_heads: int = opt(4, "Attention heads of a builtin tiny model.")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    prompt_data: str = opt("builtin:reverse4", "Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits).")
+    input_key: str = opt("prompt", "Dataset column holding the prompt (text, or a list of token ids).")
+    label_key: str = opt("label", "Dataset column holding the label the reward compares against.")
+    rollout_shuffle: bool = opt(True, "Shuffle prompts every epoch (seeded).")
+
+
+@dataclass(frozen=True)
+class RolloutSection:
+    rollout_batch_size: int = opt(32, "Prompt groups consumed per training step.")
+    n_samples_per_prompt: int = opt(8, "Samples per prompt group.")
+    rollout_max_response_len: int = opt(5, "Maximum new tokens per sample.")
+    rollout_temperature: float = opt(1.0, "Sampling temperature.")
+    rollout_top_p: float = opt(1.0, "Nucleus sampling p.")
+    rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
+    async_max_concurrent_samples: Optional[int] = opt(None, "Samples in flight on the engines (budget in groups = this // n); default: rollout_batch_size groups.")
+    rollout_submission_granularity: Optional[str] = opt(None, "When a new group may start: 'group' (fewer than budget groups pending) or 'sample' (credits of samples in flight). Default: sample under --fully-async, else group.", choices=("group", "sample"))
+    max_weight_staleness: Optional[int] = opt(None, "Reject groups older than this many weight versions at consumption, and admit no group that could not be consumed in time.")
+    update_weights_interval: int = opt(1, "Push weights to the engines every N training steps.")
+    pause_generation_mode: str = opt("retract", "How engines pause for a weight update: retract (re-queue, recompute cache), in_place (keep cache), abort.", choices=("retract", "in_place", "abort"))
+    custom_rm_path: str = opt("", "module:function reward; default: the built-in reward of the prompt dataset.")
+    dynamic_sampling_filter_path: str = opt("", "module:function(group) -> (keep, reason) applied at buffer put; dropped groups are counted by reason.")
+    rollout_sample_filter_path: str = opt("", "module:function(groups) marking samples excluded from the loss (mark only, never drops).")
+    engine_request_timeout_seconds: float = opt(600.0, "Timeout of one /generate request.")
+
+
+@dataclass(frozen=True)
+class BufferSection:
+    async_data_buffer_capacity_factor: float = opt(2.0, "Buffer capacity = int(factor * rollout_batch_size) groups; put blocks when full.")
+    async_unused_samples_handler: str = opt("drop", "What happens to rejected (aborted or stale) groups: drop (counted) or retry (prompt back to the data source).", choices=("drop", "retry"))
+    custom_async_data_buffer_path: str = opt("", "module:Class replacing the durable buffer; built with (config, unused_samples_handler).")
+    buffer_coalesce_seconds: float = opt(0.02, "Groups finishing within this window are committed as one object.")
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    engine_backend: str = opt("cpu", "Generation engine: the project's CPU engine server, or SGLang (GPU).", choices=("cpu", "sglang"))
+    rollout_num_engines: int = opt(1, "Number of rollout engine servers.")
+    rollout_num_gpus_per_engine: int = opt(1, "GPUs per SGLang engine (its tensor parallel size).")
+    engine_max_running_requests: int = opt(512, "Requests an engine batches at once (continuous batching).")
+    sglang_mem_fraction_static: float = opt(0.8, "SGLang --mem-fraction-static.")
+    sglang_extra_args: str = opt("", "Extra arguments appended to `python -m sglang.launch_server`.")
+    weight_transport: str = opt("disk", "How weights reach the engines: disk (safetensors snapshot + update_weights_from_disk) or nccl (GPU broadcast).", choices=("disk", "nccl"))
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    lr: float = opt(2e-3, "Learning rate.")
+    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    clip_grad: float = opt(1.0, "Gradient-norm clip.")
+    advantage_estimator: str = opt("grpo", "grpo (group-normalized advantages) or ppo (critic).", choices=("grpo", "ppo"))
+    normalize_advantages_std: bool = opt(True, "Divide GRPO advantages by the group reward std.")
+    eps_clip: float = opt(0.2, "PPO clip epsilon (low side).")
+    eps_clip_high: Optional[float] = opt(None, "PPO clip epsilon (high side); default: --eps-clip.")
+    use_tis: bool = opt(False, "Truncated importance sampling against the rollout log-probs.")
+    tis_clip: float = opt(2.0, "Upper clamp of the TIS weight.")
+    tis_clip_low: float = opt(0.0, "Lower clamp of the TIS weight.")
+    use_rollout_logprobs: bool = opt(True, "Use the engine's log-probs as the PPO ratio denominator (exclusive with --use-tis).")
+    use_decoupled_loss: bool = opt(False, "Decoupled PPO: proximal policy = trainer weights before the step, behaviour = rollout log-probs.")
+    use_kl_loss: bool = opt(False, "KL penalty to the initial (reference) model.")
+    kl_loss_coef: float = opt(0.0, "Coefficient of the KL penalty.")
+    entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
+    tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size (GPU).")
+    micro_batch_size: int = opt(256, "Samples per forward/backward micro-batch.")
+    save: str = opt("auto", "Checkpoint location: 'auto' = {run root}/checkpoints, a URI, or '' to disable.")
+    save_interval: Optional[int] = opt(50, "Save a checkpoint every N steps (and always at the last step).")
+    save_hf: str = opt("", "Also save an HF checkpoint at each save into this directory ({step} placeholder allowed); enables eval reuse mode.")
+
+
+@dataclass(frozen=True)
+class EvalSection:
+    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin:reverse4-heldout allowed).")
+    n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (pass@k for k up to this).")
+    eval_max_response_len: Optional[int] = opt(None, "Maximum new tokens in eval; default: --rollout-max-response-len.")
+    eval_temperature: float = opt(0.0, "Eval sampling temperature (0 = greedy).")
+    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (and always at the last step).")
+    eval_mode: str = opt("tasks", "Where evals run: tasks (separate Flyte eval tasks on snapshots), shared (the rollout engines), dedicated (--eval-num-gpus engines).", choices=("tasks", "shared", "dedicated"))
+    eval_hf_dir: str = opt("", "Where exported snapshots go; default: {run root}/snapshots.")
+    eval_keep_snapshots: int = opt(3, "Exported snapshots kept beyond those still pending (ring retirement).")
+    eval_max_in_flight: int = opt(2, "Pending evals at most.")
+    eval_overflow_policy: str = opt("backpressure", "When --eval-max-in-flight evals are pending: backpressure (wait) or skip (metric eval/skipped_busy).", choices=("backpressure", "skip"))
+    eval_num_gpus: int = opt(0, "Dedicated eval engines (Mode 2); 0 = none.")
+
+
+SECTIONS = {
+    "run": RunSection,
+    "model": ModelSection,
+    "data": DataSection,
+    "rollout": RolloutSection,
+    "buffer": BufferSection,
+    "engine": EngineSection,
+    "train": TrainSection,
+    "eval": EvalSection,
+}

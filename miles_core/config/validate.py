@@ -1,0 +1,191 @@
+"""The validation matrix (DESIGN §11): every rule, checked before anything starts.
+
+`validate(cfg)` collects all problems and raises one ConfigError; each line names the offending
+flags and says what to do. It never rewrites the config.
+"""
+
+from __future__ import annotations
+
+from miles_core.config.tree import ConfigError, RunConfig
+from miles_core.plugins import PluginError, load_plugin
+
+# Features the fully async driver cannot honour, with the flag that turns each on.
+FULLY_ASYNC_EXCLUDES = {
+    "colocate": "--colocate",
+    "partial_rollout": "--partial-rollout",
+    "prefill_logprob_recompute": "--prefill-logprob-recompute",
+    "rollout_all_samples_process_path": "--rollout-all-samples-process-path",
+    "rollout_function_path": "--rollout-function-path",
+    "multi_lora": "--multi-lora",
+}
+
+BUILTIN_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
+BUILTIN_MODELS = ("builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2")
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    problems: list[str] = []
+    for check in (_ranges, _driver_rules, _loss_rules, _save_eval_rules, _names, _plugins):
+        problems.extend(check(cfg))
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    return cfg
+
+
+def _ranges(cfg: RunConfig) -> list[str]:
+    r, b, t, e, run = cfg.rollout, cfg.buffer, cfg.train, cfg.eval, cfg.run
+    p = []
+
+    def at_least(value, lo, flag):
+        if value is not None and value < lo:
+            p.append(f"{flag}={value} must be >= {lo}.")
+
+    at_least(run.num_rollout, 1, "--num-rollout")
+    at_least(run.segment_steps, 1, "--segment-steps")
+    at_least(r.rollout_batch_size, 1, "--rollout-batch-size")
+    at_least(r.n_samples_per_prompt, 1, "--n-samples-per-prompt")
+    at_least(r.rollout_max_response_len, 1, "--rollout-max-response-len")
+    at_least(r.rollout_temperature, 0.0, "--rollout-temperature")
+    at_least(r.max_weight_staleness, 0, "--max-weight-staleness")
+    at_least(r.update_weights_interval, 1, "--update-weights-interval")
+    at_least(cfg.engine.rollout_num_engines, 1, "--rollout-num-engines")
+    at_least(t.micro_batch_size, 1, "--micro-batch-size")
+    at_least(t.save_interval, 1, "--save-interval")
+    at_least(e.eval_interval, 1, "--eval-interval")
+    at_least(e.eval_keep_snapshots, 0, "--eval-keep-snapshots")
+    at_least(e.eval_max_in_flight, 1, "--eval-max-in-flight")
+    at_least(e.eval_num_gpus, 0, "--eval-num-gpus")
+    at_least(e.n_samples_per_eval_prompt, 1, "--n-samples-per-eval-prompt")
+    if run.deadline_seconds is not None and run.deadline_seconds <= 0:
+        p.append(f"--deadline-seconds={run.deadline_seconds} must be > 0 (omit it for no deadline).")
+    if not 0 < r.rollout_top_p <= 1:
+        p.append(f"--rollout-top-p={r.rollout_top_p} must be in (0, 1].")
+    if t.lr <= 0:
+        p.append(f"--lr={t.lr} must be > 0.")
+    if b.async_data_buffer_capacity_factor <= 0:
+        p.append(f"--async-data-buffer-capacity-factor={b.async_data_buffer_capacity_factor} must be > 0.")
+    elif int(b.async_data_buffer_capacity_factor * r.rollout_batch_size) < 1:
+        p.append(
+            f"--async-data-buffer-capacity-factor={b.async_data_buffer_capacity_factor} with "
+            f"--rollout-batch-size={r.rollout_batch_size} gives a buffer capacity of 0 groups; raise the factor."
+        )
+    if b.buffer_coalesce_seconds < 0:
+        p.append(f"--buffer-coalesce-seconds={b.buffer_coalesce_seconds} must be >= 0.")
+    if not 0 <= t.tis_clip_low < t.tis_clip:
+        p.append(f"--tis-clip-low={t.tis_clip_low} and --tis-clip={t.tis_clip} need 0 <= low < high.")
+    return p
+
+
+def _driver_rules(cfg: RunConfig) -> list[str]:
+    r, run = cfg.rollout, cfg.run
+    p = []
+    if run.fully_async and run.one_step_off:
+        p.append("--fully-async and --one-step-off are different drivers; pick one (--no-fully-async for one-step-off).")
+    if run.fully_async:
+        for name, flag in FULLY_ASYNC_EXCLUDES.items():
+            if getattr(run, name):
+                p.append(f"--fully-async excludes {flag}: drop {flag} or use the sync driver (--no-fully-async).")
+        if r.pause_generation_mode == "abort":
+            p.append("--fully-async excludes --pause-generation-mode=abort (it would throw away in-flight work); "
+                     "use retract or in_place.")
+    if r.async_max_concurrent_samples is not None and r.async_max_concurrent_samples < r.n_samples_per_prompt:
+        p.append(
+            f"--async-max-concurrent-samples={r.async_max_concurrent_samples} must be >= "
+            f"--n-samples-per-prompt={r.n_samples_per_prompt}: a group's samples run together."
+        )
+    if cfg.engine.weight_transport == "nccl" and cfg.engine.engine_backend != "sglang":
+        p.append("--weight-transport=nccl needs --engine-backend=sglang (GPU); the CPU engine loads weights from disk.")
+    if cfg.eval.eval_num_gpus > 0 and cfg.eval.eval_mode != "dedicated":
+        p.append(f"--eval-num-gpus={cfg.eval.eval_num_gpus} needs --eval-mode=dedicated.")
+    return p
+
+
+def _loss_rules(cfg: RunConfig) -> list[str]:
+    t, run = cfg.train, cfg.run
+    p = []
+    if t.use_rollout_logprobs and t.use_tis:
+        p.append("--use-rollout-logprobs excludes --use-tis (TIS reweights against the rollout log-probs "
+                 "itself); pass --no-use-rollout-logprobs with --use-tis, or drop --use-tis.")
+    is_async = run.fully_async or run.one_step_off
+    if t.advantage_estimator == "ppo" and is_async and not (t.use_tis or t.use_rollout_logprobs or t.use_decoupled_loss):
+        p.append("--advantage-estimator=ppo (critic) under an async driver needs an off-policy correction: "
+                 "set --use-tis, --use-rollout-logprobs or --use-decoupled-loss.")
+    if t.advantage_estimator == "grpo" and cfg.rollout.n_samples_per_prompt < 2:
+        p.append("--advantage-estimator=grpo needs --n-samples-per-prompt >= 2 (a group of one has no baseline).")
+    if t.use_kl_loss and t.kl_loss_coef <= 0:
+        p.append("--use-kl-loss needs --kl-loss-coef > 0.")
+    return p
+
+
+def _save_eval_rules(cfg: RunConfig) -> list[str]:
+    t, e = cfg.train, cfg.eval
+    p = []
+    if t.save_interval is not None and not t.save:
+        p.append("--save-interval needs a save location: set --save (a URI, or 'auto' for the run root).")
+    if t.save_hf and not t.save:
+        p.append("--save-hf needs --save (HF checkpoints are written beside trainer checkpoints).")
+    if e.eval_interval is not None and not e.eval_prompt_data:
+        p.append("--eval-interval needs eval datasets: set --eval-prompt-data name=uri [...].")
+    if t.save_hf and e.eval_interval is not None:  # reuse mode: evals read the --save-hf checkpoints
+        if t.save_interval is None:
+            p.append("--save-hf (eval reuse mode) with --eval-interval needs --save-interval.")
+        elif e.eval_interval % t.save_interval != 0:
+            p.append(
+                f"eval reuse mode (--save-hf) needs --eval-interval % --save-interval == 0, got "
+                f"{e.eval_interval} % {t.save_interval} = {e.eval_interval % t.save_interval}: evals reuse the "
+                "saved HF checkpoints, so every eval step must be a save step."
+            )
+    if t.save_hf and e.eval_hf_dir:
+        p.append("--save-hf (reuse mode) and --eval-hf-dir (export mode) are exclusive; pick one.")
+    if e.eval_mode == "dedicated" and e.eval_num_gpus < 1:
+        p.append("--eval-mode=dedicated needs --eval-num-gpus >= 1.")
+    return p
+
+
+def _names(cfg: RunConfig) -> list[str]:
+    from miles_core.storage import InvalidName, validate_name
+
+    p = []
+    try:
+        validate_name(cfg.run.run_id, "--run-id")
+    except InvalidName as ex:
+        p.append(str(ex))
+    seen = set()
+    for item in cfg.eval.eval_prompt_data:
+        name, sep, uri = item.partition("=")
+        if not sep or not uri:
+            p.append(f"--eval-prompt-data {item!r}: expected name=uri (e.g. heldout=builtin:reverse4-heldout).")
+            continue
+        try:
+            validate_name(name, "--eval-prompt-data")
+        except InvalidName as ex:
+            p.append(str(ex))
+        if name in seen:
+            p.append(f"--eval-prompt-data: dataset name {name!r} given twice.")
+        seen.add(name)
+        if uri.startswith("builtin:") and uri not in BUILTIN_DATASETS:
+            p.append(f"--eval-prompt-data {item!r}: unknown builtin dataset; known: {', '.join(BUILTIN_DATASETS)}.")
+    if cfg.data.prompt_data.startswith("builtin:") and cfg.data.prompt_data not in BUILTIN_DATASETS:
+        p.append(f"--prompt-data={cfg.data.prompt_data!r}: unknown builtin dataset; known: {', '.join(BUILTIN_DATASETS)}.")
+    if cfg.model.hf_checkpoint.startswith("builtin:") and cfg.model.hf_checkpoint not in BUILTIN_MODELS:
+        p.append(f"--hf-checkpoint={cfg.model.hf_checkpoint!r}: unknown builtin model; known: {', '.join(BUILTIN_MODELS)}.")
+    return p
+
+
+def _plugins(cfg: RunConfig) -> list[str]:
+    slots = [
+        (cfg.rollout.custom_rm_path, "--custom-rm-path", ()),
+        (cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", ()),
+        (cfg.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path", ()),
+        (cfg.buffer.custom_async_data_buffer_path, "--custom-async-data-buffer-path", ("put", "get", "get_metrics")),
+        (cfg.run.rollout_function_path, "--rollout-function-path", ()),
+        (cfg.run.rollout_all_samples_process_path, "--rollout-all-samples-process-path", ()),
+    ]
+    p = []
+    for path, flag, methods in slots:
+        if path:
+            try:
+                load_plugin(path, flag, methods)
+            except PluginError as ex:
+                p.append(str(ex))
+    return p

@@ -1,0 +1,61 @@
+"""Extension points loaded by dotted path (`module:attr`), one loader for every `--*-path` flag.
+
+Every slot is resolved in `validate`, before any cluster starts, so a typo fails at start-up
+with the flag's name, never as a bare ModuleNotFoundError inside a worker.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable
+
+
+class PluginError(ValueError):
+    """A `--*-path` flag that does not resolve to a usable object."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+# flag -> what the object must be (the contract named in the error message)
+PLUGIN_SLOTS: dict[str, str] = {
+    "--custom-rm-path": "a function (sample) -> float, or async; or (samples: list) -> list[float] with attribute batched=True",
+    "--dynamic-sampling-filter-path": "a function (group) -> (keep: bool, reason: str)",
+    "--rollout-sample-filter-path": "a function (groups) -> None that sets sample.loss_mask entries to 0 (mark only)",
+    "--custom-async-data-buffer-path": "a class built as Class(config, unused_samples_handler) with put/get/get_metrics",
+    "--rollout-function-path": "a function (config, step, data_source) -> list[groups]",
+    "--rollout-all-samples-process-path": "a function (samples) -> None",
+}
+
+
+def load_plugin(path: str, flag: str, required_methods: tuple[str, ...] = ()) -> Any:
+    """Import `module:attr` for `flag`. Raises PluginError naming the flag and the expected shape."""
+    contract = PLUGIN_SLOTS.get(flag, "a callable")
+    if path.count(":") != 1 or not all(path.split(":")):
+        raise PluginError(f"{flag}={path!r}: expected 'module:attr' (one colon), pointing at {contract}.")
+    module_name, attr = path.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):
+            raise PluginError(f"{flag}={path!r}: module {module_name!r} is not importable ({e}). "
+                              "Is it installed or on PYTHONPATH?") from e
+        raise PluginError(f"{flag}={path!r}: importing {module_name!r} failed inside the module: {e!r}") from e
+    except Exception as e:
+        raise PluginError(f"{flag}={path!r}: importing {module_name!r} raised {e!r}") from e
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise PluginError(f"{flag}={path!r}: module {module_name!r} has no attribute {attr!r}; "
+                              f"expected {contract}.")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise PluginError(f"{flag}={path!r}: {attr!r} is not callable; expected {contract}.")
+    missing = [m for m in required_methods if not callable(getattr(obj, m, None))]
+    if missing:
+        raise PluginError(f"{flag}={path!r}: {attr!r} lacks method(s) {missing}; expected {contract}.")
+    return obj
+
+
+def load_optional(path: str, flag: str, required_methods: tuple[str, ...] = ()) -> Callable | None:
+    return load_plugin(path, flag, required_methods) if path else None

@@ -1,0 +1,300 @@
+"""Object storage behind one small interface: fsspec URIs, atomic commits, sorted listing, retries.
+
+A `Store` is rooted at a URI prefix (file://, s3://, gs://, memory://, or a local path) and speaks
+in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (DESIGN §3):
+- an object is visible only when complete: local files go to a temporary name and are renamed;
+  object stores get a single PUT (atomic there);
+- listings are sorted, so zero-padded keys come back in step/sequence order from one listing;
+- transient errors are retried with exponential backoff; when storage stays unreachable the
+  caller gets StorageUnavailable naming the URI and the last cause (never the credentials).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import fsspec
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+TMP_MARK = ".tmp-"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
+
+
+class InvalidName(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class StorageError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class StorageUnavailable(StorageError):
+    """Storage stayed unreachable through every retry."""
+
+
+class ObjectNotFound(StorageError, FileNotFoundError):
+    pass
+
+
+def validate_name(name: str, what: str = "name") -> str:
+    """Run ids, dataset names, writer ids: one path segment, no '..', '/', control characters."""
+    if not isinstance(name, str) or not name:
+        raise InvalidName(f"{what}: empty name; use letters, digits, '.', '_', '-', '=', '+'.")
+    bad = [c for c in name if ord(c) < 32 or ord(c) == 127]
+    if bad:
+        raise InvalidName(f"{what}={name!r}: control characters are not allowed.")
+    if "/" in name or "\\" in name:
+        raise InvalidName(f"{what}={name!r}: '/' is not allowed (a name is one path segment).")
+    if ".." in name:
+        raise InvalidName(f"{what}={name!r}: '..' is not allowed.")
+    if not _NAME_RE.match(name):
+        raise InvalidName(
+            f"{what}={name!r}: use 1-128 of letters, digits, '.', '_', '-', '=', '+', starting with a letter or digit."
+        )
+    return name
+
+
+def normalize_uri(uri: str) -> str:
+    """A local path becomes an absolute file:// URI; URIs with a scheme pass through."""
+    if "://" in uri:
+        return uri.rstrip("/")
+    return "file://" + str(Path(uri).expanduser().resolve())
+
+
+def run_root_uri(storage_root: str, run_id: str) -> str:
+    validate_name(run_id, "--run-id")
+    return f"{normalize_uri(storage_root)}/runs/{run_id}"
+
+
+def _redact(text: str) -> str:
+    return re.sub(r"(?i)(secret|key|token|password)=([^&\s]+)", r"\1=***", text)
+
+
+def is_transient(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError, NotADirectoryError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    name = type(e).__name__
+    if any(s in name for s in ("Connect", "Timeout", "Throttl", "SlowDown", "ServiceUnavailable")):
+        return True
+    if isinstance(e, OSError):
+        # s3fs maps 5xx and connection failures to plain OSError; 4xx map to the specific classes above.
+        return True
+    return False
+
+
+class Store:
+    def __init__(self, root_uri: str, *, retries: int = 6, backoff_seconds: float = 0.1,
+                 max_backoff_seconds: float = 4.0, storage_options: dict | None = None):
+        self.root_uri = normalize_uri(root_uri)
+        protocol = self.root_uri.split("://", 1)[0]
+        opts = dict(storage_options or {})
+        if protocol == "s3":
+            # Fail fast inside one attempt; our own loop does the retrying with backoff.
+            opts.setdefault("use_listings_cache", False)
+            opts.setdefault("config_kwargs", {"connect_timeout": 3, "read_timeout": 30,
+                                              "retries": {"max_attempts": 1}})
+            opts.setdefault("skip_instance_cache", True)
+            endpoint = os.environ.get("MILES_S3_ENDPOINT_URL")
+            if endpoint:
+                opts.setdefault("endpoint_url", endpoint)
+        self.fs, self.root = fsspec.core.url_to_fs(self.root_uri, **opts)
+        self.protocol = protocol
+        self.retries = retries
+        self.backoff_seconds = backoff_seconds
+        self.max_backoff_seconds = max_backoff_seconds
+
+    def __repr__(self) -> str:
+        return f"Store({self.root_uri!r})"
+
+    # ------------------------------------------------------------------ paths
+
+    def path(self, key: str) -> str:
+        key = key.strip("/")
+        if any(part == ".." for part in key.split("/")):
+            raise InvalidName(f"storage key {key!r}: '..' is not allowed.")
+        return f"{self.root}/{key}" if key else self.root
+
+    def uri(self, key: str = "") -> str:
+        return f"{self.root_uri}/{key.strip('/')}" if key else self.root_uri
+
+    def child(self, prefix: str) -> "Store":
+        s = object.__new__(Store)
+        s.__dict__.update(self.__dict__)
+        s.root_uri = self.uri(prefix)
+        s.root = self.path(prefix)
+        return s
+
+    # ------------------------------------------------------------------ retry
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        delay = self.backoff_seconds
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except Exception as e:  # noqa: BLE001 - classified below
+                if not is_transient(e):
+                    raise
+                if attempt == self.retries:
+                    raise StorageUnavailable(
+                        f"storage at {self.root_uri} unreachable: {what} failed {self.retries + 1} times; "
+                        f"last error: {type(e).__name__}: {_redact(str(e))[:300]}. Check the endpoint "
+                        "(AWS_ENDPOINT_URL / MILES_S3_ENDPOINT_URL), network and credentials."
+                    ) from e
+                log.warning("storage %s: %s failed (%s), retry %d/%d in %.2fs", self.root_uri, what,
+                            type(e).__name__, attempt + 1, self.retries, delay)
+                time.sleep(delay * (0.5 + random.random()))
+                delay = min(delay * 2, self.max_backoff_seconds)
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ objects
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Commit `data` at `key` atomically: readers see the whole object or none."""
+        path = self.path(key)
+        if self.protocol == "file":
+            def write():
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, path)
+            self._retry(f"put {key}", write)
+        else:
+            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self.path(key)
+
+        def read():
+            try:
+                return self.fs.cat_file(path)
+            except FileNotFoundError as e:
+                raise ObjectNotFound(f"no object {self.uri(key)}") from e
+
+        return self._retry(f"get {key}", read)
+
+    def put_json(self, key: str, obj: Any) -> None:
+        self.put_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> Any:
+        raw = self.get_bytes(key)
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise StorageError(f"{self.uri(key)} is not valid JSON: {e}") from e
+
+    def exists(self, key: str) -> bool:
+        path = self.path(key)
+
+        def check():
+            self._invalidate(path)
+            return self.fs.exists(path)
+
+        return self._retry(f"exists {key}", check)
+
+    def size(self, key: str) -> int:
+        return self._retry(f"size {key}", lambda: int(self.fs.size(self.path(key))))
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys (relative to the root) of all committed objects under `prefix`, sorted."""
+        base = self.path(prefix)
+
+        def find():
+            self._invalidate(base)
+            try:
+                found = self.fs.find(base)
+            except FileNotFoundError:
+                return []
+            return found
+
+        return sorted(k for k in map(self._relative, self._retry(f"list {prefix}", find)) if k)
+
+    def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        base = self.path(prefix)
+
+        def find():
+            self._invalidate(base)
+            try:
+                return self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        sizes = {}
+        for p, info in self._retry(f"list {prefix}", find).items():
+            rel = self._relative(p)
+            if rel:
+                sizes[rel] = int(info.get("size") or 0)
+        return dict(sorted(sizes.items()))
+
+    def delete(self, key: str, missing_ok: bool = True) -> None:
+        path = self.path(key)
+
+        def rm():
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
+
+        self._retry(f"delete {key}", rm)
+
+    def delete_prefix(self, prefix: str) -> None:
+        for key in reversed(self.list(prefix)):
+            self.delete(key)
+        if self.protocol == "file":
+            import shutil
+
+            shutil.rmtree(self.path(prefix), ignore_errors=True)
+
+    def move(self, src: str, dst: str) -> None:
+        """Copy then delete (on object stores a rename is not atomic; the copy is a single PUT)."""
+        if self.protocol == "file":
+            def mv():
+                os.makedirs(os.path.dirname(self.path(dst)), exist_ok=True)
+                os.replace(self.path(src), self.path(dst))
+            self._retry(f"move {src}", mv)
+            return
+        self.put_bytes(dst, self.get_bytes(src))
+        self.delete(src)
+
+    def local_path(self, key: str = "") -> str | None:
+        """The filesystem path for file:// stores (None elsewhere): lets readers mmap, tools open."""
+        return self.path(key) if self.protocol == "file" else None
+
+    def _relative(self, path: str) -> str | None:
+        """fsspec path -> key relative to the root; None for temporaries of unfinished writes."""
+        root = self.root.rstrip("/") + "/"
+        if not path.startswith(root):
+            path = "/" + path if ("/" + path).startswith(root) else path
+        rel = path[len(root):] if path.startswith(root) else None
+        if rel is None or TMP_MARK in rel.rsplit("/", 1)[-1]:
+            return None
+        return rel
+
+    def _invalidate(self, path: str) -> None:
+        inv = getattr(self.fs, "invalidate_cache", None)
+        if inv is not None:
+            try:
+                inv(path)
+            except Exception:  # noqa: BLE001 - cache invalidation is best effort
+                pass
+
+
+def open_store(uri: str) -> Store:
+    return Store(uri)
