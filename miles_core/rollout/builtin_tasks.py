@@ -1,0 +1,53 @@
+"""Builtin verifiable tasks for the embedded default (DESIGN §10).
+
+reverse4: prompt `d1 d2 d3 d4 <sep>`, answer the digits reversed then <eos>.
+Reward = 0.8 x (fraction of the 4 digits right, by position) + 0.2 x (<eos> right after them).
+copy4: the same with the digits in order. Of the 10,000 digit strings, every 20th (by value) is
+held out: `builtin:reverse4-heldout` is the eval split, never trained on.
+"""
+
+from __future__ import annotations
+
+import json
+
+from miles_core.models.builtin import EOS_ID, SEP_ID
+
+BUILTIN_TASKS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
+
+
+def _is_heldout(value: int) -> bool:
+    return value % 20 == 7
+
+
+def builtin_rows(name: str) -> list[dict]:
+    """Rows {prompt: [token ids], label: answer digits as a string, task: ...} of a builtin dataset."""
+    if name not in BUILTIN_TASKS:
+        raise ValueError(f"unknown builtin dataset {name!r}; known: {', '.join(BUILTIN_TASKS)}")
+    heldout = name.endswith("-heldout")
+    task = "copy4" if "copy4" in name else "reverse4"
+    rows = []
+    for value in range(10_000):
+        if _is_heldout(value) != heldout:
+            continue
+        digits = [int(c) for c in f"{value:04d}"]
+        answer = digits if task == "copy4" else digits[::-1]
+        rows.append({"prompt": digits + [SEP_ID], "label": "".join(map(str, answer)), "task": task})
+    return rows
+
+
+def digits_reward(response_ids: list[int], label: str) -> float:
+    """0.8 x digits right (by position) + 0.2 x <eos> directly after the answer."""
+    answer = [int(c) for c in label]
+    right = sum(1 for i, d in enumerate(answer) if i < len(response_ids) and response_ids[i] == d)
+    eos_ok = len(response_ids) > len(answer) and response_ids[len(answer)] == EOS_ID
+    return 0.8 * right / len(answer) + 0.2 * float(eos_ok)
+
+
+def reward_for_task(task: str):
+    if task in ("reverse4", "copy4"):
+        return digits_reward
+    raise ValueError(f"no builtin reward for task {task!r}")
+
+
+def label_of(row: dict) -> str:
+    return json.dumps(row["label"]) if not isinstance(row["label"], str) else row["label"]
