@@ -37,7 +37,9 @@ def load_plugin(path: str, flag: str, required_methods: tuple[str, ...] = ()) ->
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):
+        # The module itself (or a parent package) is missing, vs. a missing import inside it:
+        # compare whole dotted names, so module 'foobar' importing a missing 'foo' is not "not importable".
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise PluginError(f"{flag}={path!r}: module {module_name!r} is not importable ({e}). "
                               "Is it installed or on PYTHONPATH?") from e
         raise PluginError(f"{flag}={path!r}: importing {module_name!r} failed inside the module: {e!r}") from e

@@ -145,6 +145,11 @@ def check_schema(schema: pa.Schema, source: str = "record batch") -> None:
     missing = [c for c in COLUMNS if c not in schema.names]
     if missing:
         raise SchemaError(f"{source}: missing column(s) {missing} (schema version {version})")
+    # A minor version may add columns, never retype one: a retyped column would decode into wrong Samples.
+    wrong = [f"{f.name}: {schema.field(f.name).type} (expected {f.type})" for f in SAMPLE_SCHEMA
+             if not schema.field(f.name).type.equals(f.type)]
+    if wrong:
+        raise SchemaError(f"{source}: wrong column type(s) {'; '.join(wrong)} (schema version {version})")
 
 
 def batch_to_groups(batch: pa.RecordBatch | pa.Table, source: str = "record batch") -> list[Group]:

@@ -209,7 +209,13 @@ class Store:
         return self._retry(f"exists {key}", check)
 
     def size(self, key: str) -> int:
-        return self._retry(f"size {key}", lambda: int(self.fs.size(self.path(key))))
+        def size():
+            try:
+                return int(self.fs.size(self.path(key)))
+            except FileNotFoundError as e:
+                raise ObjectNotFound(f"no object {self.uri(key)}") from e
+
+        return self._retry(f"size {key}", size)
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys (relative to the root) of all committed objects under `prefix`, sorted."""
@@ -248,9 +254,9 @@ class Store:
         def rm():
             try:
                 self.fs.rm_file(path)
-            except FileNotFoundError:
+            except FileNotFoundError as e:
                 if not missing_ok:
-                    raise
+                    raise ObjectNotFound(f"no object {self.uri(key)}") from e
 
         self._retry(f"delete {key}", rm)
 
@@ -267,7 +273,10 @@ class Store:
         if self.protocol == "file":
             def mv():
                 os.makedirs(os.path.dirname(self.path(dst)), exist_ok=True)
-                os.replace(self.path(src), self.path(dst))
+                try:
+                    os.replace(self.path(src), self.path(dst))
+                except FileNotFoundError as e:  # the same error type as get_bytes on every backend
+                    raise ObjectNotFound(f"no object {self.uri(src)}") from e
             self._retry(f"move {src}", mv)
             return
         self.put_bytes(dst, self.get_bytes(src))

@@ -98,6 +98,8 @@ class EngineSection:
     sglang_mem_fraction_static: float = opt(0.8, "SGLang --mem-fraction-static.")
     sglang_extra_args: str = opt("", "Extra arguments appended to `python -m sglang.launch_server`.")
     weight_transport: str = opt("disk", "How weights reach the engines: disk (safetensors snapshot + update_weights_from_disk) or nccl (GPU broadcast).", choices=("disk", "nccl"))
+    engine_bind_host: str = opt("127.0.0.1", "Address engine servers bind. Set 0.0.0.0 on a multi-node cluster; engine URLs then use the node's IP.")
+    engine_startup_timeout_seconds: float = opt(900.0, "How long an engine (or its restart) may take to answer /health.")
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,9 @@ class EvalSection:
     eval_max_in_flight: int = opt(2, "Pending evals at most.")
     eval_overflow_policy: str = opt("backpressure", "When --eval-max-in-flight evals are pending: backpressure (wait) or skip (metric eval/skipped_busy).", choices=("backpressure", "skip"))
     eval_num_gpus: int = opt(0, "Dedicated eval engines (Mode 2); 0 = none.")
+    eval_max_prompts: Optional[int] = opt(None, "Evaluate only the first N prompts of each eval dataset (default: all).")
+    eval_pass_threshold: float = opt(1.0, "A sample counts as solved for pass@k when its reward is >= this.")
+    eval_backpressure_timeout_seconds: float = opt(1800.0, "Longest wait for a free eval slot under --eval-overflow-policy=backpressure; then the step is skipped (eval/skipped_busy).")
 
 
 SECTIONS = {

@@ -153,7 +153,8 @@ def _optional(s: FlagSpec):
 
 def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = True) -> RunConfig:
     """Flags -> RunConfig (on top of `base`, default: the embedded default), validated unless check=False."""
-    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in _known_flags()]
+    known = _known_flags()  # once: flag_table() resolves type hints, too slow to redo per argument
+    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
     if unknown:
         raise ConfigError("\n".join(_unknown_flag_message(a.split("=")[0]) for a in unknown))
     ns = _build_parser().parse_args(argv)
@@ -216,11 +217,15 @@ def config_from_dict(d: dict) -> RunConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(raw) - names)
         if bad:
-            raise ConfigError(f"config section '{sec}' has unknown keys {bad}; known: {sorted(names)}")
+            hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, sorted(names), n=1)) else repr(k)
+                     for k in bad]
+            raise ConfigError(f"config section '{sec}' has unknown keys {', '.join(hints)}; known: {sorted(names)}")
         sections[sec] = cls(**raw)
     extra = sorted(set(d) - set(SECTIONS))
     if extra:
-        raise ConfigError(f"config has unknown sections {extra}; known: {list(SECTIONS)}")
+        hints = [f"{k!r} (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(k, list(SECTIONS), n=1))
+                 else repr(k) for k in extra]
+        raise ConfigError(f"config has unknown sections {', '.join(hints)}; known: {list(SECTIONS)}")
     return RunConfig(**sections)
 
 

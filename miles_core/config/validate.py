@@ -6,7 +6,7 @@ flags and says what to do. It never rewrites the config.
 
 from __future__ import annotations
 
-from miles_core.config.tree import ConfigError, RunConfig
+from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.plugins import PluginError, load_plugin
 
 # Features the fully async driver cannot honour, with the flag that turns each on.
@@ -24,12 +24,35 @@ BUILTIN_MODELS = ("builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2"
 
 
 def validate(cfg: RunConfig) -> RunConfig:
-    problems: list[str] = []
+    problems = _types(cfg)
+    if problems:  # the other rules compare values; with a wrong type they would raise TypeError
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     for check in (_ranges, _driver_rules, _loss_rules, _save_eval_rules, _names, _plugins):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
+
+
+_KIND_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list, tuple)}
+
+
+def _types(cfg: RunConfig) -> list[str]:
+    """Each field holds its declared type (configs also come from JSON and Flyte inputs, not only flags)."""
+    p = []
+    for s in flag_table():
+        value = getattr(getattr(cfg, s.section), s.name)
+        if value is None and s.optional:
+            continue
+        ok = isinstance(value, _KIND_TYPES[s.kind]) and (s.kind == "bool" or not isinstance(value, bool))
+        if s.kind == "list" and ok:
+            ok = all(isinstance(v, str) for v in value)
+        if not ok:
+            want = s.kind + (" or none" if s.optional else "") + (" of strings" if s.kind == "list" else "")
+            p.append(f"{s.flag}={value!r}: expected {want}, got {type(value).__name__}.")
+        elif s.choices and value is not None and value not in s.choices:
+            p.append(f"{s.flag}={value!r}: expected one of {', '.join(s.choices)}.")
+    return p
 
 
 def _ranges(cfg: RunConfig) -> list[str]:

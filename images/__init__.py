@@ -1,0 +1,76 @@
+"""Container images of the project, each defined once (DESIGN §8.2).
+
+- `cpu_image`: Python 3.11 + torch (CPU wheel) + the pinned dependency set + this project.
+  Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.
+- `gpu_image`: a CUDA base image + SGLang + megatron-core + this project. Runs `train`
+  (engines and trainer) and GPU evals.
+
+Tasks take their image from `task_image("cpu" | "gpu")`:
+- by default the ImageSpec itself: `pyflyte run --remote` / `pyflyte register` build and push it
+  (docker or the configured builder) to `MILES_IMAGE_REGISTRY`;
+- with `MILES_CPU_IMAGE` / `MILES_GPU_IMAGE` set, that prebuilt image reference is used as is and
+  nothing is built (CI, air-gapped registration, `pyflyte package` offline).
+
+Image-only imports (sglang, CUDA extensions) belong behind `gpu_image.is_container()` in task
+modules, so registering from a laptop never imports them. Importing this module builds nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from flytekit import ImageSpec
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+REGISTRY = os.environ.get("MILES_IMAGE_REGISTRY", "ghcr.io/miles-flyte")
+
+# Direct dependencies shared by both images (versions as in pyproject.toml; torch differs per image).
+_COMMON = [
+    "megatron-core==0.16.1",
+    "transformers==5.24.0",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+    "ray[default]==2.60.0",
+    "flytekit==1.16.31",
+    "flytekitplugins-ray==1.16.31",
+    "kubernetes==37.0.1",
+    "python-dateutil==2.9.0.post0",
+    "pyarrow==26.0.1",
+    "fsspec==2026.9.0",
+    "s3fs==2026.9.0",
+    "aiohttp==3.14.5",
+    "numpy==2.4.6",
+    "rich==15.0.0",
+    "plotly==7.1.0",
+]
+
+cpu_image = ImageSpec(
+    name="miles-flyte-cpu",
+    registry=REGISTRY,
+    python_version="3.11",
+    # The whole pinned resolution; the CPU index keeps torch==2.13.0 a CPU wheel.
+    requirements=str(PROJECT_ROOT / "requirements.lock"),
+    pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
+    env={"PYTHONUNBUFFERED": "1"},
+)
+
+gpu_image = ImageSpec(
+    name="miles-flyte-gpu",
+    registry=REGISTRY,
+    base_image="nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04",
+    python_version="3.11",
+    apt_packages=["git", "build-essential", "libnuma1"],
+    # sglang pins its own CUDA torch; megatron-core follows it.
+    packages=["sglang[all]==0.5.23", *_COMMON],
+    env={"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"},
+)
+
+IMAGES = {"cpu": cpu_image, "gpu": gpu_image}
+
+
+def task_image(kind: str):
+    """The image for tasks of `kind` (cpu | gpu): a prebuilt reference from MILES_{KIND}_IMAGE, else the ImageSpec."""
+    if kind not in IMAGES:
+        raise ValueError(f"unknown image kind {kind!r}; known: {', '.join(IMAGES)}")
+    return os.environ.get(f"MILES_{kind.upper()}_IMAGE") or IMAGES[kind]

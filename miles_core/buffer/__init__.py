@@ -1,0 +1,42 @@
+"""The data path between the producer and the trainer (DESIGN §6).
+
+    handler = build_unused_handler(cfg.buffer.async_unused_samples_handler, recycle=data_source.recycle)
+    buffer = build_buffer(cfg, handler, consumed_through_step=resume_step)
+    buffer.put(group)                              # producer side; blocks when full
+    group = buffer.get(current_version=v)          # trainer side; waits when empty
+    buffer.record_consumed(step, [g.group_id ...]) # with each training step (durable)
+
+Modules: `contract` (the DataBuffer slot, unused-samples handlers, build_buffer), `durable` (the
+default buffer), `objects` (layout and codec in the run root), `metrics` (metric names),
+`inspect` (`miles buffer inspect`).
+"""
+
+from miles_core.buffer.contract import (
+    BufferClosed,
+    BufferTimeout,
+    DataBuffer,
+    DataBufferError,
+    DropUnused,
+    RetryUnused,
+    UnusedSamplesHandler,
+    build_buffer,
+    build_unused_handler,
+    cleared_group,
+)
+from miles_core.buffer.durable import DurableBuffer
+from miles_core.buffer.metrics import METRIC_NAMES
+
+__all__ = [
+    "BufferClosed",
+    "BufferTimeout",
+    "DataBuffer",
+    "DataBufferError",
+    "DropUnused",
+    "DurableBuffer",
+    "METRIC_NAMES",
+    "RetryUnused",
+    "UnusedSamplesHandler",
+    "build_buffer",
+    "build_unused_handler",
+    "cleared_group",
+]

@@ -1,0 +1,177 @@
+"""The DataBuffer slot (DESIGN §6.1), the unused-samples handlers, and `build_buffer`.
+
+    put(group) -> None        may store, reject or block (backpressure); never silently loses
+    get(**context) -> group   waits until a group is available; context carries current_version;
+                              unknown keys are ignored
+    get_metrics() -> dict     metrics for the window since the last call, then resets the window
+
+Blocking convention: every method here is synchronous and may block the calling thread (put on a
+full buffer, get on an empty one). An asyncio producer calls them through `asyncio.to_thread`.
+
+`--custom-async-data-buffer-path module:Class` replaces the default durable buffer; the class is
+built as `Class(config, unused_samples_handler)` and then owns every group decision. The default
+buffer also offers the durability extras (`record_consumed`, `committed_positions`, `close`);
+callers look them up with `getattr` so a custom buffer may leave them out.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
+
+from miles_core.buffer import metrics as M
+from miles_core.plugins import load_optional, load_plugin
+from miles_core.samples import Group
+
+if TYPE_CHECKING:
+    from miles_core.config import RunConfig
+    from miles_core.storage import Store
+
+BUFFER_FLAG = "--custom-async-data-buffer-path"
+FILTER_FLAG = "--dynamic-sampling-filter-path"
+BUFFER_METHODS = ("put", "get", "get_metrics")
+
+
+class DataBufferError(RuntimeError):
+    """A buffer operation that cannot go on (closed buffer, corrupt manifest, bad filter)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class BufferClosed(DataBufferError):
+    pass
+
+
+class BufferTimeout(DataBufferError, TimeoutError):
+    pass
+
+
+@runtime_checkable
+class DataBuffer(Protocol):
+    def put(self, group: Group) -> None: ...
+
+    def get(self, **context: Any) -> Group: ...
+
+    def get_metrics(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class UnusedSamplesHandler(Protocol):
+    """Receives every group the buffer rejects (reason: 'aborted' at put, 'stale' at get).
+
+    `handle` returns nothing; it must not block for long (it runs on the put/get caller's thread).
+    """
+
+    def handle(self, group: Group, reason: str) -> None: ...
+
+
+class DropUnused:
+    """`--async-unused-samples-handler drop`: discard the group, count the drop."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dropped = 0
+        self.dropped_total = 0
+
+    def handle(self, group: Group, reason: str) -> None:
+        with self._lock:
+            self._dropped += 1
+            self.dropped_total += 1
+
+    def metrics(self) -> dict[str, float]:
+        """Drops since the last call (merged into the buffer's `get_metrics`)."""
+        with self._lock:
+            n, self._dropped = self._dropped, 0
+        return {M.UNUSED_DROPPED: n}
+
+
+_RETRY_SUFFIX = re.compile(r"#r(\d+)$")
+
+
+def retry_group_id(group_id: str) -> str:
+    """The id of the next attempt: `g` -> `g#r1` -> `g#r2` (ids are unique per prompt group and attempt)."""
+    m = _RETRY_SUFFIX.search(group_id)
+    if m is None:
+        return f"{group_id}#r1"
+    return f"{group_id[: m.start()]}#r{int(m.group(1)) + 1}"
+
+
+def cleared_group(group: Group) -> Group:
+    """The original prompt group under a new attempt id, every generated field cleared."""
+    new_id = retry_group_id(group.group_id)
+    return Group(new_id, group.prompt_index, [s.cleared(new_id) for s in group.samples])
+
+
+class RetryUnused:
+    """`--async-unused-samples-handler retry`: hand the cleared prompt group back to the data source.
+
+    `recycle(prompt_group)` is provided by the data source; it must accept the group and return
+    quickly (queue it for the next submission).
+    """
+
+    def __init__(self, recycle: Callable[[Group], None]) -> None:
+        if not callable(recycle):
+            raise TypeError("RetryUnused needs a callable recycle(prompt_group) from the data source")
+        self._recycle = recycle
+        self._lock = threading.Lock()
+        self._recycled = 0
+
+    def handle(self, group: Group, reason: str) -> None:
+        self._recycle(cleared_group(group))
+        with self._lock:
+            self._recycled += 1
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            n, self._recycled = self._recycled, 0
+        return {M.UNUSED_RECYCLED: n}
+
+
+def build_unused_handler(mode: str, recycle: Callable[[Group], None] | None = None) -> UnusedSamplesHandler:
+    """The handler for `--async-unused-samples-handler` (drop | retry; retry needs the data source's recycle)."""
+    if mode == "drop":
+        return DropUnused()
+    if mode == "retry":
+        if recycle is None:
+            raise ValueError("--async-unused-samples-handler=retry needs the data source's recycle(prompt_group) "
+                             "callable; pass recycle= when building the handler")
+        return RetryUnused(recycle)
+    raise ValueError(f"--async-unused-samples-handler={mode!r}: expected one of drop, retry")
+
+
+def load_dynamic_filter(path: str) -> Callable[[Group], tuple[bool, str]] | None:
+    return load_optional(path, FILTER_FLAG)
+
+
+def build_buffer(cfg: "RunConfig", unused_handler: UnusedSamplesHandler, *,
+                 consumed_through_step: int | None = None, store: "Store | None" = None,
+                 writer_id: str | None = None) -> DataBuffer:
+    """The run's data buffer: the custom class of `--custom-async-data-buffer-path`, else the durable one.
+
+    `consumed_through_step` is the checkpoint step a resume starts from (None: keep every recorded
+    consumption); see `DurableBuffer.open`. A bad plugin path raises PluginError naming the flag.
+    """
+    path = cfg.buffer.custom_async_data_buffer_path
+    if path:
+        cls = load_plugin(path, BUFFER_FLAG, BUFFER_METHODS)
+        return cls(cfg, unused_handler)
+    from miles_core.buffer.durable import DurableBuffer
+
+    return DurableBuffer.open(
+        store if store is not None else _run_store(cfg),
+        capacity_groups=cfg.buffer_capacity_groups,
+        max_weight_staleness=cfg.rollout.max_weight_staleness,
+        unused_handler=unused_handler,
+        dynamic_filter=load_dynamic_filter(cfg.rollout.dynamic_sampling_filter_path),
+        coalesce_seconds=cfg.buffer.buffer_coalesce_seconds,
+        consumed_through_step=consumed_through_step,
+        writer_id=writer_id,
+    )
+
+
+def _run_store(cfg: "RunConfig") -> "Store":
+    from miles_core.storage import Store
+
+    return Store(cfg.run_uri)

@@ -1,0 +1,418 @@
+"""The default data buffer (DESIGN §6.2): a bounded FIFO of prompt groups, durable in object storage.
+
+What it owns:
+- admission at put: aborted groups go to the unused-samples handler, the dynamic filter drops by
+  reason, everything else is committed to `buffer/groups/` before put returns;
+- backpressure: at most `capacity_groups` groups held (committing or waiting for get); put blocks,
+  nothing is ever evicted;
+- staleness at get against `max_weight_staleness` (stale groups go to the handler);
+- the consumption record: `record_consumed(step, ids)` writes `buffer/consumed/{step}.json`
+  (with the ids rejected at get since the last record), so a reopened buffer serves every
+  committed-but-unconsumed group and never a consumed one.
+What it leaves to others: when to record (the trainer/checkpointer, with each step), the data
+source's cursor, and which resume step to reopen at (`consumed_through_step`).
+
+Writes are coalesced: one writer thread takes every put that arrived within
+`coalesce_seconds` of the first waiting one and commits them as one object (one PUT/fsync); each
+waiting put returns when that object is committed. Groups put in this process are held as the
+producer's Group objects (get returns them as they are); groups found on reopen are held as
+compact Arrow rows and decoded at get.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import pyarrow as pa
+
+from miles_core.buffer import metrics as M
+from miles_core.buffer import objects as O
+from miles_core.buffer.contract import (
+    FILTER_FLAG,
+    BufferClosed,
+    BufferTimeout,
+    DataBufferError,
+    UnusedSamplesHandler,
+)
+from miles_core.samples import Group, groups_to_batch
+from miles_core.storage import ObjectNotFound, Store, StorageError, validate_name
+
+log = logging.getLogger(__name__)
+
+MAX_OBJECT_BYTES = 64 << 20  # close a coalescing window early once this much is waiting
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One buffered group: what the index needs, and the payload get returns."""
+
+    group_id: str
+    key: str  # the object holding it
+    oldest_version: int | None
+    position: tuple[int, int] | None
+    payload: Any  # Group (put here) or pa.RecordBatch (found on reopen)
+
+
+class _PendingPut:
+    __slots__ = ("group", "batch", "entry", "done", "error", "slot_at")
+
+    def __init__(self, group: Group, batch: pa.RecordBatch, entry: _Entry, slot_at: float):
+        self.group, self.batch, self.entry, self.slot_at = group, batch, entry, slot_at
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class DurableBuffer:
+    """Use `DurableBuffer.open(store, ...)` (or `build_buffer(cfg, handler)`); close it, or use `with`."""
+
+    def __init__(self, store: Store, *, capacity_groups: int, unused_handler: UnusedSamplesHandler,
+                 max_weight_staleness: int | None = None,
+                 dynamic_filter: Callable[[Group], tuple[bool, str]] | None = None,
+                 coalesce_seconds: float = 0.02, writer_id: str | None = None):
+        if capacity_groups < 1:
+            raise ValueError(f"buffer capacity must be >= 1 group, got {capacity_groups}")
+        self.store = store
+        self.capacity = capacity_groups
+        self.max_weight_staleness = max_weight_staleness
+        self.handler = unused_handler
+        self.dynamic_filter = dynamic_filter
+        self.coalesce_seconds = max(0.0, coalesce_seconds)
+        self.writer_id = validate_name(writer_id or O.new_writer_id(), "buffer writer id")
+        self._seq = 0
+
+        self._lock = threading.Lock()
+        self._not_full = threading.Condition(self._lock)
+        self._not_empty = threading.Condition(self._lock)
+        self._has_pending = threading.Condition(self._lock)
+        self._available: collections.deque[_Entry] = collections.deque()
+        self._reserved = 0  # slots held: committing + available
+        self._pending: list[_PendingPut] = []
+        self._pending_bytes = 0
+        # Not durably consumed yet: group id -> entry (available, or got and awaiting record_consumed).
+        self._unrecorded: dict[str, _Entry] = {}
+        self._rejected: list[str] = []  # rejected at get since the last record_consumed
+        self._remaining: dict[str, set[str]] = {}  # object key -> its groups not yet recorded
+        self._last_step: int | None = None
+        self._last_version: int | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._window = M.Window()
+        self.quarantined_total = 0
+        self._writer = threading.Thread(target=self._write_loop, name=f"buffer-writer-{self.writer_id}", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------ open / resume
+
+    @classmethod
+    def open(cls, store: Store, *, consumed_through_step: int | None = None, **kw) -> "DurableBuffer":
+        """Open the buffer of a run root, rebuilding the index from one listing of each prefix.
+
+        consumed_through_step: the checkpoint step a resume restarts from. Consumption manifests of
+        later steps are deleted (the restored model never trained on those groups, so they become
+        available again). None keeps every manifest.
+        """
+        buf = cls(store, **kw)
+        try:
+            buf._load(consumed_through_step)
+        except BaseException:
+            buf.close()
+            raise
+        return buf
+
+    def _load(self, through: int | None) -> None:
+        consumed: set[str] = set()
+        done_objects: set[str] = set()
+        for key in self.store.list(O.CONSUMED):
+            step = O.consumed_step(key)
+            if step is None:
+                continue
+            if through is not None and step > through:
+                self.store.delete(key)
+                log.info("buffer: discarded %s (after resume step %d)", key, through)
+                continue
+            manifest = self._read_manifest(key)
+            consumed.update(manifest.get("consumed", ()))
+            consumed.update(manifest.get("rejected", ()))
+            done_objects.update(manifest.get("objects_done", ()))
+            self._last_step = step if self._last_step is None else max(self._last_step, step)
+        for key in self.store.list(O.GROUPS):
+            if key in done_objects or not key.endswith(".arrow"):
+                continue
+            try:
+                stored = O.decode_object(self.store.get_bytes(key), self.store.uri(key))
+            except ObjectNotFound:
+                continue
+            except StorageError:
+                raise
+            except Exception as e:  # noqa: BLE001 - any decode failure quarantines, never crashes the run
+                self._quarantine(key, e)
+                continue
+            for sg in stored:
+                if sg.group_id in consumed or sg.group_id in self._unrecorded:
+                    continue
+                entry = _Entry(sg.group_id, key, sg.oldest_version, sg.position, sg.rows)
+                self._available.append(entry)
+                self._unrecorded[sg.group_id] = entry
+                self._remaining.setdefault(key, set()).add(sg.group_id)
+        self._reserved = len(self._available)
+
+    def _read_manifest(self, key: str) -> dict:
+        try:
+            manifest = self.store.get_json(key)
+        except ObjectNotFound:
+            return {}
+        except StorageError as e:
+            raise DataBufferError(
+                f"consumption manifest {self.store.uri(key)} is unreadable ({e}); without it the run cannot tell "
+                "which groups were trained. Restore it from a backup, or delete it and every later one and "
+                "resume from the checkpoint before that step.") from e
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("consumed", []), list):
+            raise DataBufferError(f"consumption manifest {self.store.uri(key)} is not a miles manifest "
+                                  "(expected an object with a 'consumed' list)")
+        return manifest
+
+    def _quarantine(self, key: str, error: BaseException) -> None:
+        dst = O.quarantine_key(key)
+        log.warning("buffer: quarantining undecodable %s -> %s: %s", key, dst, error)
+        self.store.put_json(dst + O.REASON_SUFFIX, O.quarantine_reason(key, error))
+        self.store.move(key, dst)
+        self._window.quarantined += 1
+        self.quarantined_total += 1
+
+    # ------------------------------------------------------------------ put
+
+    def put(self, group: Group) -> None:
+        """Store the group (returns once committed), reject it, or block while the buffer is full."""
+        self._check_open()
+        if group.aborted:
+            self.handler.handle(group, "aborted")
+            with self._lock:
+                self._window.aborted += 1
+            return
+        if self.dynamic_filter is not None:
+            keep, reason = self._filter(group)
+            if not keep:
+                with self._lock:
+                    self._window.drops[M.drop_metric(reason)] += 1
+                return
+        batch = groups_to_batch([group])
+        entry = _Entry(group.group_id, "", group.oldest_version, O.position_of(group), group)
+        with self._lock:
+            t0 = time.monotonic()
+            while self._reserved >= self.capacity and not self._closed:
+                self._not_full.wait()
+            blocked = time.monotonic() - t0
+            self._window.blocked_seconds += blocked
+            if self._closed:
+                raise BufferClosed("buffer closed while put waited for a free slot")
+            self._reserved += 1
+            p = _PendingPut(group, batch, entry, time.monotonic())
+            self._pending.append(p)
+            self._pending_bytes += batch.nbytes
+            self._has_pending.notify()
+        p.done.wait()
+        if p.error is not None:
+            raise p.error
+
+    def _filter(self, group: Group) -> tuple[bool, str]:
+        try:
+            keep, reason = self.dynamic_filter(group)
+        except Exception as e:
+            raise DataBufferError(f"{FILTER_FLAG} function raised on group {group.group_id!r}: {e!r}") from e
+        return bool(keep), str(reason)
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._has_pending.wait()
+                if not self._pending and self._closed:
+                    return
+                # Coalescing window: until coalesce_seconds after the oldest waiting put, cut short
+                # when no further put can arrive (every slot is waiting here) or the object is big.
+                # Puts arriving while the previous object was being written are already waiting.
+                deadline = self._pending[0].slot_at + self.coalesce_seconds
+                while (not self._closed and (left := deadline - time.monotonic()) > 0
+                       and len(self._pending) < self.capacity and self._pending_bytes < MAX_OBJECT_BYTES):
+                    self._has_pending.wait(left)
+                self._pending_bytes = 0
+                batch, self._pending = self._pending, []
+                key = O.group_key(self.writer_id, self._seq)
+                self._seq += 1
+            self._commit(key, batch)
+
+    def _commit(self, key: str, batch: list[_PendingPut]) -> None:
+        try:
+            data = O.encode_object([p.batch for p in batch])
+            self.store.put_bytes(key, data)
+        except BaseException as e:  # noqa: BLE001 - handed to every waiting put
+            with self._lock:
+                self._reserved -= len(batch)
+                self._not_full.notify_all()
+            for p in batch:
+                p.error = e
+                p.done.set()
+            return
+        now = time.monotonic()
+        with self._lock:
+            for p in batch:
+                p.entry.key = key
+                self._available.append(p.entry)
+                self._unrecorded[p.entry.group_id] = p.entry
+                self._window.put_seconds.append(now - p.slot_at)
+            self._remaining[key] = {p.entry.group_id for p in batch}
+            self._window.bytes_written += len(data)
+            self._not_empty.notify_all()
+        for p in batch:
+            p.batch = None
+            p.done.set()
+
+    # ------------------------------------------------------------------ get
+
+    def get(self, **context: Any) -> Group:
+        """The oldest fresh group (FIFO); waits while empty. Stale groups go to the unused handler.
+
+        Context: current_version (int | None) for staleness; timeout_seconds (float) to raise
+        BufferTimeout instead of waiting forever. Other keys are ignored.
+        """
+        version = context.get("current_version")
+        timeout = context.get("timeout_seconds")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if version is not None:
+                    self._last_version = version
+                entry = self._pop(deadline)
+                staleness = self._staleness(entry, version)
+                if staleness is not None:
+                    self._window.staleness.append(staleness)
+                stale = (self.max_weight_staleness is not None and staleness is not None
+                         and staleness > self.max_weight_staleness)
+            group = entry.payload if isinstance(entry.payload, Group) else O.rows_to_group(entry.payload)
+            if not stale:
+                return group
+            self.handler.handle(group, "stale")
+            with self._lock:
+                self._window.stale += 1
+                self._rejected.append(entry.group_id)
+
+    def _pop(self, deadline: float | None) -> _Entry:
+        while True:
+            if self._error is not None:
+                raise self._error
+            if self._available:
+                entry = self._available.popleft()
+                self._reserved -= 1
+                self._not_full.notify_all()  # each get frees a slot: wake blocked producers
+                return entry
+            if self._closed:
+                raise BufferClosed("buffer closed and empty")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise BufferTimeout("no group became available in time (the producer may be starved or stopped)")
+            self._not_empty.wait(left)
+
+    @staticmethod
+    def _staleness(entry: _Entry, version: int | None) -> int | None:
+        if version is None or entry.oldest_version is None:
+            return None
+        return max(0, version - entry.oldest_version)
+
+    def fail(self, error: BaseException) -> None:
+        """The producer failed: the next get raises `error` before returning any queued group (§5.1)."""
+        with self._lock:
+            self._error = error
+            self._not_empty.notify_all()
+
+    # ------------------------------------------------------------------ consumption
+
+    def record_consumed(self, step: int, group_ids: list[str]) -> None:
+        """Durably mark `group_ids` consumed by training step `step` (with the ids rejected at get since
+        the last record). Called by the trainer/checkpointer once per step, steps increasing."""
+        with self._lock:
+            if self._last_step is not None and step <= self._last_step:
+                raise ValueError(f"record_consumed(step={step}): step {self._last_step} is already recorded; "
+                                 "record each step once, in increasing order")
+            rejected = list(self._rejected)
+            done = set()
+            for gid in [*group_ids, *rejected]:
+                entry = self._unrecorded.get(gid)
+                if entry is None:
+                    continue
+                left = self._remaining.get(entry.key)
+                if left is not None:
+                    left.discard(gid)
+                    if not left:
+                        done.add(entry.key)
+        manifest = {"step": step, "consumed": list(group_ids), "rejected": rejected,
+                    "objects_done": sorted(done), "written_at": time.time()}
+        self.store.put_json(O.consumed_key(step), manifest)
+        with self._lock:
+            self._last_step = step
+            del self._rejected[: len(rejected)]
+            for gid in [*group_ids, *rejected]:
+                self._unrecorded.pop(gid, None)
+            for key in done:
+                self._remaining.pop(key, None)
+
+    def committed_positions(self) -> set[tuple[int, int]]:
+        """(epoch, position) of every committed group not durably consumed (available or got but not
+        recorded): the prompts a resumed data source must not generate again. Consumed groups are
+        behind the checkpointed data-source cursor already."""
+        with self._lock:
+            return {e.position for e in self._unrecorded.values() if e.position is not None}
+
+    # ------------------------------------------------------------------ metrics and state
+
+    def get_metrics(self) -> dict[str, float]:
+        with self._lock:
+            window, self._window = self._window, M.Window()
+            buffered = []
+            if self._last_version is not None:
+                buffered = [s for e in self._available if (s := self._staleness(e, self._last_version)) is not None]
+            out = window.emit(len(self._available), buffered)
+        handler_metrics = getattr(self.handler, "metrics", None)
+        if callable(handler_metrics):
+            out.update(handler_metrics())
+        return out
+
+    def payload_nbytes(self) -> int:
+        """Bytes of Arrow rows held for groups found on reopen (groups put here are held as Group objects)."""
+        with self._lock:
+            return sum(e.payload.nbytes for e in self._available if isinstance(e.payload, pa.RecordBatch))
+
+    @property
+    def queue_size(self) -> int:
+        with self._lock:
+            return len(self._available)
+
+    def available_group_ids(self) -> list[str]:
+        with self._lock:
+            return [e.group_id for e in self._available]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BufferClosed("buffer is closed")
+
+    def close(self) -> None:
+        """Commit what is waiting, stop the writer, wake every blocked caller with BufferClosed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._has_pending.notify_all()
+            self._not_full.notify_all()
+            self._not_empty.notify_all()
+        if threading.current_thread() is not self._writer:
+            self._writer.join()
+
+    def __enter__(self) -> "DurableBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,124 @@
+"""The buffer's layout in the run root and its object codec (DESIGN §3, §4).
+
+    buffer/groups/{writer}/{seq:012d}.arrow      Arrow IPC stream of SAMPLE_SCHEMA record batches,
+                                                 one batch per group; immutable once committed
+    buffer/consumed/{step:08d}.json              {"step", "consumed": [ids], "rejected": [ids],
+                                                 "objects_done": [keys]} for training step `step`
+    buffer/quarantine/{writer}/{seq}.arrow       an object that failed to decode, moved aside,
+    buffer/quarantine/{writer}/{seq}.arrow.reason.json   with the reason
+
+An object is the same format `samples.groups_to_ipc` writes (an IPC stream with the versioned
+sample schema) and `samples.ipc_to_groups` reads; the writer emits one record batch per group so
+the reader can keep each group's rows as a compact Arrow slice without regrouping. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from miles_core.samples import SAMPLE_SCHEMA, Group, SchemaError, batch_to_groups
+
+GROUPS = "buffer/groups/"
+CONSUMED = "buffer/consumed/"
+QUARANTINE = "buffer/quarantine/"
+REASON_SUFFIX = ".reason.json"
+
+
+def new_writer_id() -> str:
+    """Unique per buffer instance; starts with the wall time in ms so keys of later segments sort later."""
+    return f"w{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
+
+
+def group_key(writer: str, seq: int) -> str:
+    return f"{GROUPS}{writer}/{seq:012d}.arrow"
+
+
+def consumed_key(step: int) -> str:
+    return f"{CONSUMED}{step:08d}.json"
+
+
+def consumed_step(key: str) -> int | None:
+    """The step of a consumption manifest key, None for a key that is not one."""
+    name = key.rsplit("/", 1)[-1]
+    stem, dot, ext = name.partition(".")
+    if ext != "json" or not stem.isdigit():
+        return None
+    return int(stem)
+
+
+def quarantine_key(key: str) -> str:
+    return QUARANTINE + key[len(GROUPS):] if key.startswith(GROUPS) else QUARANTINE + key.replace("/", "_")
+
+
+def encode_object(batches: list[pa.RecordBatch]) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, SAMPLE_SCHEMA) as w:
+        for b in batches:
+            w.write_batch(b)
+    return sink.getvalue().to_pybytes()
+
+
+@dataclass(slots=True)
+class StoredGroup:
+    """One group decoded from an object: its metadata, and its rows as a compact Arrow batch."""
+
+    group_id: str
+    prompt_index: int
+    oldest_version: int | None
+    newest_version: int | None
+    position: tuple[int, int] | None
+    rows: pa.RecordBatch
+
+
+def decode_object(data: bytes, source: str) -> list[StoredGroup]:
+    """Every group of an object, fully validated (schema, statuses, rows); SchemaError if undecodable."""
+    try:
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        batches = list(reader)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
+        raise SchemaError(f"{source}: not a readable Arrow IPC stream ({e})") from e
+    out: list[StoredGroup] = []
+    for batch in batches:
+        try:
+            groups = batch_to_groups(batch, source)
+        except SchemaError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any bad value in a row makes the object undecodable
+            raise SchemaError(f"{source}: undecodable rows ({type(e).__name__}: {e})") from e
+        ids = batch.column("group_id").to_pylist() if len(groups) > 1 else None
+        for g in groups:
+            rows = batch if ids is None else batch.take(pa.array([i for i, x in enumerate(ids) if x == g.group_id]))
+            out.append(describe(g, rows))
+    return out
+
+
+def describe(group: Group, rows: pa.RecordBatch | None) -> StoredGroup:
+    versions = [v for s in group.samples for v in s.token_versions]
+    return StoredGroup(group.group_id, group.prompt_index, min(versions) if versions else None,
+                       max(versions) if versions else None, position_of(group), rows)
+
+
+def position_of(group: Group) -> tuple[int, int] | None:
+    """(epoch, position) of the data source that produced the group, from the first sample's metadata."""
+    for s in group.samples[:1]:
+        try:
+            meta = json.loads(s.metadata or "{}")
+        except ValueError:
+            return None
+        if isinstance(meta, dict) and isinstance(meta.get("epoch"), int) and isinstance(meta.get("position"), int):
+            return (meta["epoch"], meta["position"])
+    return None
+
+
+def rows_to_group(rows: pa.RecordBatch) -> Group:
+    return batch_to_groups(rows, "buffered group")[0]
+
+
+def quarantine_reason(key: str, error: BaseException) -> dict:
+    return {"source": key, "reason": f"{type(error).__name__}: {error}"[:2000], "at": time.time(), "pid": os.getpid()}

@@ -1,0 +1,62 @@
+"""The one training loop shared by the sync, one-step-off and fully async drivers (DESIGN §5.5).
+
+The drivers differ only in the batch source that `build_roles` picks; every component owns its
+cadence (the checkpointer decides whether a step saves, the eval scheduler whether it evaluates,
+the weight pusher whether this step pushes), so the loop reads like the sequence diagram.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Batch:
+    step: int
+    groups: list  # list[Group], sorted by prompt index
+    group_ids: list[str]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class BatchSource(Protocol):
+    def next_batch(self, step: int) -> Batch: ...
+    def before_weight_update(self) -> None: ...
+    def metrics(self) -> dict[str, float]: ...
+
+
+@dataclass
+class LoopResult:
+    first_step: int
+    last_step: int | None
+    steps_run: int
+    stopped_by: str  # "num_rollout" | "segment_steps" | "deadline"
+    seconds: float
+
+
+def run_loop(roles) -> LoopResult:
+    """Train from roles.start_step until roles.end_step (exclusive) or the deadline."""
+    t0, step, stopped_by = time.monotonic(), None, "num_rollout"
+    for step in range(roles.start_step, roles.end_step):
+        step_t0 = time.monotonic()
+        batch = roles.batches.next_batch(step)
+        metrics = roles.trainer.train_step(step, batch)
+        last = step == roles.end_step - 1 or roles.deadline.expired()
+        roles.batches.before_weight_update()  # wait for the prefetched drain of the next batch
+        version, push_metrics = roles.weights.push(step, last=last)
+        roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
+        roles.evals.on_step(step, version, last=last)
+        step_metrics = metrics | batch.metrics | push_metrics | roles.batches.metrics()
+        step_metrics["perf/step_seconds"] = time.monotonic() - step_t0
+        roles.metrics.log(step, step_metrics)
+        roles.progress.update(step, step_metrics)
+        if last:
+            stopped_by = "deadline" if step != roles.end_step - 1 else roles.end_reason
+            break
+    steps_run = 0 if step is None else step - roles.start_step + 1
+    return LoopResult(roles.start_step, step, steps_run, stopped_by, time.monotonic() - t0)
+
+
+def describe(roles: Any) -> str:
+    return f"{roles.driver} driver, steps {roles.start_step}..{roles.end_step - 1}"

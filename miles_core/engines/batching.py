@@ -1,0 +1,284 @@
+"""Continuous batching for the CPU engine: requests join and leave the running batch at every step.
+
+`BatchEngine` is synchronous and single-threaded by contract: the server calls every method from one
+worker thread, so a weight load, an abort or a pause never interleaves with a forward step.
+
+One `step()` = admit waiting requests into free cache slots (one batched prefill, which also samples
+their first token) + one decode step for every request already running. A request leaves the batch
+the step it finishes (stop token, max_new_tokens, the model's position limit, or abort); the running
+requests are compacted into slots 0..B-1 so decode reads the cache without a gather.
+
+Log-probs: each returned log-prob is `log_softmax(logits)[token]` of the *unmodified* logits
+(temperature 1, before top-k/top-p), whatever the sampling temperature. This is what the RL trainer
+recomputes at temperature 1 (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1, which the
+launcher sets).
+
+Pause modes (as SGLang's /pause_generation): `in_place` keeps requests and their cache, `retract`
+moves running requests back to the waiting queue (their cache is recomputed from prompt + output when
+they are admitted again), `abort` finishes every request with finish_reason abort.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_core.engines.model import CausalLM
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @staticmethod
+    def from_json(d: dict | None) -> "SamplingParams":
+        d = d or {}
+        unknown_ok = {"stop", "skip_special_tokens", "no_stop_trim", "min_new_tokens", "frequency_penalty",
+                      "presence_penalty", "repetition_penalty", "sampling_seed", "spaces_between_special_tokens"}
+        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+        bad = set(d) - known - unknown_ok
+        if bad:
+            raise ValueError(f"sampling_params: unsupported keys {sorted(bad)}; supported: {sorted(known)}")
+        p = SamplingParams(
+            max_new_tokens=int(d.get("max_new_tokens", 16) if d.get("max_new_tokens") is not None else 16),
+            temperature=float(d.get("temperature", 1.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            top_k=int(d.get("top_k", -1)),
+            stop_token_ids=tuple(int(t) for t in (d.get("stop_token_ids") or ())),
+            ignore_eos=bool(d.get("ignore_eos", False)),
+        )
+        if p.max_new_tokens < 0 or p.temperature < 0 or not 0 < p.top_p <= 1:
+            raise ValueError(f"sampling_params: need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got {d}")
+        return p
+
+
+@dataclass
+class Request:
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    cached: int = 0  # tokens whose K/V sit in the cache (0 when waiting)
+    finish: dict | None = None
+    created: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TokenEvent:
+    """What one step produced for one request: a new token, or only a finish (abort)."""
+
+    rid: str
+    token: int | None
+    logprob: float | None
+    version: int
+    finish: dict | None
+
+
+class BatchEngine:
+    def __init__(self, model: CausalLM, weight_version: int = 0, max_running: int = 512,
+                 max_total_tokens: int = 4096, seed: int = 0):
+        self.model = model
+        self.version = weight_version
+        self.max_running = max_running
+        self.max_len = min(model.spec.max_positions, max_total_tokens)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # running[i] owns cache slot i
+        self.requests: dict[str, Request] = {}
+        self.paused = False
+        self.gen = torch.Generator().manual_seed(seed)
+        self.cache = model.new_cache(min(max_running, 64), min(self.max_len, 64))
+        self._eos = set(model.spec.eos_token_ids)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add(self, req: Request) -> list[TokenEvent]:
+        """Queue a request; one that cannot run at all finishes at once (returned as events)."""
+        if req.rid in self.requests:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this engine")
+        if not req.input_ids:
+            raise ValueError("input_ids is empty")
+        vocab = self.model.spec.vocab_size
+        if min(req.input_ids) < 0 or max(req.input_ids) >= vocab:
+            raise ValueError(f"input_ids out of range [0, {vocab})")
+        if len(req.input_ids) >= self.max_len:
+            raise ValueError(f"prompt of {len(req.input_ids)} tokens leaves no room: the model holds {self.max_len} positions")
+        if req.params.max_new_tokens == 0:
+            return [TokenEvent(req.rid, None, None, self.version, {"type": "length", "length": 0})]
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        return []
+
+    def abort(self, rid: str | None = None, message: str = "Abort requested") -> list[TokenEvent]:
+        """Abort one request (unknown rids are ignored: it may have finished) or all when rid is None."""
+        victims = list(self.requests.values()) if rid is None else [self.requests[rid]] if rid in self.requests else []
+        for r in victims:
+            r.finish = {"type": "abort", "message": message}
+        return self._reap(victims)
+
+    def has_work(self) -> bool:
+        return not self.paused and bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- control ------------------------------------------------------------------------------
+    def pause(self, mode: str) -> list[TokenEvent]:
+        if mode not in ("in_place", "retract", "abort"):
+            raise ValueError(f"mode={mode!r}; expected one of abort, retract, in_place")
+        self.paused = True
+        if mode == "abort":
+            return self.abort(None, "Aborted by pause_generation(mode=abort)")
+        if mode == "retract":
+            self.retract_all()
+        return []
+
+    def resume(self) -> None:
+        self.paused = False
+
+    def retract_all(self) -> None:
+        """Drop every running request's cache and queue it (first) to be prefilled again."""
+        for r in reversed(self.running):
+            r.cached = 0
+            self.waiting.appendleft(r)
+        self.running = []
+
+    def load_weights(self, model: CausalLM, version: int | None) -> None:
+        if not self.model.same_architecture(model):
+            raise ValueError("the new checkpoint's architecture differs from the served model's")
+        self.model = model
+        if version is not None:
+            self.version = version
+
+    # ---- the step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        if self.paused:
+            return []
+        events: list[TokenEvent] = []
+        decoding = list(self.running)
+        admitted = self._admit()
+        if decoding:
+            b = len(decoding)
+            tokens = torch.tensor([r.output_ids[-1] for r in decoding])
+            positions = torch.tensor([r.cached for r in decoding])
+            logits = self.model.decode(self.cache, tokens, positions)
+            for r in decoding:
+                r.cached += 1
+            events += self._sample(decoding, logits)
+            assert b == len(decoding)
+        if admitted:
+            first = len(self.running) - len(admitted)
+            seqs = [r.input_ids + r.output_ids for r in admitted]
+            lengths = torch.tensor([len(s) for s in seqs])
+            width = int(lengths.max())
+            tokens = torch.zeros(len(seqs), width, dtype=torch.long)
+            for i, s in enumerate(seqs):
+                tokens[i, :len(s)] = torch.tensor(s)
+            logits = self.model.prefill(self.cache, first, tokens, lengths)
+            for r, n in zip(admitted, lengths.tolist()):
+                r.cached = n
+            events += self._sample(admitted, logits)
+        events += self._reap([r for r in self.running if r.finish is not None])
+        return events
+
+    def _admit(self) -> list[Request]:
+        room = self.max_running - len(self.running)
+        admitted = []
+        while self.waiting and len(admitted) < room:
+            admitted.append(self.waiting.popleft())
+        if admitted:
+            need_len = max(len(r.input_ids) + len(r.output_ids) for r in admitted)
+            self._ensure_capacity(len(self.running) + len(admitted), need_len)
+            self.running.extend(admitted)
+        # decode writes position `cached` for every running request
+        if self.running:
+            self._ensure_capacity(len(self.running), max(r.cached for r in self.running) + 1)
+        return admitted
+
+    def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[TokenEvent]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        temps = [r.params.temperature for r in reqs]
+        if all(t == 0 for t in temps):
+            tokens = logits.argmax(-1)
+        else:
+            tokens = _sample_rows(logits, reqs, temps, self.gen)
+        picked = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
+        events = []
+        for r, tok, lp in zip(reqs, tokens.tolist(), picked):
+            r.output_ids.append(tok)
+            p = r.params
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
+                r.finish = {"type": "stop", "matched": tok}
+            elif len(r.output_ids) >= p.max_new_tokens:
+                r.finish = {"type": "length", "length": p.max_new_tokens}
+            elif len(r.input_ids) + len(r.output_ids) >= self.max_len:
+                r.finish = {"type": "length", "length": len(r.output_ids)}
+            events.append(TokenEvent(r.rid, tok, lp, self.version, None))
+        return events
+
+    def _reap(self, finished: list[Request]) -> list[TokenEvent]:
+        """Remove finished requests from the batch (compacting slots) and the queue; emit finishes."""
+        if not finished:
+            return []
+        gone = {r.rid for r in finished}
+        keep = [i for i, r in enumerate(self.running) if r.rid not in gone]
+        if len(keep) != len(self.running):
+            if keep and keep != list(range(len(keep))):
+                span = max(self.running[i].cached for i in keep) + 1
+                span = min(span, self.cache.shape[4])
+                idx = torch.tensor(keep)
+                self.cache[:, :, :len(keep), :, :span] = self.cache[:, :, idx, :, :span]
+            self.running = [self.running[i] for i in keep]
+        if any(r.rid in gone for r in self.waiting):
+            self.waiting = deque(r for r in self.waiting if r.rid not in gone)
+        events = []
+        for r in finished:
+            self.requests.pop(r.rid, None)
+            events.append(TokenEvent(r.rid, None, None, self.version, r.finish))
+        return events
+
+    def _ensure_capacity(self, slots: int, length: int) -> None:
+        _, _, s, _, l, _ = self.cache.shape
+        if slots <= s and length <= l:
+            return
+        new_s = min(max(s, _pow2(slots)), max(self.max_running, slots))
+        new_l = min(max(l, _pow2(length)), self.max_len)
+        grown = self.model.new_cache(new_s, new_l)
+        grown[:, :, :s, :, :l] = self.cache
+        self.cache = grown
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _sample_rows(logits: torch.Tensor, reqs: list[Request], temps: list[float], gen: torch.Generator) -> torch.Tensor:
+    """Sample one token per row with that row's temperature/top-k/top-p (temperature 0 = greedy)."""
+    greedy = torch.tensor([t == 0 for t in temps])
+    t = torch.tensor([t if t > 0 else 1.0 for t in temps])[:, None]
+    scaled = logits / t
+    top_k = [r.params.top_k for r in reqs]
+    top_p = [r.params.top_p for r in reqs]
+    vocab = logits.shape[-1]
+    if any(0 < k < vocab for k in top_k):
+        ks = torch.tensor([k if 0 < k < vocab else vocab for k in top_k])
+        kth = scaled.sort(dim=-1, descending=True).values.gather(1, (ks - 1)[:, None])
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if any(p < 1.0 for p in top_p):
+        ps = torch.tensor(top_p)[:, None]
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) > ps  # keep the smallest prefix reaching top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+    tokens = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    if greedy.any():
+        tokens = torch.where(greedy, logits.argmax(-1), tokens)
+    return tokens

@@ -1,0 +1,333 @@
+"""One async client for SGLang's native HTTP API, driving real SGLang servers and the CPU engine alike.
+
+`EngineClient` holds several engine URLs and one aiohttp session (connection reuse). `generate`
+picks the engine with the fewest requests in flight from this client. Every other call is a control
+call fanned out to all engines (or one, where it takes `url`).
+
+Failure rules (DESIGN §9):
+- a `/generate` that may have reached the engine is never sent again. If the engine dies, drops the
+  connection, answers 5xx, or the request times out, the call returns a `GenerateResult` with
+  `finish_reason == "abort"` and the tokens streamed so far; it does not raise. Only a connection
+  that was refused (the request never left) is tried on another engine.
+- a 4xx answer to `/generate` is a bug in the request: `EngineRequestError`.
+- control calls (`/health`, `/model_info`, `/get_weight_version`, pause/continue, `/flush_cache`,
+  `/update_weights_from_disk`, `/abort_request`) are idempotent and retried on connection errors,
+  timeouts and 5xx; when retries run out, `EngineControlError` names the engine and the endpoint.
+
+Per-token weight versions: with `stream=True` (the default) the client reads SGLang's SSE stream
+(`data: {json}` lines, then `data: [DONE]`). Each chunk carries the output so far and
+`meta_info.weight_version`; the tokens that are new in a chunk are attributed to that chunk's version,
+so a sample that straddles an in-place weight update carries both versions. SGLang's default streams
+cumulative `output_ids`; with `--incremental-streaming-output` they are per chunk; the client tells the
+two apart by `meta_info.completion_tokens` (always cumulative). Without streaming every token gets the
+version reported at the end. Versions are integers; an engine that reports a non-integer version
+(SGLang's "default" before the first update) is read as version 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+
+class EngineRequestError(ValueError):
+    """The engine refused a /generate request as malformed (HTTP 4xx)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class EngineControlError(RuntimeError):
+    """A control call to an engine failed after its retries."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass
+class GenerateResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    token_versions: list[int]  # the weight version that produced each output token
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: int | None  # the engine's version at the last chunk
+    prompt_tokens: int
+    completion_tokens: int
+    rid: str
+    engine_url: str = ""
+    abort_message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+
+@dataclass
+class _Engine:
+    url: str
+    in_flight: int = 0
+    suspect_until: float = 0.0  # after a refused connection, avoid this engine for a while
+
+
+@dataclass
+class _Stream:
+    """Accumulates a streamed (or single) /generate answer."""
+
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: dict | None = None
+    version: int | None = None
+    prompt_tokens: int = 0
+
+    def absorb(self, chunk: dict) -> None:
+        meta = chunk.get("meta_info") or {}
+        ids = chunk.get("output_ids") or []
+        done = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
+        have = len(self.output_ids)
+        new_ids = ids[have:] if len(ids) == done else ids  # cumulative (default) or incremental chunks
+        lps = meta.get("output_token_logprobs") or []
+        new_lps = lps[have:] if len(lps) == done else lps
+        self.version = parse_version(meta.get("weight_version"))
+        self.output_ids.extend(int(t) for t in new_ids)
+        self.logprobs.extend(float(e[0]) for e in new_lps)
+        self.versions.extend([self.version if self.version is not None else 0] * len(new_ids))
+        self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
+        if meta.get("finish_reason") is not None:
+            self.finish = meta["finish_reason"]
+
+
+def parse_version(v: Any) -> int | None:
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+class EngineClient:
+    """Async client over N engines. Use inside one event loop; `async with` or `await close()`."""
+
+    def __init__(self, urls: list[str], *, request_timeout_seconds: float = 600.0,
+                 connect_timeout_seconds: float = 10.0, control_timeout_seconds: float = 120.0,
+                 control_retries: int = 3, retry_backoff_seconds: float = 0.5):
+        if not urls:
+            raise ValueError("EngineClient needs at least one engine URL")
+        self._engines = [_Engine(u.rstrip("/")) for u in urls]
+        self.request_timeout_seconds = request_timeout_seconds
+        self.connect_timeout_seconds = connect_timeout_seconds
+        self.control_timeout_seconds = control_timeout_seconds
+        self.control_retries = control_retries
+        self.retry_backoff_seconds = retry_backoff_seconds
+        self._session: aiohttp.ClientSession | None = None
+        self._rr = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def __aenter__(self) -> "EngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _sess(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # limit=0: no client-side cap; the producer's submission budget bounds concurrency.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+        return self._session
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.url for e in self._engines]
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Replace the engine list (e.g. after the fleet changed); in-flight counts of kept URLs stay."""
+        old = {e.url: e for e in self._engines}
+        self._engines = [old.get(u.rstrip("/")) or _Engine(u.rstrip("/")) for u in urls]
+
+    def in_flight(self) -> dict[str, int]:
+        return {e.url: e.in_flight for e in self._engines}
+
+    # ---- generation ---------------------------------------------------------------------------
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *, rid: str | None = None,
+                       return_logprob: bool = True, stream: bool = True, url: str | None = None) -> GenerateResult:
+        """Generate on the least-loaded engine (or `url`). Never raises for engine failures: see module doc."""
+        rid = rid or uuid.uuid4().hex
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}), "rid": rid,
+                   "return_logprob": return_logprob, "stream": stream}
+        t0 = time.monotonic()
+        tried: set[str] = set()
+        while True:
+            eng = self._pick(url, tried)
+            if eng is None:
+                return self._aborted(rid, _Stream(), "", "no engine accepted the connection", t0, len(input_ids))
+            tried.add(eng.url)
+            eng.in_flight += 1
+            try:
+                return await self._generate_on(eng, payload, t0)
+            except aiohttp.ClientConnectorError as e:  # refused: the request never left, safe elsewhere
+                eng.suspect_until = time.monotonic() + 2.0
+                log.warning("engine %s refused the connection (%s); trying another", eng.url, e)
+                if url is not None:
+                    return self._aborted(rid, _Stream(), eng.url, f"connection refused: {e}", t0, len(input_ids))
+            finally:
+                eng.in_flight -= 1
+
+    def _pick(self, url: str | None, tried: set[str]) -> _Engine | None:
+        if url is not None:
+            url = url.rstrip("/")
+            found = [e for e in self._engines if e.url == url]
+            if not found:
+                self._engines.append(_Engine(url))
+                found = [self._engines[-1]]
+            return None if url in tried else found[0]
+        now = time.monotonic()
+        cands = [e for e in self._engines if e.url not in tried]
+        if not cands:
+            return None
+        healthy = [e for e in cands if e.suspect_until <= now] or cands
+        low = min(e.in_flight for e in healthy)
+        best = [e for e in healthy if e.in_flight == low]
+        self._rr += 1
+        return best[self._rr % len(best)]
+
+    async def _generate_on(self, eng: _Engine, payload: dict, t0: float) -> GenerateResult:
+        st = _Stream(prompt_tokens=len(payload["input_ids"]))
+        rid = payload["rid"]
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_seconds, sock_connect=self.connect_timeout_seconds)
+        try:
+            async with self._sess().post(eng.url + "/generate", json=payload, timeout=timeout) as resp:
+                if 400 <= resp.status < 500:
+                    raise EngineRequestError(f"{eng.url}/generate answered {resp.status}: {await resp.text()}")
+                if resp.status >= 500:
+                    return self._aborted(rid, st, eng.url, f"HTTP {resp.status}: {await resp.text()}", t0)
+                if payload["stream"]:
+                    async for raw in resp.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            break
+                        st.absorb(json.loads(data))
+                else:
+                    st.absorb(await resp.json())
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+            if isinstance(e, asyncio.TimeoutError):  # the engine may still be working on it
+                asyncio.get_running_loop().create_task(self._abort_quietly(eng.url, rid))
+            return self._aborted(rid, st, eng.url, f"{type(e).__name__}: {e}", t0)
+        if st.finish is None:
+            return self._aborted(rid, st, eng.url, "the stream ended without a finish_reason", t0)
+        return GenerateResult(st.output_ids, st.logprobs, st.versions, st.finish.get("type", "abort"), st.version,
+                              st.prompt_tokens, len(st.output_ids), rid, eng.url,
+                              st.finish.get("message", "") if st.finish.get("type") == "abort" else "",
+                              time.monotonic() - t0)
+
+    def _aborted(self, rid: str, st: _Stream, url: str, message: str, t0: float, prompt_tokens: int | None = None):
+        log.info("request %s on %s aborted: %s", rid, url or "-", message)
+        return GenerateResult(st.output_ids, st.logprobs, st.versions, "abort", st.version,
+                              prompt_tokens if prompt_tokens is not None else st.prompt_tokens, len(st.output_ids),
+                              rid, url, message, time.monotonic() - t0)
+
+    async def _abort_quietly(self, url: str, rid: str) -> None:
+        try:
+            await self.abort_request(rid, url=url)
+        except EngineControlError:
+            pass
+
+    # ---- control ------------------------------------------------------------------------------
+    async def _control(self, url: str, method: str, path: str, body: dict | None = None,
+                       retries: int | None = None) -> Any:
+        """One idempotent control call with retries; returns parsed JSON (or text, or None)."""
+        retries = self.control_retries if retries is None else retries
+        timeout = aiohttp.ClientTimeout(total=self.control_timeout_seconds, sock_connect=self.connect_timeout_seconds)
+        last = ""
+        for attempt in range(retries + 1):
+            if attempt:
+                await asyncio.sleep(self.retry_backoff_seconds * 2 ** (attempt - 1))
+            try:
+                async with self._sess().request(method, url + path, json=body, timeout=timeout) as resp:
+                    text = await resp.text()
+                    if resp.status < 400:
+                        try:
+                            return json.loads(text) if text else None
+                        except json.JSONDecodeError:
+                            return text
+                    last = f"HTTP {resp.status}: {text[:500]}"
+                    if resp.status < 500:
+                        break  # the engine said no; asking again will not change that
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
+                last = f"{type(e).__name__}: {e}"
+        raise EngineControlError(f"{method} {url}{path} failed: {last}")
+
+    async def _all(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
+        urls = self.urls
+        res = await asyncio.gather(*(self._control(u, method, path, body, retries) for u in urls))
+        return dict(zip(urls, res))
+
+    async def health(self, url: str, timeout_seconds: float = 5.0) -> bool:
+        """One probe, no retries: True when GET /health answers 200."""
+        try:
+            async with self._sess().get(url.rstrip("/") + "/health",
+                                        timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
+            return False
+
+    async def health_all(self) -> dict[str, bool]:
+        urls = self.urls
+        return dict(zip(urls, await asyncio.gather(*(self.health(u) for u in urls))))
+
+    async def model_info(self, url: str) -> dict:
+        try:
+            return await self._control(url.rstrip("/"), "GET", "/model_info", retries=0)
+        except EngineControlError:  # older SGLang only has /get_model_info
+            return await self._control(url.rstrip("/"), "GET", "/get_model_info")
+
+    async def get_weight_version(self) -> dict[str, int | None]:
+        res = await self._all("GET", "/get_weight_version")
+        return {u: parse_version((r or {}).get("weight_version")) for u, r in res.items()}
+
+    async def pause_generation(self, mode: str) -> None:
+        if mode not in ("retract", "in_place", "abort"):
+            raise ValueError(f"pause mode {mode!r}; expected one of retract, in_place, abort")
+        await self._all("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        await self._all("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._all("POST", "/flush_cache")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = False,
+                                       abort_all_requests: bool = False) -> None:
+        """Every engine loads `model_path` and reports `weight_version` from then on."""
+        body = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": flush_cache,
+                "abort_all_requests": abort_all_requests}
+        res = await self._all("POST", "/update_weights_from_disk", body)
+        bad = {u: r for u, r in res.items() if isinstance(r, dict) and r.get("success") is False}
+        if bad:
+            raise EngineControlError(f"update_weights_from_disk({model_path}) failed on {bad}")
+
+    async def abort_request(self, rid: str, url: str | None = None) -> None:
+        if url is not None:
+            await self._control(url.rstrip("/"), "POST", "/abort_request", {"rid": rid})
+        else:
+            await self._all("POST", "/abort_request", {"rid": rid})

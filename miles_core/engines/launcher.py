@@ -1,0 +1,307 @@
+"""Engine processes as Ray actors: start the server, wait for /health, restart it when it dies.
+
+`EngineFleet` starts N `EngineActor`s. Each actor owns one server process, either the CPU engine
+(`python -m miles_core.engines.cpu_server`) or SGLang (`python -m sglang.launch_server` with the
+model path, tensor-parallel size, memory fraction, host and port from the config, plus
+`--sglang-extra-args`). A monitor thread in the actor polls the process and `/health`; when the
+process exits or stops answering, the actor kills what is left and starts it again on the same port
+with the newest weights it was told about (`note_weights`), so the URL stays valid and a restarted
+engine does not serve stale weights. Requests that were in flight on the dead process are answered
+by `EngineClient` as aborted (their connection drops); the run goes on (DESIGN §9).
+
+Naming: methods of `EngineFleet` are blocking (they wait on the actors). This module never calls
+`ray.init`: inside a Flyte Ray task the plugin has done it; tests do it themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    """An engine process did not become healthy in time (the message carries its log tail)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class EngineLaunchSpec:
+    backend: str  # "cpu" | "sglang"
+    model_path: str
+    weight_version: int = 0
+    bind_host: str = "127.0.0.1"
+    tp_size: int = 1
+    mem_fraction_static: float = 0.8
+    max_running_requests: int = 512
+    extra_args: str = ""
+    startup_timeout_seconds: float = 900.0
+    health_interval_seconds: float = 1.0
+    health_failures_before_restart: int = 3
+
+    @staticmethod
+    def from_config(engine, model_path: str, weight_version: int = 0) -> "EngineLaunchSpec":
+        """From the `EngineSection` of the run config."""
+        return EngineLaunchSpec(
+            backend=engine.engine_backend, model_path=model_path, weight_version=weight_version,
+            bind_host=engine.engine_bind_host, tp_size=engine.rollout_num_gpus_per_engine,
+            mem_fraction_static=engine.sglang_mem_fraction_static,
+            max_running_requests=engine.engine_max_running_requests, extra_args=engine.sglang_extra_args,
+            startup_timeout_seconds=engine.engine_startup_timeout_seconds,
+        )
+
+
+def server_command(spec: EngineLaunchSpec, model_path: str, weight_version: int, port: int) -> list[str]:
+    """The command line that starts one engine server."""
+    if spec.backend == "cpu":
+        return [sys.executable, "-m", "miles_core.engines.cpu_server", "--model-path", model_path,
+                "--host", spec.bind_host, "--port", str(port), "--weight-version", str(weight_version),
+                "--max-running-requests", str(spec.max_running_requests)]
+    if spec.backend == "sglang":
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
+                "--host", spec.bind_host, "--port", str(port), "--tp-size", str(spec.tp_size),
+                "--mem-fraction-static", str(spec.mem_fraction_static),
+                "--max-running-requests", str(spec.max_running_requests),
+                "--weight-version", str(weight_version), *shlex.split(spec.extra_args)]
+    raise ValueError(f"--engine-backend={spec.backend!r}; expected one of cpu, sglang")
+
+
+def server_env(spec: EngineLaunchSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    if spec.backend == "sglang":
+        # Log-probs of the unmodified logits (temperature 1), like the CPU engine and the trainer.
+        env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    else:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _url_host(bind_host: str) -> str:
+    if bind_host in ("0.0.0.0", "::", ""):
+        import ray
+
+        return ray.util.get_node_ip_address()
+    return bind_host
+
+
+def _healthy(url: str, timeout: float = 5.0) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+class EngineServer:
+    """One engine server process, its log file and its restarts (usable without Ray)."""
+
+    def __init__(self, spec: EngineLaunchSpec, name: str = "engine", log_dir: str | None = None):
+        self.spec = spec
+        self.name = name
+        self.model_path, self.weight_version = spec.model_path, spec.weight_version
+        self.port = free_port(spec.bind_host if spec.bind_host not in ("0.0.0.0", "::") else "")
+        self.url = f"http://{_url_host(spec.bind_host)}:{self.port}"
+        self.log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="miles-engine-"), f"{name}.log")
+        self.restarts = 0
+        self.proc: subprocess.Popen | None = None
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Start the process and wait until it is healthy; then watch it. Returns the URL."""
+        with self._lock:
+            self._launch()
+        self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-monitor", daemon=True)
+        self._monitor.start()
+        return self.url
+
+    def note_weights(self, model_path: str, weight_version: int) -> None:
+        """Weights the engine has been given since; a restart loads these instead of the initial ones."""
+        with self._lock:
+            self.model_path, self.weight_version = model_path, weight_version
+
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._terminate()
+        if self._monitor is not None:
+            self._monitor.join(timeout=10)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _launch(self) -> None:
+        cmd = server_command(self.spec, self.model_path, self.weight_version, self.port)
+        log.info("%s: starting %s", self.name, shlex.join(cmd))
+        with open(self.log_path, "ab") as logf:
+            self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(self.spec),
+                                         start_new_session=True)
+        deadline = time.monotonic() + self.spec.startup_timeout_seconds
+        while time.monotonic() < deadline and not self._stop.is_set():
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"{self.name}: the engine process exited with code {self.proc.returncode} "
+                                       f"before it was healthy.\n{self._log_tail()}")
+            if _healthy(self.url, timeout=2.0):
+                log.info("%s: healthy at %s (pid %d)", self.name, self.url, self.proc.pid)
+                return
+            time.sleep(0.2)
+        self._terminate()
+        raise EngineStartError(f"{self.name}: no healthy /health at {self.url} within "
+                               f"{self.spec.startup_timeout_seconds:.0f} s (--engine-startup-timeout-seconds).\n"
+                               f"{self._log_tail()}")
+
+    def _terminate(self) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        try:  # the server may have children (SGLang's scheduler/detokenizer): end its process group
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=15)
+        except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            p.wait(timeout=15)
+
+    def _watch(self) -> None:
+        failures = 0
+        backoff = 1.0
+        while not self._stop.wait(self.spec.health_interval_seconds):
+            with self._lock:
+                exited = self.proc is None or self.proc.poll() is not None
+            if not exited:
+                failures = 0 if _healthy(self.url) else failures + 1
+                if failures < self.spec.health_failures_before_restart:
+                    continue
+            if self._stop.is_set():
+                return
+            code = self.proc.returncode if self.proc is not None else None
+            log.warning("%s: engine %s (exit code %s); restarting", self.name,
+                        "exited" if exited else "stopped answering /health", code)
+            with self._lock:
+                self._terminate()
+                try:
+                    self._launch()
+                    self.restarts += 1
+                    failures, backoff = 0, 1.0
+                except EngineStartError as e:
+                    log.error("%s: restart failed: %s", self.name, e)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 60.0)
+
+    def _log_tail(self, n: int = 40) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+
+class EngineActor:
+    """Ray actor body around `EngineServer` (see `EngineFleet`)."""
+
+    def __init__(self, spec: EngineLaunchSpec, name: str):
+        logging.basicConfig(level=logging.INFO)
+        self.server = EngineServer(spec, name)
+
+    def start(self) -> str:
+        return self.server.start()
+
+    def url(self) -> str:
+        return self.server.url
+
+    def pid(self) -> int | None:
+        return self.server.pid()
+
+    def restart_count(self) -> int:
+        return self.server.restarts
+
+    def log_path(self) -> str:
+        return self.server.log_path
+
+    def note_weights(self, model_path: str, weight_version: int) -> None:
+        self.server.note_weights(model_path, weight_version)
+
+    def shutdown(self) -> None:
+        self.server.stop()
+
+
+class EngineFleet:
+    """N engine actors. `with EngineFleet(spec, n) as fleet: fleet.urls()`; all methods block."""
+
+    def __init__(self, spec: EngineLaunchSpec, num_engines: int, *, num_cpus_per_engine: float = 1.0,
+                 name_prefix: str = "engine"):
+        import ray
+
+        gpus = spec.tp_size if spec.backend == "sglang" else 0
+        actor_cls = ray.remote(EngineActor).options(num_cpus=num_cpus_per_engine, num_gpus=gpus,
+                                                    max_concurrency=8)
+        self.spec = spec
+        self.actors = [actor_cls.remote(spec, f"{name_prefix}-{i}") for i in range(num_engines)]
+        self._urls: list[str] = []
+
+    def start(self) -> "EngineFleet":
+        import ray
+
+        self._urls = ray.get([a.start.remote() for a in self.actors])
+        return self
+
+    def __enter__(self) -> "EngineFleet":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def urls(self) -> list[str]:
+        return list(self._urls)
+
+    def restart_counts(self) -> list[int]:
+        import ray
+
+        return ray.get([a.restart_count.remote() for a in self.actors])
+
+    def pids(self) -> list[int | None]:
+        import ray
+
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def note_weights(self, model_path: str, weight_version: int) -> None:
+        """Tell every actor the weights the engines now serve (call after each weight update)."""
+        import ray
+
+        ray.get([a.note_weights.remote(model_path, weight_version) for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not self.actors:
+            return
+        try:
+            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []

@@ -1,0 +1,150 @@
+"""The evaluation core shared by all three modes: generate on engines, score, aggregate.
+
+`evaluate(engines, dataset, sampling)` sends n requests per prompt (round-robin over the given
+engine clients, bounded concurrency), scores the finished samples with the dataset's reward, and
+returns the §7.3 metrics of that dataset. It knows nothing about where the engines come from
+(shared rollout engines, a dedicated pinned fleet, or an engine started on a snapshot) nor about
+snapshots: the modes wrap it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from miles_core.eval.datasets import EvalDataset, EvalSampling
+from miles_core.eval.metric_names import mean_reward_metric, pass_at_k_metric
+from miles_core.eval.pass_at_k import pass_at_k, pass_ks
+from miles_core.samples import Sample, SampleStatus
+
+ABORT_RETRIES = 3
+
+
+class GenerateClient(Protocol):
+    """What evaluation needs from an engine client (miles_core.engines): one /generate call."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict) -> Any: ...
+
+
+class EvalAborted(RuntimeError):
+    """An eval request kept coming back aborted (the engine was paused or restarting)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass
+class DatasetEval:
+    dataset: str
+    metrics: dict[str, float]
+    n_prompts: int
+    n_samples: int
+    duration_seconds: float
+    weight_versions: list[int] = field(default_factory=list)  # distinct versions the engines reported
+
+
+def _field(result: Any, *names: str, default=None):
+    for name in names:
+        if isinstance(result, dict) and name in result:
+            return result[name]
+        if hasattr(result, name):
+            return getattr(result, name)
+    meta = result.get("meta_info") if isinstance(result, dict) else getattr(result, "meta_info", None)
+    if isinstance(meta, dict):
+        for name in names:
+            if name in meta:
+                return meta[name]
+    return default
+
+
+def _finish_reason(result: Any) -> str:
+    fr = _field(result, "finish_reason", default="")
+    if isinstance(fr, dict):  # SGLang: {"type": "stop"|"length"|"abort", ...}
+        fr = fr.get("type", "")
+    return str(fr or "")
+
+
+async def _generate_one(client: GenerateClient, prompt_ids: list[int], params: dict) -> Any:
+    for _ in range(ABORT_RETRIES):
+        result = await client.generate(list(prompt_ids), dict(params))
+        if _finish_reason(result) != "abort":
+            return result
+        await asyncio.sleep(0.2)
+    raise EvalAborted(f"an eval request was aborted {ABORT_RETRIES} times in a row; the engine is paused or restarting")
+
+
+async def _score(dataset: EvalDataset, samples: list[Sample]) -> list[float]:
+    out = dataset.reward(samples)
+    if inspect.isawaitable(out):
+        out = await out
+    rewards = [float(r) for r in out]
+    if len(rewards) != len(samples):
+        raise ValueError(f"reward for eval dataset {dataset.name!r} returned {len(rewards)} values for {len(samples)} samples")
+    return rewards
+
+
+async def evaluate(engines: GenerateClient | Sequence[GenerateClient], dataset: EvalDataset,
+                   sampling: EvalSampling, *, concurrency: int = 64) -> DatasetEval:
+    """Evaluate one dataset on `engines`; returns its metrics (names include the dataset)."""
+    clients = list(engines) if isinstance(engines, (list, tuple)) else [engines]
+    if not clients:
+        raise ValueError("evaluate needs at least one engine client")
+    t0 = time.monotonic()
+    n = sampling.n_samples_per_prompt
+    params = sampling.sampling_params()
+    gate = asyncio.Semaphore(max(1, concurrency) * len(clients))
+    samples: list[Sample] = []
+    versions: set[int] = set()
+
+    async def one(i: int, j: int, row) -> Sample:
+        async with gate:
+            result = await _generate_one(clients[(i * n + j) % len(clients)], row.prompt_ids, params)
+        out_ids = list(_field(result, "output_ids", "response_ids", "token_ids", default=[]) or [])
+        v = _field(result, "weight_version", default=None)
+        if v is not None:
+            versions.add(int(v))
+        finish = _finish_reason(result)
+        return Sample(group_id=f"eval-{dataset.name}-{i}", prompt_index=i, sample_index=j,
+                      prompt_ids=list(row.prompt_ids), response_ids=out_ids, finish_reason=finish,
+                      status=SampleStatus.TRUNCATED if finish == "length" else SampleStatus.COMPLETED,
+                      label=row.label, metadata=json.dumps({"task": row.task, "eval": dataset.name}))
+
+    samples = list(await asyncio.gather(*(one(i, j, row) for i, row in enumerate(dataset.rows) for j in range(n))))
+    rewards = await _score(dataset, samples)
+    for s, r in zip(samples, rewards):
+        s.reward = r
+    metrics = aggregate(dataset.name, samples, n, sampling.pass_threshold)
+    return DatasetEval(dataset=dataset.name, metrics=metrics, n_prompts=len(dataset.rows), n_samples=len(samples),
+                       duration_seconds=time.monotonic() - t0, weight_versions=sorted(versions))
+
+
+def aggregate(ds: str, samples: list[Sample], n: int, pass_threshold: float = 1.0) -> dict[str, float]:
+    """§7.3 metrics of one dataset from scored samples (n per prompt, grouped by prompt_index)."""
+    if not samples:
+        return {}
+    by_prompt: dict[int, list[Sample]] = {}
+    for s in samples:
+        by_prompt.setdefault(s.prompt_index, []).append(s)
+    rewards = [float(s.reward or 0.0) for s in samples]
+    metrics = {
+        mean_reward_metric(ds): sum(rewards) / len(rewards),
+        f"eval/{ds}/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        f"eval/{ds}/response_len/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+    }
+    for k in pass_ks(n):
+        vals = []
+        for group in by_prompt.values():
+            c = sum(float(s.reward or 0.0) >= pass_threshold - 1e-9 for s in group)
+            vals.append(pass_at_k(len(group), c, min(k, len(group))))
+        metrics[pass_at_k_metric(ds, k)] = sum(vals) / len(vals)
+    return metrics
+
+
+async def evaluate_all(engines, datasets: Sequence[EvalDataset], sampling: EvalSampling,
+                       *, concurrency: int = 64) -> list[DatasetEval]:
+    """Every dataset in turn (datasets share the engines; one at a time keeps latency fair)."""
+    return [await evaluate(engines, ds, sampling, concurrency=concurrency) for ds in datasets]

@@ -1,0 +1,116 @@
+"""The eval_follower body (DESIGN §7.1 Mode 3): evaluate snapshots while the run trains.
+
+`follow_snapshots(cfg)` runs beside the train task. It polls the snapshot root and the eval
+requests the trainer's EvalScheduler writes (eval/requests/step_k.json), evaluates each eval
+step whose snapshot is complete on one engine it starts and re-pins per snapshot, writes
+eval/step_{k:08d}/{ds}.json, and logs the metrics at the snapshot's own step with
+`eval/lag_steps` = latest trained step at write time − snapshot step. Eval steps are the
+requested ones, complete snapshots on the --eval-interval cadence (the snapshot root may also
+hold the weight-transport snapshots of every step), and the run's last step.
+
+It stops when STATUS.json has left `running` (finished, failed or segment_done) and every eval
+step with a complete snapshot is settled. A STATUS that is already terminal when the follower
+starts is the previous segment's: the follower waits up to `start_grace_seconds` for the new
+segment to announce itself before believing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
+from miles_core.eval.results import SKIPPED_NAME, evaluated, record_skip, requests
+from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.run_root import read_status
+from miles_core.storage import Store
+
+log = logging.getLogger(__name__)
+
+
+def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5.0,
+                     start_grace_seconds: float = 300.0, max_seconds: float | None = None,
+                     metrics=None) -> dict:
+    """Evaluate snapshots as they land until the run stops; returns a summary dict.
+
+    `metrics`: a sink with log(step, dict); default MetricsSink(run root, "eval").
+    """
+    from miles_core.eval.local_engine import SnapshotEvaluator
+    from miles_core.metrics.sink import MetricsSink
+
+    run_uri = run_uri or cfg.run_uri
+    store = Store(run_uri)
+    layout = SnapshotLayout.from_config(cfg, run_uri)
+    datasets = load_eval_datasets(cfg, run_uri=run_uri)
+    names = {d.name for d in datasets}
+    own_sink = metrics is None
+    sink = MetricsSink(store, "eval") if own_sink else metrics
+    t0 = time.monotonic()
+    initial = read_status(store)
+    started = initial is not None and initial.active
+    summary = {"evaluated": [], "skipped": {}, "state": None, "seconds": 0.0}
+    try:
+        with SnapshotEvaluator(cfg, store=store, layout=layout, datasets=datasets,
+                               sampling=sampling_from_config(cfg), metrics=sink, mode="tasks") as evaluator:
+            while True:
+                status = read_status(store)  # read before listing: a terminal status covers every snapshot listed after it
+                if not started:
+                    changed = status is not None and (initial is None or status.updated_at != initial.updated_at)
+                    started = (status is not None and status.active) or changed or \
+                        time.monotonic() - t0 > start_grace_seconds
+                terminal = started and status is not None and not status.active
+                todo, incomplete_requested = _todo(store, layout, cfg.eval.eval_interval, names, status, terminal)
+                for step in incomplete_requested:
+                    record_skip(store, step, "ckpt_missing", f"{layout.uri(step)} has no completion marker", sink)
+                    summary["skipped"][step] = "ckpt_missing"
+                for step, version in todo:
+                    latest = read_status(store)
+                    out = evaluator.evaluate(step, version, latest_step=latest.last_step if latest else step)
+                    if out.skipped:
+                        summary["skipped"][step] = out.skipped
+                    else:
+                        summary["evaluated"].append(step)
+                    _retire(store, layout, cfg, names)
+                if terminal and not todo:
+                    summary["state"] = status.state
+                    break
+                if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                    summary["state"] = "timeout"
+                    log.warning("eval follower stopped after %.0f s (max_seconds)", max_seconds)
+                    break
+                if not todo:
+                    time.sleep(poll_seconds)
+    finally:
+        if own_sink:
+            sink.close()
+    summary["seconds"] = time.monotonic() - t0
+    return summary
+
+
+def _todo(store: Store, layout: SnapshotLayout, interval: int | None, names: set[str], status,
+          terminal: bool) -> tuple[list[tuple[int, int | None]], list[int]]:
+    """([(step, version)] to evaluate now, [requested steps whose snapshot is incomplete at the end])."""
+    complete = set(layout.complete_steps())
+    reqs = requests(store)
+    done = {s for s, have in evaluated(store).items() if SKIPPED_NAME in have or names <= have}
+    wanted = set(reqs) | {s for s in complete if on_cadence(s, interval)}
+    if terminal and status.last_step >= 0 and status.last_step in complete:
+        wanted.add(status.last_step)
+    todo = [(s, (reqs.get(s) or {}).get("weight_version")) for s in sorted(wanted - done) if s in complete]
+    # A request is written after its snapshot was seen complete, so an incomplete one was deleted
+    # or damaged; report it once the run has stopped (until then a slow store may still show it).
+    missing = sorted(s for s in set(reqs) - done - complete) if terminal else []
+    return todo, missing
+
+
+def _retire(store: Store, layout: SnapshotLayout, cfg, names: set[str]) -> None:
+    if not layout.exports:
+        return
+    try:
+        complete = layout.complete_steps()
+        done = {s for s, have in evaluated(store).items() if SKIPPED_NAME in have or names <= have}
+        wanted = set(requests(store)) | {s for s in complete if on_cadence(s, cfg.eval.eval_interval)}
+        pending = {s for s in complete if s in wanted and s not in done}
+        retire_snapshots(layout, cfg.eval.eval_keep_snapshots, pending, protected_uris=(cfg.model.hf_checkpoint,))
+    except Exception as e:  # noqa: BLE001 - housekeeping
+        log.warning("snapshot retirement failed: %s", e)

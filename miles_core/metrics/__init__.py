@@ -1,0 +1,15 @@
+"""Metric events in the run root (DESIGN §12) and the report built from them.
+
+    with MetricsSink(run_uri, "trainer") as sink:
+        sink.log(step, {"train/loss": 0.3, "perf/step_seconds": 1.2})
+    events = read_metrics(run_uri)          # [{"step", "time", "name", "value", "component"}, ...]
+    write_report(run_uri, "report.html")   # from miles_core.metrics.report
+
+`metrics/{component}/*.jsonl` is the source of truth for every plot; TensorBoard and W&B are
+optional mirrors (`optional_sinks`).
+"""
+
+from miles_core.metrics.names import METRIC_NAMES, PERF_METRICS
+from miles_core.metrics.sink import MetricsSink, optional_sinks, read_metrics, series
+
+__all__ = ["METRIC_NAMES", "PERF_METRICS", "MetricsSink", "optional_sinks", "read_metrics", "series"]

@@ -1,0 +1,189 @@
+"""The run report: one self-contained HTML file (plotly, JS inline) built from `metrics/` alone.
+
+    write_report(run_uri, "report.html")     # `miles report RUN_URI -o report.html`
+    render_report(run_uri) -> str            # the same HTML (the Flyte Deck uses it)
+
+Panels: reward (with eval means), staleness, buffer queue size against capacity, throughput,
+wait times, eval curves; and a bottleneck reading from the queue: pinned at 0 -> rollout-bound
+(the trainer drains faster than the producer fills), pinned at capacity -> train-bound (the
+producer is blocked on a full buffer).
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+
+from miles_core.metrics import names as N
+from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
+
+# A verdict needs the queue to sit at an end this often (after warm-up).
+PINNED_FRACTION = 0.6
+WARMUP_FRACTION = 0.1
+MIN_POINTS = 3
+
+
+@dataclass(frozen=True)
+class Bottleneck:
+    verdict: str  # rollout-bound | train-bound | balanced | unknown
+    detail: str
+
+
+def diagnose_bottleneck(events: list[dict], capacity: int | None) -> Bottleneck:
+    """Read the bottleneck from the buffer queue size (DESIGN §12), with the wait times as support."""
+    steps, q = series(events, N.QUEUE_SIZE)
+    if len(q) < MIN_POINTS:
+        return Bottleneck("unknown", f"not enough {N.QUEUE_SIZE} points ({len(q)}) to read a bottleneck.")
+    q = q[int(len(q) * WARMUP_FRACTION):]
+    cap = capacity if capacity else max(q)
+    at_zero = sum(1 for v in q if v <= 0) / len(q)
+    at_cap = sum(1 for v in q if cap > 0 and v >= cap) / len(q) if cap else 0.0
+    _, wait = series(events, N.TRAIN_WAIT_SECONDS)
+    _, blocked = series(events, N.PRODUCER_BLOCKED_SECONDS)
+    support = (f" Trainer waited {sum(wait):.1f} s for data in total; the producer was blocked on a full buffer "
+               f"{sum(blocked):.1f} s." if wait or blocked else "")
+    share = f"queue at 0 in {at_zero:.0%} and at capacity ({cap:g}) in {at_cap:.0%} of the steps after warm-up."
+    if at_zero >= PINNED_FRACTION:
+        return Bottleneck("rollout-bound", "The trainer drains the buffer as fast as groups arrive: " + share +
+                          " Add engines / rollout GPUs or raise --async-max-concurrent-samples." + support)
+    if at_cap >= PINNED_FRACTION:
+        return Bottleneck("train-bound", "Generation outpaces training and the buffer sits full: " + share +
+                          " Add trainer GPUs, or give engines fewer resources." + support)
+    return Bottleneck("balanced", "Neither side waits for the other most of the time: " + share + support)
+
+
+def buffer_capacity(run) -> int | None:
+    """Capacity in groups from the run's resolved config (None when the config is unavailable)."""
+    from miles_core.run_root import read_config
+
+    cfg = read_config(_as_store(run))
+    if not cfg:
+        return None
+    try:
+        return max(1, int(cfg["buffer"]["async_data_buffer_capacity_factor"] * cfg["rollout"]["rollout_batch_size"]))
+    except (KeyError, TypeError):
+        return None
+
+
+# ----------------------------------------------------------------------------- figures
+
+
+PANELS = [
+    ("Reward", [N.REWARD], "mean reward"),
+    ("Staleness (weight versions)", [N.AVG_STALENESS, N.MAX_STALENESS, N.BUFFER_AVG_STALENESS,
+                                     N.BUFFER_MAX_STALENESS, N.MIXED_VERSION_RATIO], "versions / ratio"),
+    ("Buffer queue size (groups)", [N.QUEUE_SIZE], "groups"),
+    ("Throughput", [N.TOKENS_PER_SECOND], "tokens / s"),
+    ("Step time", [N.STEP_SECONDS], "seconds"),
+    ("Wait times", [N.TRAIN_WAIT_SECONDS, N.PRODUCER_BLOCKED_SECONDS, N.WEIGHT_UPDATE_SECONDS], "seconds"),
+]
+
+
+def eval_metric_names(events: list[dict]) -> list[str]:
+    return [n for n in metric_names(events) if n.startswith(N.EVAL_PREFIX)
+            and not n.startswith(("eval/skipped_", "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds"))]
+
+
+def _figure(title: str, names: list[str], events: list[dict], ytitle: str, hline: float | None = None):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for name in names:
+        steps, values = series(events, name)
+        if steps:
+            fig.add_trace(go.Scatter(x=steps, y=values, mode="lines+markers", name=name, marker={"size": 4}))
+    if hline is not None:
+        fig.add_hline(y=hline, line_dash="dash", annotation_text=f"capacity {hline:g}")
+    fig.update_layout(title=title, xaxis_title="step", yaxis_title=ytitle, height=360,
+                      margin={"l": 50, "r": 20, "t": 50, "b": 40}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
+def report_figures(events: list[dict], capacity: int | None = None) -> list:
+    """The report's plotly figures (panels without any data are left out)."""
+    figs = []
+    present = set(metric_names(events))
+    for title, names, ytitle in PANELS:
+        names = [n for n in names if n in present]
+        if title == "Reward":
+            names += [n for n in eval_metric_names(events) if n.count("/") == 1]  # eval/{ds}: mean reward
+        if names:
+            hline = capacity if title.startswith("Buffer") else None
+            figs.append(_figure(title, names, events, ytitle, hline))
+    evals = eval_metric_names(events)
+    if evals:
+        figs.append(_figure("Eval", evals, events, "value"))
+    return figs
+
+
+def eval_figure(events: list[dict]):
+    """Eval curves alone (the backfill Deck)."""
+    return _figure("Eval", eval_metric_names(events), events, "value")
+
+
+# ----------------------------------------------------------------------------- HTML
+
+
+def render_report(run, title: str | None = None) -> str:
+    """The report of run root `run` (a Store or URI) as one self-contained HTML string."""
+    from miles_core.run_root import read_status
+
+    store = _as_store(run)
+    events = read_metrics(store)
+    capacity = buffer_capacity(store)
+    status = read_status(store)
+    bottleneck = diagnose_bottleneck(events, capacity)
+    return render_html(events, title or f"miles run {store.uri()}", capacity=capacity, bottleneck=bottleneck,
+                       summary=_summary_rows(store.uri(), events, status, capacity))
+
+
+def render_html(events: list[dict], title: str, *, capacity: int | None = None,
+                bottleneck: Bottleneck | None = None, summary: list[tuple[str, str]] | None = None) -> str:
+    bottleneck = bottleneck or diagnose_bottleneck(events, capacity)
+    figs = report_figures(events, capacity)
+    # plotly.js inline exactly once (with the first figure): the file opens offline.
+    divs = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in (summary or []))
+    body = "\n".join(f'<div class="panel">{d}</div>' for d in divs) or "<p>No metrics recorded yet.</p>"
+    return f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;margin:24px;max-width:1100px}} th{{text-align:left;padding-right:16px}}
+.verdict{{padding:10px;background:#f3f3f3;border-left:4px solid #636efa;margin:12px 0}}</style></head>
+<body><h1>{html.escape(title)}</h1>
+<table>{rows}</table>
+<div class="verdict"><b>Bottleneck: {html.escape(bottleneck.verdict)}</b>. {html.escape(bottleneck.detail)}</div>
+{body}
+</body></html>
+"""
+
+
+def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) -> list[tuple[str, str]]:
+    rows = [("run", uri)]
+    if status is not None:
+        rows.append(("state", f"{status.state} (segment {status.segment}, last step {status.last_step})"))
+    steps, reward = series(events, N.REWARD)
+    if reward:
+        head = reward[:5]
+        tail = reward[-max(1, len(reward) // 10):]
+        rows.append(("reward", f"first 5 steps {sum(head) / len(head):.3f} -> last 10% {sum(tail) / len(tail):.3f} "
+                               f"({len(steps)} steps)"))
+    if capacity:
+        rows.append(("buffer capacity", f"{capacity} groups"))
+    return rows
+
+
+def write_report(run_uri: str, out_path: str) -> str:
+    """Write the report of `run_uri` to `out_path` (a local path or a URI); returns where it went."""
+    text = render_report(run_uri)
+    if "://" in out_path and not out_path.startswith("file://"):
+        import fsspec
+
+        with fsspec.open(out_path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return out_path
+    path = os.path.abspath(out_path[len("file://"):] if out_path.startswith("file://") else out_path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return path

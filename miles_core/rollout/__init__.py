@@ -1,0 +1,13 @@
+"""The rollout side (DESIGN §5): what is generated, when, and how it reaches the trainer.
+
+- `data_source`: the prompt order with a durable cursor and the recycle queue;
+- `scheduler`: the submission budget (group / sample granularity) and staleness admission;
+- `rewards`: built-in rewards, the `--custom-rm-path` slot, failure-safe scoring;
+- `producer`: the continuous generation loop (pause, stop, worker-error slot);
+- `drain`: exactly one training batch from the buffer (and the sync / one-step-off batch path);
+- `metrics`: the rollout metrics of a consumed batch and their names;
+- `manager`: all of the above in one object, runnable as a Ray actor;
+- `builtin_tasks`: the builtin verifiable tasks of the embedded default.
+
+Importing this package imports nothing else; import the submodules you need.
+"""

@@ -1,0 +1,204 @@
+"""The rollout side of a run in one object: data source, producer, buffer and drain (a Ray actor).
+
+    manager = RolloutManager(cfg, engine_urls=urls, state=ckpt_state, consumed_through_step=k)
+    await manager.start()
+    batch = await manager.next_batch(current_version=v)   # DrainedBatch of exactly B groups
+    await manager.set_version(v + 1)                       # after each weight update
+    state = manager.state()                                # into the checkpoint
+    await manager.record_consumed(step, batch.group_ids)   # with the checkpoint (durable)
+    await manager.stop()
+
+In production it runs as a Ray async actor (`rollout_manager_actor()` returns the actor class;
+every async method is then called with `.remote(...)` and returns a Ray ref the caller must
+`ray.get`). The buffer lives in this process because its in-memory index is shared by the put
+(producer) and get (drain) sides.
+
+The driver mode is decided once here: `fully-async` runs the producer continuously and
+`next_batch` drains B groups; `sync` and `one-step-off` build a batch-mode producer and
+`next_batch` generates exactly B groups (a one-step-off driver requests batch k+1 before
+training on batch k).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Callable
+
+from miles_core.rollout.data_source import DataSource
+from miles_core.rollout.drain import DrainedBatch, ProducerGuardedBuffer, drain_batch, generate_batch, load_sample_filter
+from miles_core.rollout.producer import Producer
+from miles_core.rollout.rewards import Rewarder, load_reward
+from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
+from miles_core.samples import Group
+
+log = logging.getLogger(__name__)
+
+
+def sampling_params(rollout_section) -> dict:
+    r = rollout_section
+    return {"max_new_tokens": r.rollout_max_response_len, "temperature": r.rollout_temperature,
+            "top_p": r.rollout_top_p, "top_k": r.rollout_top_k}
+
+
+class RejectionNotifier:
+    """Wraps the unused-samples handler so the producer hears of every rejected group (its
+    started-groups count and batch quota depend on it), then delegates."""
+
+    def __init__(self, inner: Any, on_rejected: Callable[[Group, str], None]):
+        self.inner = inner
+        self.on_rejected = on_rejected
+
+    def handle(self, group: Group, reason: str) -> None:
+        self.on_rejected(group, reason)
+        self.inner.handle(group, reason)
+
+    def metrics(self) -> dict[str, float]:
+        fn = getattr(self.inner, "metrics", None)
+        return fn() if callable(fn) else {}
+
+
+def notify_filter_drops(buffer: Any, on_rejected: Callable[[Group, str], None]) -> None:
+    """The dynamic filter drops groups without the unused-samples handler; wrap it (when the buffer
+    exposes it as `dynamic_filter`, as the default buffer does) so drops reach the producer too."""
+    fn = getattr(buffer, "dynamic_filter", None)
+    if fn is None:
+        return
+
+    def counted(group: Group):
+        keep, reason = fn(group)
+        if not keep:
+            on_rejected(group, f"filtered:{reason}")
+        return keep, reason
+
+    buffer.dynamic_filter = counted
+
+
+def digit_decode(ids: list[int]) -> str:
+    """Response text for the builtin digit vocabulary: the digits, specials dropped."""
+    return "".join(str(t) for t in ids if 0 <= t <= 9)
+
+
+def tokenizer_decode(hf_checkpoint: str) -> Callable[[list[int]], str]:
+    """tokenizer.decode of `--hf-checkpoint`, loaded on first use (only text rewards need it)."""
+    if hf_checkpoint.startswith("builtin:"):
+        return digit_decode
+    tok = None
+
+    def decode(ids: list[int]) -> str:
+        nonlocal tok
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(hf_checkpoint)
+        return tok.decode(ids, skip_special_tokens=True)
+
+    return decode
+
+
+class RolloutManager:
+    """See the module docstring. Arguments other than `cfg` replace the component built from it
+    (tests and custom deployments): `engine` (else an EngineClient over `engine_urls`), `rows` (else
+    the run root's normalized prompts), `buffer_factory(handler)` (else `build_buffer`), `decode`."""
+
+    def __init__(self, cfg, *, engine_urls: list[str] | None = None, engine: Any = None, rows: list[dict] | None = None,
+                 buffer_factory: Callable[[Any], Any] | None = None, decode: Callable[[list[int]], str] | None = None,
+                 state: dict | None = None, consumed_through_step: int | None = None):
+        r = cfg.rollout
+        self.cfg = cfg
+        self.batch_size = r.rollout_batch_size
+        self.batch_mode = cfg.driver != "fully-async"
+        if engine is None:
+            from miles_core.engines.client import EngineClient
+
+            engine = EngineClient(list(engine_urls or []), request_timeout_seconds=r.engine_request_timeout_seconds)
+        self.engine = engine
+        if rows is None:
+            from miles_core.data import load_prompts
+            from miles_core.storage import Store
+
+            rows = load_prompts(Store(cfg.run_uri))
+        source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle)
+        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg.model.hf_checkpoint))
+        budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
+        admission = StalenessAdmission(r.max_weight_staleness, r.rollout_batch_size * r.update_weights_interval)
+        self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
+                                 admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode)
+        handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
+        if buffer_factory is None:
+            from miles_core.buffer import build_buffer
+
+            self.buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step)
+        else:
+            self.buffer = buffer_factory(handler)
+        notify_filter_drops(self.buffer, self.producer.on_rejected)
+        self.producer.sink = self.buffer
+        if state is not None:
+            committed = getattr(self.buffer, "committed_positions", None)
+            report = self.producer.restore(state, committed() if callable(committed) else ())
+            log.info("rollout state restored: %s; started groups %d", report, admission.started_groups)
+        self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
+        self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)
+        self.version: int | None = None
+
+    def _unused_handler(self, mode: str) -> RejectionNotifier:
+        from miles_core.buffer import build_unused_handler
+
+        inner = build_unused_handler(mode, recycle=self.producer.recycle if mode == "retry" else None)
+        return RejectionNotifier(inner, self.producer.on_rejected)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self.producer.start()
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        await self.producer.stop(grace_seconds)
+        self.consumer.close()
+        close = getattr(self.buffer, "close", None)
+        if callable(close):
+            await asyncio.get_running_loop().run_in_executor(None, close)
+        aclose = getattr(self.engine, "close", None)
+        if callable(aclose):
+            result = aclose()
+            if asyncio.iscoroutine(result):
+                await result
+
+    # ------------------------------------------------------------------ the driver's calls
+    async def next_batch(self, current_version: int | None = None) -> DrainedBatch:
+        """Exactly rollout_batch_size groups, sorted by prompt index, filtered, with metrics."""
+        version = current_version if current_version is not None else self.version
+        if self.batch_mode:
+            return await generate_batch(self.producer, self.consumer, self.batch_size, current_version=version,
+                                        sample_filter=self.sample_filter)
+        return await drain_batch(self.consumer, self.batch_size, current_version=version,
+                                 sample_filter=self.sample_filter, producer_metrics=self.producer.metrics)
+
+    async def set_version(self, version: int) -> None:
+        self.version = version
+        self.producer.set_version(version)
+
+    async def pause(self) -> None:
+        self.producer.pause()
+
+    async def resume(self) -> None:
+        self.producer.resume()
+
+    def state(self) -> dict:
+        return self.producer.state()
+
+    async def record_consumed(self, step: int, group_ids: list[str]) -> None:
+        record = getattr(self.buffer, "record_consumed", None)
+        if callable(record):
+            await asyncio.get_running_loop().run_in_executor(None, record, step, list(group_ids))
+
+    def error(self) -> str | None:
+        return None if self.producer.error is None else str(self.producer.error)
+
+
+def rollout_manager_actor(**ray_options):
+    """The Ray actor class of RolloutManager (`.remote(cfg, ...)` builds it). ray_options go to
+    `ray.remote` (num_cpus, resources, ...)."""
+    import ray
+
+    ray_options.setdefault("num_cpus", 1)
+    return ray.remote(**ray_options)(RolloutManager)

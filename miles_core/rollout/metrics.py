@@ -1,0 +1,77 @@
+"""Rollout metrics of a consumed batch (DESIGN §12). The names are interface.
+
+`ROLLOUT_METRIC_NAMES` is the single list the docs' metric reference is checked against: the
+per-batch metrics of `batch_metrics`, the producer's window metrics, and the drain's wait time.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from miles_core.samples import Group, SampleStatus
+
+REWARD_MEAN = "rollout/reward/mean"
+RESPONSE_LEN_MEAN = "rollout/response_len/mean"
+RESPONSE_LEN_MAX = "rollout/response_len/max"
+TRUNCATED_RATIO = "rollout/truncated_ratio"
+ZERO_STD_RATIO = "rollout/zero_std/ratio"
+WEIGHT_VERSION_MEAN = "rollout/weight_version/mean"
+WEIGHT_VERSION_MIN = "rollout/weight_version/min"
+WEIGHT_VERSION_MAX = "rollout/weight_version/max"
+MIXED_VERSION_RATIO = "rollout/weight_version/mixed_version_ratio"
+TOKENS_PER_SECOND = "perf/tokens_per_second"
+TRAIN_WAIT_SECONDS = "perf/train_wait_seconds"
+REWARD_FAILED = "rollout/reward_failed"
+# producer gauges (rollout/producer/*): see Producer.metrics
+PRODUCER_GROUPS_PER_SECOND = "rollout/producer/groups_per_second"
+PRODUCER_IN_FLIGHT_GROUPS = "rollout/producer/in_flight_groups"
+PRODUCER_STARTED_GROUPS = "rollout/producer/started_groups"
+
+ROLLOUT_METRIC_NAMES: tuple[str, ...] = (
+    REWARD_MEAN,
+    RESPONSE_LEN_MEAN,
+    RESPONSE_LEN_MAX,
+    TRUNCATED_RATIO,
+    ZERO_STD_RATIO,
+    WEIGHT_VERSION_MEAN,
+    WEIGHT_VERSION_MIN,
+    WEIGHT_VERSION_MAX,
+    MIXED_VERSION_RATIO,
+    TOKENS_PER_SECOND,
+    TRAIN_WAIT_SECONDS,
+    REWARD_FAILED,
+    PRODUCER_GROUPS_PER_SECOND,
+    PRODUCER_IN_FLIGHT_GROUPS,
+    PRODUCER_STARTED_GROUPS,
+)
+
+
+def batch_metrics(groups: list[Group]) -> dict[str, float]:
+    """Distribution metrics of one consumed batch.
+
+    Rewards count scored samples only (failed ones have none). A group has zero std when all its
+    scored rewards are equal (GRPO learns nothing from it). Weight versions are per token over the
+    batch; the mixed-version ratio is the fraction of samples whose tokens carry more than one.
+    """
+    samples = [s for g in groups for s in g.samples]
+    out: dict[str, float] = {}
+    if not samples:
+        return out
+    rewards = [s.reward for s in samples if s.reward is not None]
+    if rewards:
+        out[REWARD_MEAN] = sum(rewards) / len(rewards)
+    lengths = [len(s.response_ids) for s in samples]
+    out[RESPONSE_LEN_MEAN] = sum(lengths) / len(lengths)
+    out[RESPONSE_LEN_MAX] = float(max(lengths))
+    out[TRUNCATED_RATIO] = sum(s.status == SampleStatus.TRUNCATED for s in samples) / len(samples)
+    scored_groups = [[s.reward for s in g.samples if s.reward is not None] for g in groups]
+    scored_groups = [r for r in scored_groups if r]
+    if scored_groups:
+        out[ZERO_STD_RATIO] = sum(statistics.pstdev(r) == 0.0 for r in scored_groups) / len(scored_groups)
+    versions = [v for s in samples for v in s.token_versions]
+    if versions:
+        out[WEIGHT_VERSION_MEAN] = sum(versions) / len(versions)
+        out[WEIGHT_VERSION_MIN] = float(min(versions))
+        out[WEIGHT_VERSION_MAX] = float(max(versions))
+    out[MIXED_VERSION_RATIO] = sum(s.mixed_version for s in samples) / len(samples)
+    return out

@@ -1,0 +1,352 @@
+"""The rollout producer (DESIGN §5.1-§5.3): a persistent asyncio loop that keeps the engines busy.
+
+Each turn of the loop waits until a new prompt group may start, takes it from the data source,
+and spawns a group task: the group's n samples are generated concurrently on the engines, scored
+by the reward function, and `put` into the buffer. A group may start only when every gate is open:
+
+- not paused (Mode-1 eval on shared engines) and not stopping;
+- the submission budget (`SubmissionBudget`: group slots or sample credits, DESIGN §5.2);
+- staleness admission (`StalenessAdmission`, DESIGN §5.3) with `--max-weight-staleness`;
+- the put backlog: fewer than `budget_groups` finished groups waiting for `put`. Under sample
+  granularity a group gives its credits back when its samples finish, so without this gate a full
+  buffer (put blocks: backpressure) would let finished groups pile up in memory without bound;
+- the batch quota, when one is set (`allow(k)`: the sync and one-step-off drivers generate
+  exactly k groups; rejected groups give their place back so they are replaced).
+
+What it owns: generation, per-sample finish status, rewards, the started-groups count, the
+worker-error slot. What it leaves to others: the order of prompts (the data source), group
+decisions at put/get (the buffer: aborted groups, the dynamic filter, staleness at get), and
+consumption (`miles_core.rollout.drain`).
+
+A failure of the worker (an exception from the engine client, a bug; not an aborted request and
+not a raising reward function) stops the loop and is recorded in `error`; the buffer's `fail`
+(when it has one) and `ProducerGuardedBuffer` make the trainer's next get raise it before any
+queued data. Aborted requests are not failures: the sample is `aborted`, the rest of its group is
+cancelled, and the buffer rejects the group.
+
+Threading: the loop and every method run on one asyncio event loop, except `on_rejected` and
+`recycle`, which the buffer's unused-samples handler may call from the buffer's threads; they
+hand the work to the loop. The buffer's blocking `put` runs on a dedicated thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import logging
+import time
+from typing import Any, Callable, Protocol
+
+from miles_core.rollout import metrics as M
+from miles_core.rollout.data_source import DataSource, RestoreReport
+from miles_core.rollout.rewards import Rewarder
+from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget, Ticket
+from miles_core.samples import Group, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout worker failed; raised at the trainer's next get. The cause is chained."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+class Engine(Protocol):
+    """What the producer needs from `miles_core.engines.client.EngineClient`."""
+
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None) -> Any:
+        """-> an object with output_ids, output_logprobs, token_versions, finish_reason
+        ('stop' | 'length' | 'abort'), seconds. Never raises for an engine failure (it aborts)."""
+        ...
+
+
+class GroupSink(Protocol):
+    """The buffer's put side (`miles_core.buffer.DataBuffer.put`): blocking, or a coroutine."""
+
+    def put(self, group: Group) -> None: ...
+
+
+_FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
+
+
+class Producer:
+    """See the module docstring. Build it, then `start()` (or `await run()`) inside a running loop."""
+
+    def __init__(self, *, source: DataSource, engine: Engine, sink: GroupSink, rewarder: Rewarder,
+                 budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
+                 batch_mode: bool = False, put_threads: int | None = None):
+        self.source = source
+        self.engine = engine
+        self.sink = sink
+        self.rewarder = rewarder
+        self.budget = budget
+        self.admission = admission
+        self.sampling_params = dict(sampling_params)
+        self.error: BaseException | None = None
+        self.paused = False
+        self._stopping = False
+        self._quota: int | None = 0 if batch_mode else None  # None: unlimited (fully async)
+        self._groups: dict[asyncio.Task, Group] = {}
+        self._awaiting_put = 0
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._put_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=put_threads or min(64, budget.budget_groups + 1), thread_name_prefix="rollout-put")
+        self._error_listeners: list[Callable[[BaseException], None]] = []
+        self._window_t0 = time.monotonic()
+        self._window_tokens = 0
+        self._window_groups = 0
+        budget.listeners.append(self._wake.set)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> asyncio.Task:
+        """Run the loop as a task of the current event loop (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run(), name="rollout-producer")
+        return self._task
+
+    async def run(self) -> None:
+        """The producer loop. Returns when stopped or failed (then `error` is set); never raises."""
+        self._loop = asyncio.get_running_loop()
+        try:
+            while await self._wait_admissible():
+                ticket = self.budget.try_acquire()
+                assert ticket is not None  # _wait_admissible checked it, on this loop, just now
+                self.admission.admit()
+                if self._quota is not None:
+                    self._quota -= 1
+                group = self.source.next_group()
+                task = self._loop.create_task(self._run_group(group, ticket), name=f"group-{group.group_id}")
+                self._groups[task] = group
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug in the loop itself fails the worker loudly
+            self._fail(e)
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        """Stop starting groups; let in-flight groups finish (and commit) for up to `grace_seconds`,
+        then cancel the rest (their prompts stay outstanding in the data source: served again on
+        resume). Safe to call more than once."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
+        pending = list(self._groups)
+        if pending:
+            done, rest = await asyncio.wait(pending, timeout=grace_seconds)
+            for t in rest:
+                t.cancel()
+            if rest:
+                log.warning("producer stop: %d group(s) still running after %.0f s were cancelled",
+                            len(rest), grace_seconds)
+                await asyncio.gather(*rest, return_exceptions=True)
+        self._put_pool.shutdown(wait=False, cancel_futures=True)
+
+    def pause(self) -> None:
+        """Start no new group (Mode-1 eval on shared engines); nothing in flight is aborted."""
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    def set_version(self, version: int) -> None:
+        """The trainer published weight version `version` (after a weight update)."""
+        self.admission.set_version(version)
+        self._wake.set()
+
+    def allow(self, groups: int) -> None:
+        """Batch mode (built with batch_mode=True: the sync and one-step-off drivers): permit `groups`
+        more groups to start. Outside batch mode the producer is unlimited (fully async)."""
+        if self._quota is None:
+            raise RuntimeError("Producer.allow() needs a producer built with batch_mode=True")
+        self._quota += groups
+        self._wake.set()
+
+    @property
+    def in_flight_groups(self) -> int:
+        return len(self._groups)
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping and (self._task is None or self._task.done())
+
+    # ------------------------------------------------------------------ gates
+    def _admissible(self) -> bool:
+        return (not self.paused and (self._quota is None or self._quota > 0)
+                and self._awaiting_put < self.budget.budget_groups
+                and self.budget.can_acquire() and self.admission.can_admit())
+
+    async def _wait_admissible(self) -> bool:
+        while True:
+            if self._stopping or self.error is not None:
+                return False
+            self._wake.clear()
+            if self._admissible():
+                return True
+            await self._wake.wait()
+
+    # ------------------------------------------------------------------ one group
+    async def _run_group(self, group: Group, ticket: Ticket) -> None:
+        try:
+            await self._generate_group(group, ticket)
+            if not group.aborted:
+                await self.rewarder.score_group(group)
+            self._awaiting_put += 1
+            try:
+                await self._put(group)
+            finally:
+                self._awaiting_put -= 1
+            self.source.settled(group)
+            self._window_groups += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the worker fails loudly (DESIGN §5.1)
+            self._fail(e, group)
+        finally:
+            ticket.release()
+            self._groups.pop(asyncio.current_task(), None)
+            self._wake.set()
+
+    async def _generate_group(self, group: Group, ticket: Ticket) -> None:
+        """Generate every sample; if one aborts, cancel its siblings (the group is rejected anyway)."""
+        tasks = [asyncio.ensure_future(self._generate_sample(s, ticket)) for s in group.samples]
+        try:
+            pending = set(tasks)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    t.result()  # re-raise a worker failure
+                if pending and group.aborted:
+                    for t in pending:
+                        t.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    pending = set()
+        finally:
+            for t in tasks:
+                if not t.done():
+                    t.cancel()
+            if any(not t.done() for t in tasks):
+                await asyncio.gather(*tasks, return_exceptions=True)
+        for s in group.samples:
+            if s.status == SampleStatus.PENDING:  # cancelled because a sibling aborted
+                s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
+
+    async def _generate_sample(self, sample: Sample, ticket: Ticket) -> None:
+        t0 = time.monotonic()
+        try:
+            out = await self.engine.generate(sample.prompt_ids, self.sampling_params)
+        finally:
+            ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
+        fill_sample(sample, out, time.monotonic() - t0)
+        self._window_tokens += len(sample.response_ids)
+
+    async def _put(self, group: Group) -> None:
+        result = None
+        if inspect.iscoroutinefunction(getattr(self.sink, "put", None)):
+            result = self.sink.put(group)
+        else:
+            result = self._loop.run_in_executor(self._put_pool, self.sink.put, group)
+        await result
+
+    # ------------------------------------------------------------------ failure
+    def _fail(self, error: BaseException, group: Group | None = None) -> None:
+        if self.error is not None:
+            return
+        where = f" while generating group {group.group_id!r}" if group is not None else ""
+        log.error("rollout worker failed%s: %r", where, error, exc_info=error)
+        wrapped = RolloutWorkerError(f"the rollout worker failed{where}: {type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        self.error = wrapped
+        self._stopping = True
+        self._wake.set()
+        for listener in self._error_listeners:
+            listener(wrapped)
+        fail = getattr(self.sink, "fail", None)
+        if callable(fail):
+            fail(wrapped)
+        for task in list(self._groups):
+            if task is not asyncio.current_task():
+                task.cancel()
+
+    def on_error(self, listener: Callable[[BaseException], None]) -> None:
+        self._error_listeners.append(listener)
+        if self.error is not None:
+            listener(self.error)
+
+    # ------------------------------------------------------------------ buffer feedback (any thread)
+    def on_rejected(self, group: Group, reason: str = "") -> None:
+        """A group this producer started was rejected (aborted at put, stale at get, filtered):
+        it leaves the started-groups count, and in batch mode its place is given back."""
+        self._call_on_loop(self._rejected, group)
+
+    def recycle(self, group: Group) -> None:
+        """The retry handler's callback: serve the original prompt group again."""
+        self._call_on_loop(self.source.recycle, group)
+
+    def _rejected(self, group: Group) -> None:
+        self.admission.rejected()
+        if self._quota is not None:
+            self._quota += 1
+        self._wake.set()
+
+    def _call_on_loop(self, fn: Callable, *args) -> None:
+        loop = self._loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if loop is None or running is loop:
+            fn(*args)
+        else:
+            loop.call_soon_threadsafe(fn, *args)
+
+    # ------------------------------------------------------------------ state and metrics
+    def state(self) -> dict:
+        """JSON-able rollout state for the checkpoint: the data-source cursor and started groups."""
+        return {"version": STATE_VERSION, "data_source": self.source.state(),
+                "started_groups": self.admission.started_groups}
+
+    def restore(self, state: dict, committed=()) -> RestoreReport:
+        """Restore `state()` before `start()`; `committed` as in `DataSource.restore` (the buffer's
+        `committed_positions()`)."""
+        report = self.source.restore(state["data_source"], committed)
+        self.admission.started_groups = max(
+            0, int(state["started_groups"]) - report.reserved_outstanding + report.committed_beyond_checkpoint)
+        return report
+
+    def metrics(self) -> dict[str, float]:
+        """Producer metrics for the window since the last call."""
+        now = time.monotonic()
+        seconds = max(now - self._window_t0, 1e-9)
+        out = {
+            M.TOKENS_PER_SECOND: self._window_tokens / seconds,
+            M.REWARD_FAILED: float(self.rewarder.take_failed()),
+            M.PRODUCER_GROUPS_PER_SECOND: self._window_groups / seconds,
+            M.PRODUCER_IN_FLIGHT_GROUPS: float(len(self._groups)),
+            M.PRODUCER_STARTED_GROUPS: float(self.admission.started_groups),
+        }
+        self._window_t0, self._window_tokens, self._window_groups = now, 0, 0
+        return out
+
+
+def fill_sample(sample: Sample, out: Any, seconds: float) -> None:
+    """Copy one engine result (`GenerateResult`) into the sample."""
+    sample.response_ids = [int(t) for t in out.output_ids]
+    sample.response_logprobs = [float(x) for x in (out.output_logprobs or [])]
+    sample.token_versions = [int(v) for v in (out.token_versions or [])]
+    if len(sample.response_logprobs) != len(sample.response_ids):
+        sample.response_logprobs = (sample.response_logprobs + [0.0] * len(sample.response_ids))[: len(sample.response_ids)]
+    if len(sample.token_versions) != len(sample.response_ids):
+        v = getattr(out, "weight_version", None)
+        sample.token_versions = [int(v) if v is not None else 0] * len(sample.response_ids)
+    sample.loss_mask = [1] * len(sample.response_ids)
+    sample.finish_reason = str(out.finish_reason)
+    sample.status = _FINISH_STATUS.get(sample.finish_reason, SampleStatus.ABORTED)
+    sample.generation_seconds = float(getattr(out, "seconds", 0.0) or seconds)

@@ -1,0 +1,221 @@
+"""Reward functions: the built-ins, the `--custom-rm-path` slot, and scoring a group safely.
+
+A reward function is one of (checked when the `Rewarder` is built, before any generation):
+
+    fn(sample) -> float                      per sample; may be `async def`
+    fn(sample, text) -> float                per sample, with `fn.needs_text = True`: text is the
+                                             decoded response (the producer's tokenizer)
+    fn(samples) -> list[float]               per group (batched), with `fn.batched = True`;
+    fn(samples, texts) -> list[float]        ... and `needs_text = True`; either may be async
+
+Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
+    task_reward   the default: dispatches on the sample's task (metadata "task"): reverse4/copy4 ->
+                  `builtin_tasks.digits_reward`, exact_match -> exact_match, math -> math_answer
+    exact_match   1.0 when the stripped response equals the label, else 0.0
+    math_answer   1.0 when the answer (last `\\boxed{...}`, else the last number) equals the label's
+                  number, else 0.0
+
+A reward function that raises (or returns a non-number) does not stop the run: that sample is
+marked `failed`, its reward stays None, its loss mask is zeroed and the reason goes into its
+metadata (`reward_error`); the count is reported as `rollout/reward_failed`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import math
+import re
+from typing import Callable
+
+from miles_core.plugins import load_plugin
+from miles_core.rollout.builtin_tasks import digits_reward
+from miles_core.samples import Group, Sample, SampleStatus
+
+log = logging.getLogger(__name__)
+
+Decode = Callable[[list[int]], str]
+
+
+class RewardError(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+# ----------------------------------------------------------------------------- built-ins
+
+
+def _meta(sample: Sample) -> dict:
+    try:
+        meta = json.loads(sample.metadata or "{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def exact_match(sample: Sample, text: str) -> float:
+    return float(text.strip() == sample.label.strip())
+
+
+exact_match.needs_text = True
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?")
+
+
+def extract_math_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (balanced braces), else the last number in the text."""
+    boxed = list(_BOXED.finditer(text))
+    if boxed:
+        start = boxed[-1].end()
+        depth = 1
+        for i in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            if depth == 0:
+                return text[start:i].strip()
+        return None  # unbalanced: no answer
+    numbers = _NUMBER.findall(text)
+    return numbers[-1] if numbers else None
+
+
+def _as_number(text: str) -> float | None:
+    t = text.strip().strip("$").replace(",", "").replace(" ", "")
+    t = re.sub(r"^\\(?:text|mathrm)\{(.*)\}$", r"\1", t)
+    frac = re.fullmatch(r"\\d?frac\{([-+]?[\d.]+)\}\{([-+]?[\d.]+)\}", t)
+    try:
+        if frac:
+            return float(frac.group(1)) / float(frac.group(2))
+        if re.fullmatch(r"[-+]?[\d.]+/[\d.]+", t):
+            a, b = t.split("/")
+            return float(a) / float(b)
+        return float(t)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def math_answer(sample: Sample, text: str) -> float:
+    answer = extract_math_answer(text)
+    if answer is None:
+        return 0.0
+    label = extract_math_answer(sample.label) or sample.label
+    a, b = _as_number(answer), _as_number(label)
+    if a is not None and b is not None:
+        return float(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9))
+    return float(answer.replace(" ", "") == label.strip().replace(" ", ""))
+
+
+math_answer.needs_text = True
+
+
+def task_reward(sample: Sample, text: str) -> float:
+    task = _meta(sample).get("task", "")
+    if task in ("reverse4", "copy4"):
+        return digits_reward(sample.response_ids, sample.label)
+    if task == "exact_match":
+        return exact_match(sample, text)
+    if task == "math":
+        return math_answer(sample, text)
+    raise RewardError(f"no built-in reward for task {task!r} (known: reverse4, copy4, exact_match, math); "
+                      "set --custom-rm-path module:function")
+
+
+task_reward.needs_text = True
+
+
+# ----------------------------------------------------------------------------- scoring
+
+
+def load_reward(path: str) -> Callable:
+    """`--custom-rm-path` (empty: the built-in `task_reward`), resolved and checked."""
+    fn = load_plugin(path, "--custom-rm-path") if path else task_reward
+    return fn
+
+
+class Rewarder:
+    """Scores groups with one reward function; never raises for a reward function's failure.
+
+    `decode` turns response ids into text for functions with `needs_text`; without one, such a
+    function gets the ids joined by spaces (enough for the digit tasks, wrong for real text).
+    """
+
+    def __init__(self, fn: Callable, decode: Decode | None = None):
+        self.fn = fn
+        self.batched = bool(getattr(fn, "batched", False))
+        self.needs_text = bool(getattr(fn, "needs_text", False))
+        self.decode = decode or (lambda ids: " ".join(map(str, ids)))
+        self.failed = 0  # samples whose reward failed, since the last take_failed()
+        self._check_signature()
+
+    def _check_signature(self) -> None:
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):
+            return
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+        want = 2 if self.needs_text else 1
+        required = [p for p in positional if p.default is p.empty]
+        if not varargs and (len(positional) < want or len(required) > want):
+            what = "samples" if self.batched else "sample"
+            sig = f"({what}, text{'s' if self.batched else ''})" if self.needs_text else f"({what})"
+            raise RewardError(f"--custom-rm-path: {getattr(self.fn, '__name__', self.fn)!r} must take {sig}; "
+                              f"got {inspect.signature(self.fn)}")
+
+    async def score_group(self, group: Group) -> None:
+        """Set `reward` on every sample of the group; mark failures (see the module docstring)."""
+        samples = [s for s in group.samples if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+        if not samples:
+            return
+        if self.batched:
+            try:
+                args = (samples, [self.decode(s.response_ids) for s in samples]) if self.needs_text else (samples,)
+                rewards = await _call(self.fn, *args)
+                rewards = list(rewards)
+                if len(rewards) != len(samples):
+                    raise RewardError(f"batched reward returned {len(rewards)} values for {len(samples)} samples")
+            except Exception as e:  # noqa: BLE001 - a raising reward fails its samples, not the run
+                for s in samples:
+                    self._fail(s, e)
+                return
+            for s, r in zip(samples, rewards):
+                self._set(s, r)
+            return
+        for s in samples:
+            try:
+                args = (s, self.decode(s.response_ids)) if self.needs_text else (s,)
+                self._set(s, await _call(self.fn, *args))
+            except Exception as e:  # noqa: BLE001
+                self._fail(s, e)
+
+    def _set(self, sample: Sample, value) -> None:
+        try:
+            reward = float(value)
+            if math.isnan(reward):
+                raise ValueError("NaN")
+        except (TypeError, ValueError) as e:
+            self._fail(sample, RewardError(f"reward function returned {value!r}, not a number ({e})"))
+            return
+        sample.reward = reward
+
+    def _fail(self, sample: Sample, error: BaseException) -> None:
+        self.failed += 1
+        reason = f"{type(error).__name__}: {error}"[:500]
+        log.warning("reward failed for %s/%d: %s", sample.group_id, sample.sample_index, reason)
+        meta = _meta(sample)
+        meta["reward_error"] = reason
+        sample.metadata = json.dumps(meta, sort_keys=True)
+        sample.status = SampleStatus.FAILED
+        sample.reward = None
+        sample.loss_mask = [0] * len(sample.response_ids)
+
+    def take_failed(self) -> int:
+        n, self.failed = self.failed, 0
+        return n
+
+
+async def _call(fn: Callable, *args):
+    result = fn(*args)
+    if inspect.isawaitable(result):
+        result = await result
+    return result

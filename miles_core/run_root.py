@@ -1,0 +1,120 @@
+"""The run root's identity files: config.json (and one per resumed segment) and STATUS.json.
+
+    store = Store(cfg.run_uri)
+    segment = next_segment(store)                    # 0 for a new run, n for the n-th continuation
+    write_config(store, cfg, segment)                # config.json, or config_segment_{n}.json
+    write_status(store, RUNNING, last_step=-1, segment=segment)
+    ...
+    write_status(store, FINISHED, last_step=k, segment=segment)
+
+STATUS.json is what watchers read (the eval follower stops when the state is no longer
+`running`; the report shows it). States:
+    running        a segment is training now
+    segment_done   a segment ended cleanly (segment steps or deadline reached); the run continues later
+    finished       the run reached --num-rollout steps
+    failed         the segment failed; `message` says why
+Every write is one atomic object PUT (Store.put_json), so a reader sees the old or the new file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from miles_core.storage import ObjectNotFound, Store
+
+RUNNING = "running"
+SEGMENT_DONE = "segment_done"
+FINISHED = "finished"
+FAILED = "failed"
+STATES = (RUNNING, SEGMENT_DONE, FINISHED, FAILED)
+
+CONFIG_KEY = "config.json"
+STATUS_KEY = "STATUS.json"
+
+
+@dataclass(frozen=True)
+class RunStatus:
+    state: str
+    last_step: int  # the last step trained and committed; -1 before the first
+    segment: int
+    updated_at: float
+    message: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state == RUNNING
+
+
+def segment_config_key(segment: int) -> str:
+    return CONFIG_KEY if segment == 0 else f"config_segment_{segment:04d}.json"
+
+
+def write_config(store: Store, cfg, segment: int = 0) -> str:
+    """Write the resolved config (a RunConfig or its dict) for `segment`; returns the key.
+
+    Segment 0 writes config.json; a resumed segment n writes config_segment_{n:04d}.json and
+    leaves config.json as the record of how the run started.
+    """
+    if segment < 0:
+        raise ValueError(f"segment must be >= 0, got {segment}")
+    if not isinstance(cfg, dict):
+        from miles_core.config import config_to_dict
+
+        cfg = config_to_dict(cfg)
+    key = segment_config_key(segment)
+    store.put_json(key, {"segment": segment, "written_at": time.time(), "config": cfg})
+    return key
+
+
+def read_config(store: Store, segment: int | None = None) -> dict | None:
+    """The resolved config dict of `segment` (default: the latest segment with one), or None."""
+    if segment is None:
+        keys = [k for k in store.list("") if "/" not in k and k.startswith("config_segment_") and k.endswith(".json")]
+        for key in reversed([CONFIG_KEY] + sorted(keys)):
+            found = _get_json(store, key)
+            if found is not None:
+                return found.get("config", found)
+        return None
+    found = _get_json(store, segment_config_key(segment))
+    return None if found is None else found.get("config", found)
+
+
+def read_run_config(store: Store, segment: int | None = None):
+    """Like read_config, as a RunConfig (None when absent)."""
+    d = read_config(store, segment)
+    if d is None:
+        return None
+    from miles_core.config import config_from_dict
+
+    return config_from_dict(d)
+
+
+def write_status(store: Store, state: str, *, last_step: int, segment: int, message: str = "") -> RunStatus:
+    if state not in STATES:
+        raise ValueError(f"unknown run state {state!r}; known: {', '.join(STATES)}")
+    status = RunStatus(state, int(last_step), int(segment), time.time(), message)
+    store.put_json(STATUS_KEY, dataclasses.asdict(status))
+    return status
+
+
+def read_status(store: Store) -> RunStatus | None:
+    d = _get_json(store, STATUS_KEY)
+    if d is None:
+        return None
+    return RunStatus(d.get("state", ""), int(d.get("last_step", -1)), int(d.get("segment", 0)),
+                     float(d.get("updated_at", 0.0)), d.get("message", ""))
+
+
+def next_segment(store: Store) -> int:
+    """0 for a run root without STATUS.json, else the recorded segment + 1."""
+    status = read_status(store)
+    return 0 if status is None else status.segment + 1
+
+
+def _get_json(store: Store, key: str):
+    try:
+        return store.get_json(key)
+    except ObjectNotFound:
+        return None

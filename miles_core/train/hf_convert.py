@@ -1,0 +1,207 @@
+"""HF <-> Megatron-core state-dict conversion for the llama, qwen2 and gpt2 families.
+
+Megatron ships no HF converter, so this is ours. The mappings (per layer i):
+- llama/qwen2: q/k/v_proj -> linear_qkv packed per query group as [q heads of the group; k; v]
+  (weights and Qwen2 biases); o_proj -> linear_proj; gate_proj/up_proj -> linear_fc1 = [gate; up]
+  (Megatron's GLU applies the activation to the first half); down_proj -> linear_fc2;
+  input_layernorm -> input_layernorm; post_attention_layernorm -> pre_mlp_layernorm.
+- gpt2: HF Conv1D weights are stored [in, out], so every linear is transposed; c_attn's
+  [q; k; v] columns are packed per head (each head is its own query group); ln_1/ln_2/ln_f,
+  wte/wpe -> word/position embeddings.
+Conversion is pure reshaping (no arithmetic), so HF -> Megatron -> HF is bit-exact. Tied
+embeddings: Megatron has no output_layer.weight and HF writes no lm_head.weight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors import safe_open
+
+from miles_core.train.megatron_model import ModelSpec
+
+Tensor = torch.Tensor
+
+
+class ConversionError(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+# ---------------------------------------------------------------------------- checkpoint files
+
+def read_hf_config(hf_dir: str) -> dict:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        return json.load(f)
+
+
+def load_hf_state(hf_dir: str) -> dict[str, Tensor]:
+    """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise ConversionError(f"{hf_dir}: no model.safetensors (or index); only safetensors checkpoints are read")
+    state: dict[str, Tensor] = {}
+    for name in files:
+        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key)
+    return state
+
+
+# ---------------------------------------------------------------------------- qkv packing
+
+def _pack_qkv(spec: ModelSpec, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    g, d = spec.num_kv_heads, spec.head_dim
+    per = spec.num_heads // g
+    tail = q.shape[1:]
+    parts = (q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail))
+    return torch.cat(parts, dim=1).reshape(-1, *tail).contiguous()
+
+
+def _unpack_qkv(spec: ModelSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    g, d = spec.num_kv_heads, spec.head_dim
+    per = spec.num_heads // g
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g, (per + 2) * d, *tail)
+    q, k, v = torch.split(grouped, [per * d, d, d], dim=1)
+    return (q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(),
+            v.reshape(-1, *tail).contiguous())
+
+
+# ---------------------------------------------------------------------------- llama / qwen2
+
+def _llama_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
+    if not spec.tied_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(spec.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = _pack_qkv(
+            spec, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"])
+        if spec.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = _pack_qkv(
+                spec, hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"])
+        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], 0)
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    return out
+
+
+def _mcore_to_llama(spec: ModelSpec, mc: dict[str, Tensor]) -> dict[str, Tensor]:
+    out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
+           "model.norm.weight": mc["decoder.final_layernorm.weight"]}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = mc["output_layer.weight"]
+    for i in range(spec.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        out[h + "input_layernorm.weight"] = mc[m + "input_layernorm.weight"]
+        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.weight"])
+        out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"], out[h + "self_attn.v_proj.weight"] = q, k, v
+        if spec.qkv_bias:
+            q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.bias"])
+            out[h + "self_attn.q_proj.bias"], out[h + "self_attn.k_proj.bias"], out[h + "self_attn.v_proj.bias"] = q, k, v
+        out[h + "self_attn.o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
+        out[h + "post_attention_layernorm.weight"] = mc[m + "pre_mlp_layernorm.weight"]
+        gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2, dim=0)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
+        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
+    return out
+
+
+# ---------------------------------------------------------------------------- gpt2
+
+def _gpt2_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]:
+    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
+    out = {"embedding.word_embeddings.weight": hf["wte.weight"],
+           "embedding.position_embeddings.weight": hf["wpe.weight"],
+           "decoder.final_layernorm.weight": hf["ln_f.weight"],
+           "decoder.final_layernorm.bias": hf["ln_f.bias"]}
+    if not spec.tied_embeddings:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(spec.num_layers):
+        h, m = f"h.{i}.", f"decoder.layers.{i}."
+        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            out[m + b + ".weight"], out[m + b + ".bias"] = hf[h + a + ".weight"], hf[h + a + ".bias"]
+        q, k, v = torch.chunk(hf[h + "attn.c_attn.weight"].t(), 3, dim=0)
+        out[m + "self_attention.linear_qkv.weight"] = _pack_qkv(spec, q, k, v)
+        q, k, v = torch.chunk(hf[h + "attn.c_attn.bias"], 3, dim=0)
+        out[m + "self_attention.linear_qkv.bias"] = _pack_qkv(spec, q, k, v)
+        for a, b in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                     ("mlp.c_proj", "mlp.linear_fc2")):
+            out[m + b + ".weight"] = hf[h + a + ".weight"].t().contiguous()
+            out[m + b + ".bias"] = hf[h + a + ".bias"]
+    return out
+
+
+def _mcore_to_gpt2(spec: ModelSpec, mc: dict[str, Tensor]) -> dict[str, Tensor]:
+    t = "transformer."
+    out = {t + "wte.weight": mc["embedding.word_embeddings.weight"],
+           t + "wpe.weight": mc["embedding.position_embeddings.weight"],
+           t + "ln_f.weight": mc["decoder.final_layernorm.weight"],
+           t + "ln_f.bias": mc["decoder.final_layernorm.bias"]}
+    if not spec.tied_embeddings:
+        out["lm_head.weight"] = mc["output_layer.weight"]
+    for i in range(spec.num_layers):
+        h, m = f"{t}h.{i}.", f"decoder.layers.{i}."
+        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
+            out[h + a + ".weight"], out[h + a + ".bias"] = mc[m + b + ".weight"], mc[m + b + ".bias"]
+        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.weight"])
+        out[h + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
+        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.bias"])
+        out[h + "attn.c_attn.bias"] = torch.cat([q, k, v], 0)
+        for a, b in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
+                     ("mlp.c_proj", "mlp.linear_fc2")):
+            out[h + a + ".weight"] = mc[m + b + ".weight"].t().contiguous()
+            out[h + a + ".bias"] = mc[m + b + ".bias"]
+    return out
+
+
+# ---------------------------------------------------------------------------- entry points
+
+def hf_to_megatron(spec: ModelSpec, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """HF tensors -> Megatron GPTModel tensors (names without `_extra_state`)."""
+    try:
+        return _gpt2_to_mcore(spec, hf_state) if spec.family == "gpt2" else _llama_to_mcore(spec, hf_state)
+    except KeyError as e:
+        raise ConversionError(f"{spec.family} checkpoint is missing tensor {e.args[0]!r}") from e
+
+
+def megatron_to_hf(spec: ModelSpec, mcore_state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Megatron GPTModel tensors -> HF tensors, as `save_pretrained` would name them."""
+    mc = {k: v for k, v in mcore_state.items() if not k.endswith("_extra_state")}
+    try:
+        return _mcore_to_gpt2(spec, mc) if spec.family == "gpt2" else _mcore_to_llama(spec, mc)
+    except KeyError as e:
+        raise ConversionError(f"Megatron state is missing tensor {e.args[0]!r} for {spec.family}") from e
+
+
+def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> None:
+    """Copy an HF checkpoint into a built GPTModel; every parameter must be covered."""
+    mc = hf_to_megatron(spec, hf_state)
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    missing = sorted(set(own) - set(mc))
+    extra = sorted(set(mc) - set(own))
+    if missing or extra:
+        raise ConversionError(f"{spec.family}: tensors missing {missing[:5]} / unexpected {extra[:5]}")
+    with torch.no_grad():
+        for k, dst in own.items():
+            src = mc[k]
+            if src.shape != dst.shape:
+                raise ConversionError(f"{k}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+            dst.copy_(src)
+
+
+def megatron_state(model) -> dict[str, Tensor]:
+    """The model's tensors (detached, CPU) without Megatron's `_extra_state` entries."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()
+            if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}

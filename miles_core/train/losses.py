@@ -1,0 +1,139 @@
+"""GRPO advantages and the PPO-clip policy loss with the off-policy corrections of DESIGN §5.6.
+
+All token tensors are [batch, tokens] with a 0/1 `mask` (response tokens whose `loss_mask` is 1).
+The ratio denominator ("old" log-probs) is chosen once per config:
+- `use_decoupled_loss`: proximal = the trainer's log-probs before the step (detached), so the
+  clipped ratio is exp(logp - prox); the behaviour correction w = clamp(exp(prox - rollout),
+  tis_clip_low, tis_clip) multiplies the clipped loss (AReaL's decoupled PPO, truncated);
+- `use_rollout_logprobs` (default): old = the engine's log-probs, ratio exp(logp - rollout);
+- `use_tis`: old = the trainer's log-probs before the step; w = clamp(exp(old - rollout),
+  tis_clip_low, tis_clip) multiplies the clipped loss;
+- none: old = the trainer's log-probs before the step (on-policy PPO).
+One optimizer step per batch means "before the step" is the same forward, detached.
+Sums are returned (not means) so micro-batches add up; `finalize_metrics` divides by the
+batch's token count. Token-mean aggregation over the whole batch, as in slime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+METRIC_NAMES = ("train/tis_mean", "train/tis_clipfrac", "train/ppo_kl", "train/pg_clipfrac",
+                "train/train_rollout_logprob_abs_diff", "train/grad_norm", "train/entropy", "train/loss")
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    eps_clip: float = 0.2
+    eps_clip_high: float | None = None
+    use_tis: bool = False
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
+    use_rollout_logprobs: bool = True
+    use_decoupled_loss: bool = False
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_section(cls, t) -> "LossConfig":
+        return cls(t.eps_clip, t.eps_clip_high, t.use_tis, t.tis_clip, t.tis_clip_low, t.use_rollout_logprobs,
+                   t.use_decoupled_loss, t.use_kl_loss, t.kl_loss_coef, t.entropy_coef)
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        return self.use_decoupled_loss or self.use_rollout_logprobs or self.use_tis
+
+
+def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """Per-sample advantages of one group: r - mean(r), divided by (std + eps) when asked.
+
+    std is torch's default (unbiased, n - 1), as in slime; a group of one sample gets 0.
+    """
+    rewards = rewards.to(torch.float32)
+    if rewards.numel() < 2:
+        return torch.zeros_like(rewards)
+    adv = rewards - rewards.mean()
+    if normalize_std:
+        adv = adv / (rewards.std() + eps)
+    return adv
+
+
+def token_entropy(logits: Tensor) -> Tensor:
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor, *, total_tokens: float,
+                rollout_logp: Tensor | None = None, ref_logp: Tensor | None = None,
+                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+    """(loss to backprop, metric sums) for one micro-batch.
+
+    `advantages` is per token (the sample's advantage broadcast over its response). The loss is
+    sum over masked tokens / `total_tokens` (the whole batch's count), so micro-batch gradients
+    add up to the batch's token mean.
+    """
+    mask = mask.to(logp.dtype)
+    current = logp.detach()
+    if cfg.needs_rollout_logprobs and rollout_logp is None:
+        raise ValueError("this loss needs the rollout log-probs (response_logprobs) of every sample")
+    weight = None
+    if cfg.use_decoupled_loss:
+        old = current
+        weight_raw = torch.exp(current - rollout_logp)
+    elif cfg.use_rollout_logprobs:
+        old, weight_raw = rollout_logp, None
+    elif cfg.use_tis:
+        old = current
+        weight_raw = torch.exp(current - rollout_logp)
+    else:
+        old, weight_raw = current, None
+    eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
+    pg = torch.maximum(pg1, pg2)
+    clipped = (pg2 > pg1).to(logp.dtype)
+    if weight_raw is not None:
+        weight = weight_raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
+        tis_clipped = ((weight_raw < cfg.tis_clip_low) | (weight_raw > cfg.tis_clip)).to(logp.dtype)
+        pg = pg * weight
+    else:
+        weight, tis_clipped = torch.ones_like(logp), torch.zeros_like(logp)
+    per_token = pg
+    if entropy is not None and cfg.entropy_coef:
+        per_token = per_token - cfg.entropy_coef * entropy
+    kl_sum = 0.0
+    if cfg.use_kl_loss and ref_logp is not None:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1.0  # k3 estimator: unbiased, non-negative
+        per_token = per_token + cfg.kl_loss_coef * kl
+        kl_sum = float((kl.detach() * mask).sum())
+    loss = (per_token * mask).sum() / max(total_tokens, 1.0)
+
+    def s(x: Tensor) -> float:
+        return float((x.detach() * mask).sum())
+
+    sums = {
+        "train/tis_mean": s(weight),
+        "train/tis_clipfrac": s(tis_clipped),
+        "train/ppo_kl": s(-log_ratio),
+        "train/pg_clipfrac": s(clipped),
+        "train/train_rollout_logprob_abs_diff": s((current - rollout_logp).abs()) if rollout_logp is not None else 0.0,
+        "train/entropy": s(entropy) if entropy is not None else 0.0,
+        "train/loss": float(loss.detach()) * max(total_tokens, 1.0),
+    }
+    if cfg.use_kl_loss:
+        sums["train/kl_loss"] = kl_sum
+    return loss, sums
+
+
+def finalize_metrics(sums: dict[str, float], total_tokens: float) -> dict[str, float]:
+    """Token means over the batch from the summed micro-batch metrics."""
+    n = max(total_tokens, 1.0)
+    return {k: v / n for k, v in sums.items()}

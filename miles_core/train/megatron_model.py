@@ -1,0 +1,167 @@
+"""Megatron-core GPTModel for the supported HF families, and its training wrapper.
+
+`ModelSpec.from_hf_config(config.json dict)` reads the family and shapes of an HF checkpoint;
+`build_model(spec)` builds the matching `GPTModel` with the local layer spec:
+- llama / qwen2: RMSNorm, SwiGLU (fc1 = [gate; up]), GQA, RoPE with the checkpoint's theta,
+  qkv bias for Qwen2 (or Llama's `attention_bias`), tied or untied embeddings;
+- gpt2: LayerNorm, gelu (tanh approximation, HF's `gelu_new`), biases everywhere, learned absolute
+  positions (`position_embedding_type="learned_absolute"`, DESIGN §10), tied embeddings.
+On CPU the model is built with `use_cpu_initialization=True` in fp32 behind the CPU shim; on GPU
+in bf16 wrapped in Megatron DDP with Megatron's distributed optimizer (`build_gpu_training`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+FAMILIES = ("llama", "qwen2", "gpt2")
+
+
+class UnsupportedModel(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_hidden_size: int
+    max_positions: int
+    norm_eps: float
+    tied_embeddings: bool
+    qkv_bias: bool = False
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
+        model_type = cfg.get("model_type", "")
+        if model_type == "gpt2":
+            n_embd = cfg["n_embd"]
+            if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise UnsupportedModel(f"gpt2 activation {cfg.get('activation_function')!r}: only gelu_new is supported")
+            return cls("gpt2", cfg["vocab_size"], n_embd, cfg["n_layer"], cfg["n_head"], cfg["n_head"],
+                       cfg.get("n_inner") or 4 * n_embd, cfg["n_positions"], cfg.get("layer_norm_epsilon", 1e-5),
+                       bool(cfg.get("tie_word_embeddings", True)), qkv_bias=True)
+        if model_type in ("llama", "qwen2"):
+            if cfg.get("hidden_act", "silu") != "silu":
+                raise UnsupportedModel(f"{model_type} hidden_act {cfg.get('hidden_act')!r}: only silu is supported")
+            if cfg.get("mlp_bias"):
+                raise UnsupportedModel("llama mlp_bias=True is not supported")
+            rope = cfg.get("rope_parameters") or {}
+            rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+            if rope_type != "default":
+                raise UnsupportedModel(f"{model_type} rope_type {rope_type!r}: only default RoPE is supported")
+            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            heads = cfg["num_attention_heads"]
+            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+            if head_dim * heads != cfg["hidden_size"]:
+                raise UnsupportedModel(f"{model_type} head_dim {head_dim} x heads {heads} != hidden_size")
+            qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
+            if model_type == "llama" and cfg.get("attention_bias"):
+                raise UnsupportedModel("llama attention_bias=True (o_proj bias) is not supported")
+            return cls(model_type, cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], heads,
+                       cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"],
+                       cfg.get("max_position_embeddings", 4096), cfg.get("rms_norm_eps", 1e-6),
+                       bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, rope_theta=float(theta))
+        raise UnsupportedModel(
+            f"model_type {model_type!r} is not supported by the Megatron trainer; supported: {', '.join(FAMILIES)}"
+        )
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False):
+    from megatron.core.transformer import TransformerConfig
+
+    gpt2 = spec.family == "gpt2"
+    cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
+        num_query_groups=spec.num_kv_heads, ffn_hidden_size=spec.ffn_hidden_size,
+        kv_channels=spec.head_dim, layernorm_epsilon=spec.norm_eps,
+        normalization="LayerNorm" if gpt2 else "RMSNorm",
+        activation_func=_gelu_tanh if gpt2 else F.silu, gated_linear_unit=not gpt2,
+        add_bias_linear=gpt2, add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,  # RL fine-tuning: log-probs must match the engine's
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        use_cpu_initialization=cpu, perform_initialization=True,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Fusions need CUDA kernels (or Apex/TE); the local spec runs the unfused paths.
+        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+    )
+
+
+def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False, seed: int = 1):
+    """A `GPTModel` for `spec` (weights random until the converter loads a checkpoint)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from miles_core.train.cpu_shim import install_cpu_shim, seed_model_parallel_rng
+    from miles_core.train.process_groups import ensure_process_groups
+
+    install_cpu_shim()
+    ensure_process_groups(tensor_model_parallel_size)
+    seed_model_parallel_rng(seed)
+    cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16)
+    layer_spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    gpt2 = spec.family == "gpt2"
+    model = GPTModel(
+        cfg, layer_spec, vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
+        position_embedding_type="learned_absolute" if gpt2 else "rope",
+        rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        share_embeddings_and_output_weights=spec.tied_embeddings,
+    )
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return model
+
+
+def causal_mask(seq_len: int, device=None) -> torch.Tensor:
+    """Megatron's explicit attention mask: True where attention is *not* allowed."""
+    return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool, device=device), diagonal=1)
+
+
+def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] token ids -> [batch, seq, vocab] logits (right padding needs no extra mask)."""
+    b, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return model(tokens, positions, causal_mask(s, tokens.device))
+
+
+def unwrap(model):
+    """The GPTModel inside a Megatron DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def build_gpu_training(model, *, lr: float, weight_decay: float, clip_grad: float):
+    """GPU path: Megatron DDP + Megatron's distributed optimizer in bf16 (not exercised on CPU).
+
+    Returns (ddp_model, optimizer). The optimizer's `step()` returns (ok, grad_norm, zeros).
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                            use_distributed_optimizer=True)
+    ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=True,
+                              clip_grad=clip_grad, use_distributed_optimizer=True,
+                              adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
+    optimizer = get_megatron_optimizer(opt_cfg, [ddp_model])
+    return ddp_model, optimizer

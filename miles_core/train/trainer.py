@@ -1,0 +1,260 @@
+"""The RL trainer: one optimizer step per batch of prompt groups, on a Megatron-core GPTModel.
+
+`Trainer(train_section, hf_dir, seed=...)` loads an HF checkpoint through the converter.
+`train_step(step, groups)` turns groups into prompt+response sequences (failed/aborted samples
+and samples without a reward are excluded, GRPO advantages are computed over the rest of each
+group), runs micro-batches of `micro_batch_size` samples with the loss over response tokens whose
+`loss_mask` is 1, clips the gradient norm and steps once. `export_hf(dir)` writes an HF
+checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what checkpoint.py stores.
+On CPU: fp32, plain `torch.optim.AdamW`. On GPU: bf16 Megatron DDP + Megatron's optimizer.
+Use it as a context manager (or call `close()`) to release the model.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from miles_core.samples import Group, Sample, SampleStatus
+from miles_core.train import hf_convert
+from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, token_entropy
+from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, forward_logits, unwrap
+
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
+
+
+class TrainError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def trainable_samples(groups: list[Group], normalize_std: bool) -> list[tuple[Sample, float]]:
+    """(sample, advantage) for every sample that can be trained on, advantages per group."""
+    out = []
+    for g in groups:
+        kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
+        if not kept:
+            continue
+        adv = grpo_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float64), normalize_std)
+        out.extend(zip(kept, adv.tolist()))
+    return out
+
+
+class Trainer:
+    def __init__(self, train, hf_dir: str, *, seed: int = 1):
+        if train.advantage_estimator != "grpo":
+            raise TrainError(f"--advantage-estimator={train.advantage_estimator}: only grpo is implemented "
+                             "(a critic is not); use --advantage-estimator grpo.")
+        self.cfg = train
+        self.loss_cfg = LossConfig.from_section(train)
+        self.hf_dir = hf_dir
+        self.hf_config = hf_convert.read_hf_config(hf_dir)
+        self.spec = ModelSpec.from_hf_config(self.hf_config)
+        self.cuda = torch.cuda.is_available()
+        self.tp = train.tensor_model_parallel_size
+        torch.manual_seed(seed)
+        random.seed(seed)
+        model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.cuda, seed=seed)
+        hf_state = hf_convert.load_hf_state(hf_dir)
+        hf_convert.load_into_megatron(model, self.spec, hf_state)
+        self.ref_model = None
+        if train.use_kl_loss:  # the reference is the initial checkpoint, frozen
+            self.ref_model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.cuda, seed=seed)
+            hf_convert.load_into_megatron(self.ref_model, self.spec, hf_state)
+            self.ref_model.eval().requires_grad_(False)
+        if self.cuda:
+            self.model, self.optimizer = build_gpu_training(model, lr=train.lr, weight_decay=train.weight_decay,
+                                                            clip_grad=train.clip_grad)
+        else:
+            self.model = model
+            self.optimizer = torch.optim.AdamW(self._params(), lr=train.lr, weight_decay=train.weight_decay,
+                                               betas=(0.9, 0.999), eps=1e-8)
+        self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+
+    def _params(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.model = self.ref_model = self.optimizer = None
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step over `groups`; returns the train/* metrics (DESIGN §5.6)."""
+        t0 = time.perf_counter()
+        items = trainable_samples(groups, self.cfg.normalize_advantages_std)
+        self.model.train()
+        self._zero_grad()
+        total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))
+        sums: dict[str, float] = {}
+        mbs = self.cfg.micro_batch_size
+        for start in range(0, len(items), mbs):
+            _, part = self._micro_batch(items[start:start + mbs], total_tokens)
+            for k, v in part.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = self._optimizer_step() if items else 0.0
+        metrics = finalize_metrics(sums, total_tokens) if items else {}
+        metrics["train/grad_norm"] = grad_norm
+        metrics["train/samples"] = float(len(items))
+        metrics["train/tokens"] = total_tokens
+        metrics["perf/train_step_seconds"] = time.perf_counter() - t0
+        return metrics
+
+    def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float):
+        batch = _pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
+        logits = forward_logits(self.model, batch["tokens"])[:, :-1].float()
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        entropy = token_entropy(logits if self.loss_cfg.entropy_coef else logits.detach())
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_all = torch.log_softmax(forward_logits(self.ref_model, batch["tokens"])[:, :-1].float(), -1)
+                ref_logp = ref_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
+                                 rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
+        loss.backward()
+        return loss, sums
+
+    def _zero_grad(self) -> None:
+        if self.cuda:
+            self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def _optimizer_step(self) -> float:
+        if self.cuda:
+            self.model.finish_grad_sync()
+            _, grad_norm, _ = self.optimizer.step()
+            return float(grad_norm or 0.0)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.clip_grad)
+        self.optimizer.step()
+        return float(grad_norm)
+
+    @torch.no_grad()
+    def logprobs(self, samples: list[Sample]) -> list[list[float]]:
+        """Trainer log-probs of each sample's response tokens (for tests and diagnostics)."""
+        self.model.eval()
+        batch = _pack([(s, 0.0) for s in samples], False, self.device, use_loss_mask=False)
+        logp = torch.log_softmax(forward_logits(self.model, batch["tokens"])[:, :-1].float(), -1)
+        logp = logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        return [logp[i][batch["mask"][i] > 0].tolist() for i in range(len(samples))]
+
+    # ------------------------------------------------------------------ weights and state
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Current weights as HF tensors (CPU, contiguous), optionally cast."""
+        state = hf_convert.megatron_to_hf(self.spec, hf_convert.megatron_state(unwrap(self.model)))
+        if self.tp > 1:
+            raise TrainError("HF export under tensor parallelism needs the TP gather (see hf_convert); "
+                             "export from a TP=1 trainer")
+        return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}
+
+    def export_hf(self, out_dir: str) -> str:
+        """HF checkpoint of the current weights: model.safetensors, config.json, tokenizer files."""
+        os.makedirs(out_dir, exist_ok=True)
+        save_file(self.hf_state_dict(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        copy_non_weight_files(self.hf_dir, out_dir)
+        return out_dir
+
+    def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
+        """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py."""
+        if self.cuda:
+            raise TrainError("GPU optimizer checkpoints (Megatron distributed optimizer) are not implemented yet")
+        model = hf_convert.megatron_state(self.model)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        opt = self.optimizer.state_dict()
+        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+        opt_tensors, opt_meta = {}, {}
+        for idx, st in opt["state"].items():
+            for key, val in st.items():
+                if isinstance(val, torch.Tensor):
+                    opt_tensors[f"{idx}.{key}"] = val.detach().clone().contiguous()
+                else:
+                    opt_meta[f"{idx}.{key}"] = val
+        rng = {"torch_cpu": torch.get_rng_state()}
+        meta = {"param_names": order, "param_groups": opt["param_groups"], "scalar_state": opt_meta,
+                "python_random": _jsonable(random.getstate()), "spec": self.spec.__dict__}
+        return {"model": model, "optimizer": opt_tensors, "rng": rng}, meta
+
+    def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
+        own = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+        if set(own) != set(tensors["model"]):
+            raise TrainError("checkpoint model tensors do not match this model (different architecture?)")
+        with torch.no_grad():
+            for k, v in own.items():
+                v.copy_(tensors["model"][k])
+        state: dict[int, dict] = {}
+        for key, val in tensors["optimizer"].items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = val
+        for key, val in meta["scalar_state"].items():
+            idx, name = key.split(".", 1)
+            state.setdefault(int(idx), {})[name] = val
+        groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        torch.set_rng_state(tensors["rng"]["torch_cpu"])
+        random.setstate(_python_rng(meta["python_random"]))
+
+
+def copy_non_weight_files(src_dir: str, out_dir: str) -> None:
+    """config.json, generation config and tokenizer files of the source checkpoint."""
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path) and not name.endswith(WEIGHT_FILES) and not name.startswith("."):
+            shutil.copyfile(path, os.path.join(out_dir, name))
+
+
+def _loss_mask(s: Sample) -> list[int]:
+    if not s.loss_mask:
+        return [1] * len(s.response_ids)
+    if len(s.loss_mask) != len(s.response_ids):
+        raise TrainError(f"sample {s.group_id}/{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
+                         f"for {len(s.response_ids)} response tokens")
+    return [int(m) for m in s.loss_mask]
+
+
+def _pack(items, need_rollout: bool, device, use_loss_mask: bool = True) -> dict[str, torch.Tensor]:
+    """Right-padded [b, L] tokens; targets/mask/advantages/rollout log-probs on [b, L-1]."""
+    lengths = [len(s.prompt_ids) + len(s.response_ids) for s, _ in items]
+    L = max(lengths)
+    b = len(items)
+    tokens = torch.zeros(b, L, dtype=torch.long)
+    mask = torch.zeros(b, L - 1)
+    adv = torch.zeros(b, L - 1)
+    roll = torch.zeros(b, L - 1)
+    for i, (s, a) in enumerate(items):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
+        m = _loss_mask(s) if use_loss_mask else [1] * r
+        mask[i, p - 1:p - 1 + r] = torch.tensor(m, dtype=torch.float32)
+        adv[i, p - 1:p - 1 + r] = a
+        if need_rollout:
+            if len(s.response_logprobs) != r:
+                raise TrainError(f"sample {s.group_id}/{s.sample_index}: {len(s.response_logprobs)} rollout log-probs "
+                                 f"for {r} response tokens; the loss needs the engine's log-prob of every token")
+            roll[i, p - 1:p - 1 + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+    out = {"tokens": tokens, "targets": tokens[:, 1:], "mask": mask, "advantages": adv}
+    if need_rollout:
+        out["rollout_logp"] = roll
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _jsonable(x):
+    return [_jsonable(v) for v in x] if isinstance(x, (tuple, list)) else x
+
+
+def _python_rng(x):
+    return tuple(_python_rng(v) if isinstance(v, list) else v for v in x)
+

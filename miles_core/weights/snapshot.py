@@ -1,0 +1,76 @@
+"""Snapshots: HF checkpoints of the trainer's weights under `{run root}/snapshots/step_{k:08d}/`.
+
+`export_snapshot(trainer, store, step)` writes model.safetensors, config.json and tokenizer files,
+then `.complete` last (readers never trust a directory without it, DESIGN §3).
+`fetch_snapshot(store, key, cache_dir)` gives engines a local path: the directory itself on a
+file:// store, else a download into `cache_dir` (engines load from local disk).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+
+from safetensors.torch import save as save_tensors
+
+from miles_core.storage import Store
+
+MARKER = ".complete"
+_STEP = re.compile(r"^step_(\d{8})$")
+
+
+def snapshot_key(step: int, prefix: str = "snapshots") -> str:
+    return f"{prefix}/step_{step:08d}" if prefix else f"step_{step:08d}"
+
+
+class SnapshotError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshots", dtype=None) -> str:
+    """Write the snapshot of `trainer` for `step`; return its key. `.complete` is written last."""
+    key = snapshot_key(step, prefix)
+    store.put_bytes(f"{key}/model.safetensors", save_tensors(trainer.hf_state_dict(dtype), metadata={"format": "pt"}))
+    src = trainer.hf_dir
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.endswith((".safetensors", ".bin", ".pt", ".index.json")) \
+                and not name.startswith("."):
+            with open(path, "rb") as f:
+                store.put_bytes(f"{key}/{name}", f.read())
+    store.put_bytes(f"{key}/{MARKER}", b"")
+    return key
+
+
+def complete_snapshots(store: Store, prefix: str = "snapshots") -> list[int]:
+    steps = []
+    for k in store.list(prefix):
+        parts = k[len(prefix):].strip("/").split("/")
+        if len(parts) == 2 and parts[1] == MARKER and (m := _STEP.match(parts[0])):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def fetch_snapshot(store: Store, key: str, cache_dir: str | None = None) -> str:
+    """A local directory holding the complete snapshot at `key`."""
+    if not store.exists(f"{key}/{MARKER}"):
+        raise SnapshotError(f"{store.uri(key)} has no {MARKER} marker; the snapshot is incomplete")
+    local = store.local_path(key)
+    if local is not None:
+        return local
+    out = os.path.join(cache_dir or tempfile.gettempdir(), "miles-snapshots", *key.split("/"))
+    if os.path.exists(os.path.join(out, MARKER)):
+        return out
+    os.makedirs(out, exist_ok=True)
+    for k in store.list(key):
+        name = k[len(key):].strip("/")
+        if "/" in name or name == MARKER:
+            continue
+        tmp = os.path.join(out, f".{name}.part")
+        with open(tmp, "wb") as f:
+            f.write(store.get_bytes(k))
+        os.replace(tmp, os.path.join(out, name))
+    open(os.path.join(out, MARKER), "wb").close()
+    return out

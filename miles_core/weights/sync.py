@@ -1,0 +1,122 @@
+"""Weight sync from the trainer to the rollout engines, keeping in-flight work (DESIGN §5.4).
+
+`WeightSync.push(step)` does, in this order:
+  1. version += 1;
+  2. export the snapshot (disk transport) -- before the pause, since it reads only the trainer,
+     so engines stay paused for the reload alone;
+  3. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
+  4. flush the cache unless in_place;
+  5. load the weights on every engine: `update_weights_from_disk(path, version)` (disk), or the
+     NCCL broadcast (`NcclWeightTransport`, GPU), setting the weight version without aborting;
+  6. resume every engine;
+  7. publish the version to the rollout side (a callback).
+Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a
+failed push never leaves engines paused.
+
+`EngineControl` is the minimal engine surface this needs (SGLang's native API).
+`miles_core.engines.client.EngineClient` implements it over all its engines at once, for SGLang
+and the CPU engine server alike, so `engines=[client]` is the usual call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
+
+from miles_core.storage import Store
+from miles_core.weights.snapshot import export_snapshot, fetch_snapshot
+
+log = logging.getLogger(__name__)
+PAUSE_MODES = ("retract", "in_place")
+
+
+@runtime_checkable
+class EngineControl(Protocol):
+    async def pause_generation(self, mode: str) -> None: ...
+    async def continue_generation(self) -> None: ...
+    async def flush_cache(self) -> None: ...
+    async def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = False,
+                                       abort_all_requests: bool = False) -> None: ...
+
+
+class WeightTransport(Protocol):
+    """How weights reach the engines: `prepare` runs before the pause, `load` while paused."""
+
+    def prepare(self, step: int) -> str | None: ...
+    async def load(self, engines: Sequence[EngineControl], version: int) -> None: ...
+
+
+class WeightSyncError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass
+class PushResult:
+    version: int
+    snapshot: str | None
+    export_seconds: float
+    pause_seconds: float
+    total_seconds: float
+
+
+class DiskWeightTransport:
+    """Snapshot to storage, then every engine loads it from a local path."""
+
+    def __init__(self, trainer, store: Store, *, prefix: str = "snapshots", cache_dir: str | None = None):
+        self.trainer, self.store, self.prefix, self.cache_dir = trainer, store, prefix, cache_dir
+        self.local_path: str | None = None
+        self.key: str | None = None
+
+    def prepare(self, step: int) -> str:
+        self.key = export_snapshot(self.trainer, self.store, step, prefix=self.prefix)
+        self.local_path = fetch_snapshot(self.store, self.key, self.cache_dir)
+        return self.store.uri(self.key)
+
+    async def load(self, engines: Sequence[EngineControl], version: int) -> None:
+        await asyncio.gather(*(e.update_weights_from_disk(self.local_path, version, flush_cache=False,
+                                                          abort_all_requests=False) for e in engines))
+
+
+@dataclass
+class WeightSync:
+    """Pushes weights to `engines`; `publish(version)` tells the rollout side afterwards."""
+
+    engines: Sequence[EngineControl]
+    transport: WeightTransport
+    publish: Callable[[int], Awaitable[None] | None]
+    pause_mode: str = "retract"
+    version: int = 0
+    history: list[PushResult] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in PAUSE_MODES:
+            raise WeightSyncError(f"--pause-generation-mode={self.pause_mode} cannot keep in-flight work under "
+                                  f"fully async; use one of {', '.join(PAUSE_MODES)}")
+
+    async def push(self, step: int) -> PushResult:
+        t0 = time.perf_counter()
+        self.version += 1
+        version = self.version
+        snapshot = await asyncio.to_thread(self.transport.prepare, step)
+        t1 = time.perf_counter()
+        await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+        t_pause = time.perf_counter()
+        try:
+            if self.pause_mode != "in_place":
+                await asyncio.gather(*(e.flush_cache() for e in self.engines))
+            await self.transport.load(self.engines, version)
+        finally:
+            await asyncio.gather(*(e.continue_generation() for e in self.engines))
+        t_resume = time.perf_counter()
+        res = self.publish(version)
+        if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
+            await res
+        result = PushResult(version, snapshot, t1 - t0, t_resume - t_pause, time.perf_counter() - t0)
+        self.history.append(result)
+        log.info("weights v%d pushed at step %d: export %.3fs, engines paused %.3fs", version, step,
+                 result.export_seconds, result.pause_seconds)
+        return result

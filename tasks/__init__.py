@@ -1,0 +1,7 @@
+"""Flyte task definitions: thin typed wrappers around miles_core (DESIGN §8.1).
+
+Importing this package registers the filesystem-aware Arrow StructuredDataset decoder once
+(`tasks.structured`), so every task module gets it.
+"""
+
+from tasks import structured as _structured  # noqa: F401 - registers the decoder

@@ -1,0 +1,42 @@
+"""prepare_data: normalize the prompt dataset into the run root, cached by content (DESIGN §8.1)."""
+
+from __future__ import annotations
+
+from flytekit import Resources, task
+
+from images import task_image
+from miles_core.data import DatasetError, dataset_fingerprint, prepare_dataset, stored_dataset_info
+from miles_core.storage import Store
+from tasks.inputs import run_config
+from tasks.types import PreparedData
+
+# Bump when prepare_data's output for the same inputs changes (format, columns, tokenization).
+PREPARE_DATA_CACHE_VERSION = "1"
+
+
+@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
+def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
+    """Content hash of the source dataset and of what the run root holds now: prepare_data's cache key.
+
+    Including the run root's current dataset makes a deleted or replaced run root miss the cache,
+    so a cache hit always means the normalized data is in place.
+    """
+    cfg = run_config(flags, run_id, storage_root)
+    stored = stored_dataset_info(Store(cfg.run_uri))
+    source = dataset_fingerprint(cfg.data, hf_checkpoint=cfg.model.hf_checkpoint)
+    return f"{source}:{stored.content_hash if stored else 'absent'}"
+
+
+@task(cache=True, cache_version=PREPARE_DATA_CACHE_VERSION, container_image=task_image("cpu"),
+      requests=Resources(cpu="1", mem="4Gi"))
+def prepare_data(flags: str, run_id: str, storage_root: str, fingerprint: str) -> PreparedData:
+    """Normalize --prompt-data (JSONL/Parquet/Arrow, local or object storage, or builtin:*) into
+    {run root}/data/prompts.arrow. Bad rows fail the task with every bad row named (file, row, field).
+    Cached by `fingerprint` (data_fingerprint's content hash) together with the run inputs.
+    """
+    cfg = run_config(flags, run_id, storage_root)
+    info = prepare_dataset(cfg.data, Store(cfg.run_uri), hf_checkpoint=cfg.model.hf_checkpoint)
+    if not fingerprint.startswith(info.content_hash):
+        raise DatasetError(f"{info.source} changed while the run was starting (hash {fingerprint[:12]} -> "
+                           f"{info.content_hash[:12]}); start the run again.")
+    return PreparedData(info.uri, info.content_hash, info.num_rows, info.source)

@@ -1,0 +1,74 @@
+"""Eval tasks: the follower that runs beside train, and the backfill pieces (DESIGN §7.1, §7.4).
+
+miles_core.eval does the work; it is imported on use (it pulls in engines and torch), so these
+definitions register without it. Contract with miles_core.eval:
+    follower.follow_snapshots(cfg) -> summary          runs until STATUS.json leaves `running`
+    backfill.backfill_plan(run_uri, steps, datasets) -> [(step, dataset name, dataset uri), ...]
+    backfill.evaluate_snapshot(run_uri, step, name, uri, *, n_samples, temperature,
+                               max_response_len) -> {metric name: value}   (writes eval/step_k/name.json)
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import pyarrow as pa
+from flytekit import Deck, Resources, StructuredDataset, task
+
+from images import task_image
+from miles_core.storage import normalize_uri
+from tasks.inputs import run_config
+from tasks.types import EvalJob, EvalPoint
+
+
+@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"))
+def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
+    """Evaluate each complete snapshot under {run root}/snapshots/ as it lands, until the run's
+    STATUS.json leaves `running`. Nothing to do when the run has no eval datasets or evaluates
+    inside the train task (--eval-mode shared|dedicated).
+    """
+    cfg = run_config(flags, run_id, storage_root)
+    if not cfg.eval.eval_prompt_data or cfg.eval.eval_mode != "tasks":
+        return
+    from miles_core.eval.follower import follow_snapshots
+
+    follow_snapshots(cfg)
+
+
+@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
+def plan_backfill(run_uri: str, steps: Optional[List[int]], datasets: Optional[List[str]], n_samples: int,
+                  temperature: float, max_response_len: int) -> List[EvalJob]:
+    """The (snapshot, dataset) pairs to evaluate: the given steps (default: every complete snapshot
+    without results) on the given `name=uri` datasets (default: the run's --eval-prompt-data).
+    """
+    from miles_core.eval.backfill import backfill_plan
+
+    uri = normalize_uri(run_uri)
+    return [EvalJob(uri, step, name, ds_uri, n_samples, temperature, max_response_len)
+            for step, name, ds_uri in backfill_plan(uri, steps, datasets)]
+
+
+@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), retries=1)
+def eval_snapshot(job: EvalJob) -> EvalPoint:
+    """Evaluate one snapshot on one dataset; writes eval/step_{k}/{dataset}.json in the run root."""
+    from miles_core.eval.backfill import evaluate_snapshot
+
+    metrics = evaluate_snapshot(job.run_uri, job.step, job.dataset, job.dataset_uri, n_samples=job.n_samples,
+                                temperature=job.temperature, max_response_len=job.max_response_len or None)
+    return EvalPoint(job.step, job.dataset, {k: float(v) for k, v in metrics.items()})
+
+
+@task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
+def backfill_table(run_uri: str, points: List[EvalPoint]) -> StructuredDataset:
+    """One row per (step, dataset, metric); the Deck shows the eval curves by step."""
+    from miles_core.metrics.report import eval_figure
+
+    rows = [{"step": p.step, "dataset": p.dataset, "metric": name, "value": value}
+            for p in points for name, value in sorted(p.metrics.items())]
+    schema = pa.schema([("step", pa.int64()), ("dataset", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    events = [{"step": r["step"], "time": 0.0, "value": r["value"],
+               "name": f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
+              for r in rows]
+    Deck("eval curves", eval_figure(events).to_html(full_html=False, include_plotlyjs=True))
+    return StructuredDataset(dataframe=table)

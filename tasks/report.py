@@ -1,0 +1,29 @@
+"""report: the run's Deck and a self-contained HTML file, both from metrics/ (DESIGN §12)."""
+
+from __future__ import annotations
+
+import os
+
+from flytekit import Deck, Resources, current_context, task
+from flytekit.types.file import HTMLPage
+
+from images import task_image
+from miles_core.metrics.report import render_report
+from miles_core.storage import Store
+from tasks.types import TrainOutcome
+
+REPORT_KEY = "report.html"
+
+
+@task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
+def report(outcome: TrainOutcome) -> HTMLPage:
+    """Render reward, staleness, queue size, throughput, wait times and eval curves with the
+    bottleneck reading as this task's Deck; also saved as {run root}/report.html and returned.
+    """
+    html = render_report(outcome.run_uri)
+    Deck("report", html)
+    Store(outcome.run_uri).put_bytes(REPORT_KEY, html.encode("utf-8"))
+    path = os.path.join(current_context().working_directory, REPORT_KEY)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(html)
+    return HTMLPage(path)

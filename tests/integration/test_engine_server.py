@@ -1,0 +1,360 @@
+"""The CPU engine server (a real process on 127.0.0.1) driven over HTTP by EngineClient.
+
+Pins the SGLang native API subset: the JSON keys and types of /generate (plain and SSE streaming) and
+of the control endpoints; per-token weight versions across an in-place pause + weight update +
+resume; that a weight reload changes what is generated; abort by rid and pause(mode=abort) end
+requests with finish_reason abort; retract keeps requests alive; the client's least-in-flight
+dispatch, its fallback when a connection is refused, and that a killed engine's in-flight requests come
+back as aborted (not as exceptions) while the launcher restarts the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+
+from miles_core.engines.client import EngineClient, GenerateResult
+from miles_core.engines.launcher import EngineLaunchSpec, EngineServer, free_port
+from miles_core.models.builtin import materialize_checkpoint
+
+PROMPT = [1, 2, 3, 4, 10]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-server")
+    return {
+        "gpt": materialize_checkpoint("builtin:tiny-gpt", 1, str(root / "gpt")),
+        "gpt_other": materialize_checkpoint("builtin:tiny-gpt", 2, str(root / "gpt_other")),
+        "llama": materialize_checkpoint("builtin:tiny-llama", 1, str(root / "llama")),
+        "llama_other": materialize_checkpoint("builtin:tiny-llama", 2, str(root / "llama_other")),
+    }
+
+
+def start(path: str, version: int = 1, **kw) -> EngineServer:
+    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=version, startup_timeout_seconds=120, **kw))
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def gpt_engine(ckpts):
+    s = start(ckpts["gpt"])
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_engines(ckpts):
+    servers = [start(ckpts["llama"]), start(ckpts["llama"])]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def until(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not await pred():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+# ---- shapes -------------------------------------------------------------------------------------
+def check_meta(meta: dict, rid: str, final: bool):
+    assert meta["id"] == rid
+    assert isinstance(meta["prompt_tokens"], int) and meta["prompt_tokens"] == len(PROMPT)
+    assert isinstance(meta["completion_tokens"], int)
+    assert isinstance(meta["weight_version"], str)
+    assert isinstance(meta["cached_tokens"], int) and isinstance(meta["e2e_latency"], float)
+    for entry in meta["output_token_logprobs"]:
+        lp, tok, text = entry
+        assert isinstance(lp, float) and lp <= 0 and isinstance(tok, int) and text is None
+    if final:
+        assert meta["finish_reason"]["type"] in ("stop", "length")
+    else:
+        assert meta["finish_reason"] is None
+
+
+def test_generate_shape_matches_sglang(gpt_engine):
+    """POST /generate (no stream) answers SGLang's shape: text, output_ids, meta_info with id,
+    finish_reason {type, matched|length}, prompt/completion tokens, weight_version (a string) and
+    output_token_logprobs as [logprob, token_id, null]."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": PROMPT, "rid": "shape-1", "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 5, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                        "stop_token_ids": [11]}}
+            async with s.post(gpt_engine.url + "/generate", json=body) as r:
+                assert r.status == 200
+                return await r.json()
+
+    out = run(go())
+    assert set(out) == {"text", "output_ids", "meta_info"}
+    assert isinstance(out["text"], str) and all(isinstance(t, int) for t in out["output_ids"])
+    meta = out["meta_info"]
+    check_meta(meta, "shape-1", final=True)
+    assert meta["weight_version"] == "1"
+    assert meta["completion_tokens"] == len(out["output_ids"]) == len(meta["output_token_logprobs"])
+    assert [e[1] for e in meta["output_token_logprobs"]] == out["output_ids"]
+    fr = meta["finish_reason"]
+    assert fr == {"type": "length", "length": 5} or (fr["type"] == "stop" and fr["matched"] == out["output_ids"][-1])
+
+
+def test_stream_shape_matches_sglang(gpt_engine):
+    """"stream": true answers text/event-stream lines `data: {json}` with cumulative output_ids and
+    meta_info, then `data: [DONE]`; only the last JSON chunk has a finish_reason."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            body = {"input_ids": PROMPT, "rid": "shape-2", "return_logprob": True, "stream": True,
+                    "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}}
+            async with s.post(gpt_engine.url + "/generate", json=body) as r:
+                assert r.headers["Content-Type"].startswith("text/event-stream")
+                return [line.decode() async for line in r.content]
+
+    lines = [ln.strip() for ln in run(go()) if ln.strip()]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[len("data: "):]) for ln in lines[:-1]]
+    assert all(ln.startswith("data: ") for ln in lines)
+    prev = []
+    for i, c in enumerate(chunks):
+        last = i == len(chunks) - 1
+        check_meta(c["meta_info"], "shape-2", final=last)
+        assert c["output_ids"][:len(prev)] == prev and len(c["output_ids"]) > len(prev) or last
+        assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])
+        prev = c["output_ids"]
+    assert len(prev) == 6
+
+
+def test_control_endpoint_shapes(gpt_engine, ckpts):
+    """Control endpoints answer like SGLang: /health 200, /get_weight_version {weight_version: str},
+    /get_model_info and /model_info {model_path, is_generation, ...}, pause/continue {message},
+    /flush_cache 200 when idle, /abort_request 200, /update_weights_from_disk {success, message,
+    num_paused_requests} and 400 with success false for a bad path."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            u = gpt_engine.url
+            async with s.get(u + "/health") as r:
+                assert r.status == 200
+            async with s.get(u + "/get_weight_version") as r:
+                assert await r.json() == {"weight_version": "1"}
+            for path in ("/get_model_info", "/model_info"):
+                async with s.get(u + path) as r:
+                    info = await r.json()
+                    assert info["is_generation"] is True and info["model_path"] == ckpts["gpt"]
+            async with s.post(u + "/pause_generation", json={"mode": "retract"}) as r:
+                assert set(await r.json()) == {"message"}
+            async with s.post(u + "/pause_generation", json={"mode": "sideways"}) as r:
+                assert r.status == 400
+            async with s.post(u + "/flush_cache") as r:
+                assert r.status == 200
+            async with s.post(u + "/continue_generation", json={}) as r:
+                assert set(await r.json()) == {"message"}
+            async with s.post(u + "/abort_request", json={"rid": "nobody"}) as r:
+                assert r.status == 200
+            body = {"model_path": ckpts["gpt"], "weight_version": "1", "flush_cache": True,
+                    "abort_all_requests": False}
+            async with s.post(u + "/update_weights_from_disk", json=body) as r:
+                ok = await r.json()
+                assert r.status == 200 and ok["success"] is True and isinstance(ok["message"], str)
+                assert isinstance(ok["num_paused_requests"], int)
+            async with s.post(u + "/update_weights_from_disk", json={**body, "model_path": "/nonexistent"}) as r:
+                bad = await r.json()
+                assert r.status == 400 and bad["success"] is False and "/nonexistent" in bad["message"]
+            async with s.post(u + "/generate", json={"input_ids": [], "sampling_params": {}}) as r:
+                assert r.status == 400 and "input_ids" in (await r.json())["error"]["message"]
+
+    run(go())
+
+
+# ---- weight updates and versions ----------------------------------------------------------------
+def test_in_place_update_keeps_requests_and_versions_each_token(llama_engines, ckpts):
+    """pause(in_place) -> update_weights_from_disk(v2) -> continue: no request is aborted, each
+    finishes its full length, and streamed per-token versions go 1..1 then 2..2 for requests that
+    straddled the update (DESIGN §5.4)."""
+    url = llama_engines[0].url
+
+    async def go():
+        async with EngineClient([url]) as c:
+            await c.update_weights_from_disk(ckpts["llama"], 1)
+            for attempt in range(3):
+                tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 100, "ignore_eos": True}))
+                         for _ in range(16)]
+                await asyncio.sleep(0.05 * (attempt + 1))
+                await c.pause_generation("in_place")
+                await c.update_weights_from_disk(ckpts["llama_other"], 2 + attempt)
+                await c.continue_generation()
+                results: list[GenerateResult] = await asyncio.gather(*tasks)
+                assert all(r.finish_reason == "length" and len(r.output_ids) == 100 for r in results)
+                for r in results:
+                    assert r.token_versions == sorted(r.token_versions)
+                    assert set(r.token_versions) <= {1 if attempt == 0 else 1 + attempt, 2 + attempt}
+                    assert len(r.token_versions) == len(r.output_logprobs) == 100
+                mixed = [r for r in results if len(set(r.token_versions)) == 2]
+                if mixed:
+                    assert all(r.weight_version == 2 + attempt for r in results)
+                    return True
+            return False
+
+    assert run(go()), "no request straddled the weight update in 3 attempts"
+
+
+def test_weight_reload_changes_outputs(gpt_engine, ckpts):
+    """Loading other weights changes what the engine computes (the log-probs of the greedy tokens; a
+    random tiny model's argmax may not move) and reloading the first brings it back exactly; the
+    reported version follows each load."""
+    async def go():
+        async with EngineClient([gpt_engine.url]) as c:
+            greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+            await c.update_weights_from_disk(ckpts["gpt"], 1)
+            first = await c.generate(PROMPT, greedy)
+            await c.update_weights_from_disk(ckpts["gpt_other"], 7)
+            other = await c.generate(PROMPT, greedy)
+            assert await c.get_weight_version() == {gpt_engine.url: 7}
+            await c.update_weights_from_disk(ckpts["gpt"], 8)
+            back = await c.generate(PROMPT, greedy)
+            await c.update_weights_from_disk(ckpts["gpt"], 1)
+            return first, other, back
+
+    first, other, back = run(go())
+    assert (first.output_ids, first.output_logprobs) != (other.output_ids, other.output_logprobs)
+    assert first.output_ids == back.output_ids
+    assert max(abs(a - b) for a, b in zip(first.output_logprobs, back.output_logprobs)) < 1e-6
+    assert (first.token_versions, other.token_versions, back.token_versions) == ([1] * 8, [7] * 8, [8] * 8)
+
+
+# ---- abort and pause modes ----------------------------------------------------------------------
+def test_abort_request_returns_abort(gpt_engine):
+    """/abort_request {rid} ends that request with finish_reason abort (returned, not raised)."""
+    async def go():
+        async with EngineClient([gpt_engine.url]) as c:
+            await c.pause_generation("in_place")  # keep the request queued until we abort it
+            task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 20}, rid="victim"))
+            keep = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 3, "ignore_eos": True}, rid="keep"))
+            await asyncio.sleep(0.2)
+            await c.abort_request("victim")
+            res = await task
+            await c.continue_generation()
+            return res, await keep
+
+    res, keep = run(go())
+    assert res.finish_reason == "abort" and res.aborted and res.rid == "victim"
+    assert keep.finish_reason == "length" and len(keep.output_ids) == 3
+
+
+def test_pause_abort_mode_aborts_in_flight(gpt_engine):
+    """pause_generation(mode=abort) ends every request in flight with finish_reason abort; after
+    continue_generation new requests run normally."""
+    async def go():
+        async with EngineClient([gpt_engine.url]) as c:
+            await c.pause_generation("retract")
+            tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 10})) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            await c.pause_generation("abort")
+            aborted = await asyncio.gather(*tasks)
+            await c.continue_generation()
+            return aborted, await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
+
+    aborted, after = run(go())
+    assert all(r.finish_reason == "abort" for r in aborted)
+    assert after.finish_reason == "length"
+
+
+def test_retract_keeps_requests_and_flush_cache_works(llama_engines, ckpts):
+    """pause(retract) -> flush_cache -> update -> continue: requests are re-queued, their cache is
+    recomputed, and they all finish at full length (none aborted)."""
+    url = llama_engines[1].url
+
+    async def go():
+        async with EngineClient([url]) as c:
+            tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 60, "ignore_eos": True}))
+                     for _ in range(8)]
+            await asyncio.sleep(0.05)
+            await c.pause_generation("retract")
+            await c.flush_cache()
+            await c.update_weights_from_disk(ckpts["llama_other"], 5)
+            await c.continue_generation()
+            res = await asyncio.gather(*tasks)
+            await c.update_weights_from_disk(ckpts["llama"], 1)
+            return res
+
+    res = run(go())
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 60 for r in res)
+    assert all(r.token_versions[-1] == 5 for r in res)
+
+
+# ---- the client over several engines -----------------------------------------------------------
+def test_dispatch_is_least_in_flight(llama_engines):
+    """With both engines paused, 10 requests split 5/5 by in-flight count; all finish after continue."""
+    urls = [s.url for s in llama_engines]
+
+    async def go():
+        async with EngineClient(urls) as c:
+            await c.pause_generation("retract")
+            tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2})) for _ in range(10)]
+            await asyncio.sleep(0.2)
+            counts = c.in_flight()
+            await c.continue_generation()
+            res = await asyncio.gather(*tasks)
+            return counts, res, c.in_flight()
+
+    counts, res, after = run(go())
+    assert sorted(counts.values()) == [5, 5]
+    assert {r.engine_url for r in res} == set(urls) and all(not r.aborted for r in res)
+    assert set(after.values()) == {0}
+
+
+def test_refused_connection_tries_another_engine(gpt_engine):
+    """A refused connection (the request never left) is sent to another engine; with none left the
+    result is an abort, not an exception."""
+    dead = f"http://127.0.0.1:{free_port()}"
+
+    async def go():
+        async with EngineClient([dead, gpt_engine.url]) as c:
+            ok = [await c.generate(PROMPT, {"max_new_tokens": 2}) for _ in range(3)]
+        async with EngineClient([dead]) as c:
+            return ok, await c.generate(PROMPT, {"max_new_tokens": 2})
+
+    ok, none = run(go())
+    assert all(r.engine_url == gpt_engine.url and not r.aborted for r in ok)
+    assert none.aborted and "no engine" in none.abort_message
+
+
+def test_killed_engine_returns_in_flight_as_aborted_and_restarts(ckpts):
+    """SIGKILL of the engine process: requests in flight come back with finish_reason abort (never an
+    exception) and the launcher's monitor restarts the process on the same URL."""
+    server = start(ckpts["gpt"], health_interval_seconds=0.2)
+    try:
+        pid = server.pid()
+
+        async def go():
+            async with EngineClient([server.url]) as c:
+                await c.pause_generation("in_place")  # the requests are surely in flight when it dies
+                tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 5}, stream=s))
+                         for s in (True, False)]
+                await asyncio.sleep(0.3)
+                os.kill(pid, signal.SIGKILL)
+                res = await asyncio.gather(*tasks)
+                await until(lambda: _restarted(server), timeout=60)
+                after = await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
+                return res, after
+
+        res, after = run(go())
+        assert all(r.finish_reason == "abort" for r in res)
+        assert server.restarts == 1 and server.pid() != pid
+        assert after.finish_reason == "length"
+    finally:
+        server.stop()
+
+
+async def _restarted(server: EngineServer) -> bool:
+    return server.restarts >= 1

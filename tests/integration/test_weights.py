@@ -1,0 +1,166 @@
+"""Weight sync (DESIGN §5.4) and snapshots, on file:// and a real S3 server.
+
+Pins: the engine-visible order pause -> flush (unless in_place) -> update_weights_from_disk with
+the new version -> continue, and publish strictly after the resume; versions count 1, 2, ...;
+abort mode is refused; a failed load still resumes the engines and publishes nothing; the snapshot
+is complete (`.complete` last) and, on S3, fetched to a local dir before engines load it; the real
+CPU engine server serves the trainer's weights after a push (its log-probs equal the trainer's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from miles_core.config.sections import TrainSection
+from miles_core.models.builtin import SEP_ID, materialize_checkpoint
+from miles_core.samples import Sample
+from miles_core.storage import Store
+from miles_core.train.trainer import Trainer
+from miles_core.weights.snapshot import MARKER, SnapshotError, complete_snapshots, fetch_snapshot
+from miles_core.weights.sync import DiskWeightTransport, EngineControl, WeightSync, WeightSyncError
+from tests.unit.test_train import make_groups
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    path = materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path_factory.mktemp("tiny-gpt")))
+    with Trainer(TrainSection(), path) as tr:
+        tr.train_step(0, make_groups())
+        yield tr
+
+
+class FakeEngine:
+    """Records control calls into a shared log; loads the snapshot it is pointed at."""
+
+    def __init__(self, name, log, fail_load=False):
+        self.name, self.log, self.fail_load = name, log, fail_load
+        self.version, self.weights = 0, None
+
+    async def pause_generation(self, mode):
+        self.log.append((self.name, "pause", mode))
+
+    async def continue_generation(self):
+        self.log.append((self.name, "continue"))
+
+    async def flush_cache(self):
+        self.log.append((self.name, "flush"))
+
+    async def update_weights_from_disk(self, model_path, weight_version, *, flush_cache=False,
+                                       abort_all_requests=False):
+        self.log.append((self.name, "update", weight_version, flush_cache, abort_all_requests))
+        if self.fail_load:
+            raise RuntimeError("engine crashed while loading")
+        assert os.path.exists(os.path.join(model_path, MARKER))
+        self.weights = load_file(os.path.join(model_path, "model.safetensors"))
+        self.version = weight_version
+
+
+def _sync(trainer, store, engines, log, mode="retract", tmp=None):
+    async def publish(v):
+        log.append(("rollout", "publish", v))
+    return WeightSync(engines, DiskWeightTransport(trainer, store, cache_dir=tmp), publish, mode)
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode):
+    """Engines see pause, (flush), update(v), continue; publish(v) comes last; weights are the trainer's."""
+    log = []
+    engines = [FakeEngine("e0", log), FakeEngine("e1", log)]
+    assert all(isinstance(e, EngineControl) for e in engines)
+    store = Store(storage_root)
+    sync = _sync(trainer, store, engines, log, mode, str(tmp_path))
+    r1 = asyncio.run(sync.push(10))
+    r2 = asyncio.run(sync.push(11))
+    assert (r1.version, r2.version) == (1, 2)
+    for e in ("e0", "e1"):
+        ops = [entry[1:] for entry in log if entry[0] == e]
+        one = [("pause", mode)] + ([("flush",)] if mode == "retract" else []) + [("update", 1, False, False), ("continue",)]
+        assert ops[:len(one)] == one
+        assert ops[len(one):] == [o if o[0] != "update" else ("update", 2, False, False) for o in one]
+    first_publish = log.index(("rollout", "publish", 1))
+    assert all(log.index(x) < first_publish for x in log[:first_publish])
+    assert [x for x in log if x[0] == "rollout"] == [("rollout", "publish", 1), ("rollout", "publish", 2)]
+    expect = trainer.hf_state_dict()
+    for e in engines:
+        assert e.version == 2 and set(e.weights) == set(expect)
+        assert all(torch.equal(e.weights[k], v) for k, v in expect.items())
+    assert complete_snapshots(store) == [10, 11]
+
+
+def test_snapshot_fetch_requires_marker_and_downloads_for_object_stores(trainer, storage_root, tmp_path):
+    """Without `.complete` a snapshot is not fetched; on S3 it lands in the local cache dir."""
+    store = Store(storage_root)
+    store.put_bytes("snapshots/step_00000003/model.safetensors", b"partial")
+    with pytest.raises(SnapshotError, match="incomplete"):
+        fetch_snapshot(store, "snapshots/step_00000003", str(tmp_path))
+    from miles_core.weights.snapshot import export_snapshot
+
+    written = []
+    put = store.put_bytes
+    store.put_bytes = lambda k, data: (written.append(k), put(k, data))[1]
+    key = export_snapshot(trainer, store, 4)
+    assert written[-1] == f"{key}/{MARKER}" and len(written) > 3  # the marker is written last
+    local = fetch_snapshot(store, key, str(tmp_path))
+    if store.protocol == "file":
+        assert local == store.local_path(key)
+    else:
+        assert local.startswith(str(tmp_path))
+    assert {"model.safetensors", "config.json", "tokenizer.json", MARKER} <= set(os.listdir(local))
+    assert complete_snapshots(store) == [4]
+
+
+def test_abort_mode_is_refused(trainer, tmp_path):
+    with pytest.raises(WeightSyncError, match="retract, in_place"):
+        _sync(trainer, Store(str(tmp_path)), [], [], mode="abort")
+
+
+def test_failed_load_resumes_engines_and_publishes_nothing(trainer, tmp_path):
+    """An engine failing to load propagates the error, but every engine is resumed first."""
+    log = []
+    engines = [FakeEngine("e0", log), FakeEngine("e1", log, fail_load=True)]
+    sync = _sync(trainer, Store(str(tmp_path)), engines, log)
+    with pytest.raises(RuntimeError, match="crashed"):
+        asyncio.run(sync.push(1))
+    assert ("e0", "continue") in log and ("e1", "continue") in log
+    assert not [x for x in log if x[0] == "rollout"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cpu_engine_serves_the_pushed_weights(trainer, tmp_path):
+    """Through the real CPU engine server and client: version 1 after a push, log-probs = trainer's."""
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.cpu_server import CpuEngineServer, serve
+
+    async def main():
+        server = CpuEngineServer(trainer.hf_dir)  # the initial checkpoint: differs from the trained weights
+        port = _free_port()
+        runner = await serve(server, "127.0.0.1", port)
+        try:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+                published = []
+                sync = WeightSync([client], DiskWeightTransport(trainer, Store(str(tmp_path))), published.append)
+                await sync.push(1)
+                versions = await client.get_weight_version()
+                res = await client.generate([1, 2, 3, 4, SEP_ID], {"max_new_tokens": 5, "temperature": 1.0})
+                return published, versions, res
+        finally:
+            await runner.cleanup()
+
+    published, versions, res = asyncio.run(main())
+    assert published == [1] and list(versions.values()) == [1]
+    assert set(res.token_versions) == {1}
+    ours = trainer.logprobs([Sample("p", 0, 0, [1, 2, 3, 4, SEP_ID], res.output_ids)])[0]
+    assert torch.allclose(torch.tensor(ours), torch.tensor(res.output_logprobs), atol=1e-4)

@@ -1,0 +1,81 @@
+"""The HTML report and its bottleneck reading (miles_core.metrics.report, DESIGN §12).
+
+Pins: the file is self-contained (plotly.js inline once, no external scripts) and holds the
+reward, staleness, queue, throughput, wait-time and eval curves; the queue pinned at 0 reads
+rollout-bound and pinned at capacity reads train-bound; `miles report` writes the file.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from miles_core.config import RunConfig, replace_fields
+from miles_core.metrics import MetricsSink
+from miles_core.metrics.report import diagnose_bottleneck, render_report, write_report
+from miles_core.run_root import FINISHED, write_config, write_status
+from miles_core.storage import Store
+
+CURVES = ["rollout/reward/mean", "rollout/fully_async/avg_staleness", "rollout/fully_async/queue_size",
+          "perf/tokens_per_second", "perf/train_wait_seconds", "perf/producer_blocked_seconds", "eval/heldout"]
+
+
+def fake_run(run_uri: str, queue: float, steps: int = 20) -> None:
+    store = Store(run_uri)
+    write_config(store, replace_fields(RunConfig(), rollout_batch_size=4))  # capacity 8
+    with MetricsSink(store, "trainer", background=False) as sink:
+        for k in range(steps):
+            sink.log(k, {"rollout/reward/mean": 0.07 + 0.04 * k, "rollout/fully_async/avg_staleness": 0.5,
+                         "rollout/fully_async/queue_size": queue, "perf/tokens_per_second": 900 + k,
+                         "perf/train_wait_seconds": 2.0 if queue == 0 else 0.0,
+                         "perf/producer_blocked_seconds": 1.5 if queue >= 8 else 0.0})
+    with MetricsSink(store, "eval", background=False) as sink:
+        for k in range(0, steps, 5):
+            sink.log(k, {"eval/heldout": 0.1 * k, "eval/heldout/pass@1": 0.05 * k})
+    write_status(store, FINISHED, last_step=steps - 1, segment=0)
+
+
+def test_report_is_self_contained_with_curves(tmp_path):
+    run = f"file://{tmp_path}/run"
+    fake_run(run, queue=0)
+    path = write_report(run, str(tmp_path / "out" / "report.html"))
+    html = open(path, encoding="utf-8").read().replace("\\u002f", "/")  # plotly escapes '/' in JSON
+    assert html.startswith("<!DOCTYPE html>")
+    assert not re.search(r"<script[^>]+src=", html), "no external scripts: the file must open offline"
+    assert html.count("plotly.js v") <= 2 and "Plotly.newPlot" in html  # the library inline, once
+    for name in CURVES:
+        assert f'"name":"{name}"' in html, name
+    assert "Bottleneck: rollout-bound" in html
+    assert "finished (segment 0, last step 19)" in html
+
+
+def test_bottleneck_readings(tmp_path):
+    for queue, verdict in ((0, "rollout-bound"), (8, "train-bound"), (4, "balanced")):
+        run = f"file://{tmp_path}/run-{queue}"
+        fake_run(run, queue=queue)
+        assert f"Bottleneck: {verdict}" in render_report(run)
+    assert diagnose_bottleneck([], 8).verdict == "unknown"
+
+
+def test_report_of_an_empty_run(tmp_path):
+    html = render_report(f"file://{tmp_path}/empty")
+    assert "No metrics recorded yet" in html and "Bottleneck: unknown" in html
+
+
+def test_cli_report(tmp_path, capsys):
+    from miles_core.cli import main
+
+    run = f"file://{tmp_path}/run"
+    fake_run(run, queue=8)
+    out = tmp_path / "r.html"
+    assert main(["report", run, "-o", str(out)]) == 0
+    assert out.exists() and "train-bound" in out.read_text()
+
+
+@pytest.mark.s3
+def test_report_from_object_storage(storage_root, tmp_path):
+    run = storage_root + "/runs/rep"
+    fake_run(run, queue=0, steps=6)
+    html = open(write_report(run, str(tmp_path / "r.html")), encoding="utf-8").read().replace("\\u002f", "/")
+    assert '"name":"rollout/reward/mean"' in html

@@ -1,0 +1,42 @@
+"""fully_async_rl: prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
+
+    pyflyte run workflows/fully_async.py fully_async_rl                       # the embedded default (CPU)
+    pyflyte run workflows/fully_async.py fully_async_rl --flags "--rollout-batch-size 16"
+    pyflyte run --remote workflows/fully_async.py fully_async_rl \\
+        --storage_root s3://bucket/miles --run_id qwen-math --flags "--hf-checkpoint s3://... --engine-backend sglang"
+
+`flags` is the miles command line (every flag of `miles validate --help`); `run_id`,
+`storage_root` and `segment_steps` are typed shortcuts ("" / 0: as in flags or the default).
+Locally the tasks run one after another (train, then the follower evaluates what it left);
+on a cluster train and eval_follower run side by side.
+"""
+
+from __future__ import annotations
+
+from flytekit import workflow
+from flytekit.types.file import HTMLPage
+
+from tasks.data import data_fingerprint, prepare_data
+from tasks.eval import eval_follower
+from tasks.report import report
+from tasks.train import train
+
+
+@workflow
+def fully_async_rl(flags: str = "", run_id: str = "", storage_root: str = "", segment_steps: int = 0) -> HTMLPage:
+    """Fully asynchronous RL post-training of an LLM; returns the run report (HTML).
+
+    :param flags: miles flags, e.g. "--rollout-batch-size 16 --max-weight-staleness 2" (empty: the embedded default)
+    :param run_id: run id; the run root is {storage_root}/runs/{run_id} ("" : --run-id from flags, else "default")
+    :param storage_root: object-storage prefix of runs, e.g. s3://bucket/miles ("" : --storage-root from flags, else ./.miles)
+    :param segment_steps: train at most this many steps in this execution, then checkpoint and exit (0: to --num-rollout)
+    """
+    fingerprint = data_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root)
+    data = prepare_data(flags=flags, run_id=run_id, storage_root=storage_root, fingerprint=fingerprint)
+    outcome = train(flags=flags, run_id=run_id, storage_root=storage_root, segment_steps=segment_steps)
+    follower = eval_follower(flags=flags, run_id=run_id, storage_root=storage_root)
+    data >> outcome
+    data >> follower
+    page = report(outcome=outcome)
+    follower >> page
+    return page
