@@ -219,19 +219,10 @@ class Store:
 
     def list(self, prefix: str = "") -> list[str]:
         """Keys (relative to the root) of all committed objects under `prefix`, sorted."""
-        base = self.path(prefix)
-
-        def find():
-            self._invalidate(base)
-            try:
-                found = self.fs.find(base)
-            except FileNotFoundError:
-                return []
-            return found
-
-        return sorted(k for k in map(self._relative, self._retry(f"list {prefix}", find)) if k)
+        return list(self.list_sizes(prefix))
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
+        """{key: size} of all committed objects under `prefix`, sorted by key."""
         base = self.path(prefix)
 
         def find():
@@ -242,7 +233,11 @@ class Store:
                 return {}
 
         sizes = {}
-        for p, info in self._retry(f"list {prefix}", find).items():
+        for p, info in self._retry(f"list {prefix!r}", find).items():
+            # Filer-backed S3 servers (SeaweedFS) keep emptied "directories"; s3fs then reports the
+            # prefix itself as a directory entry. It is not an object, so it is never a key.
+            if info.get("type") == "directory":
+                continue
             rel = self._relative(p)
             if rel:
                 sizes[rel] = int(info.get("size") or 0)

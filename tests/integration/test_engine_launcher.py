@@ -58,6 +58,7 @@ def ckpts(tmp_path_factory):
             materialize_checkpoint("builtin:tiny-gpt", 2, str(root / "v2")))
 
 
+@pytest.mark.slow  # Ray start-up plus three engine processes: about a minute on two busy cores
 def test_fleet_restarts_a_killed_engine(ray_local, ckpts):
     """Kill -9 one engine of a fleet of 2 while requests are in flight on it: they return aborted,
     the actor restarts the process (restart count 1, new pid, same URL, the noted weights and version),

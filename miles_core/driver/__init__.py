@@ -1,0 +1,142 @@
+"""Run one training segment of a run: build the roles on Ray, run the loop, leave a clean state.
+
+    result = run_training(cfg)      # the Flyte `train` task calls exactly this
+
+Resumes from the latest complete checkpoint when there is one (trainer, data-source cursor,
+started-groups count, buffer consumption, weight version), so a retry after a lost node and the
+next scheduled segment continue the same lineage with no group trained twice or lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass
+
+from miles_core.config import RunConfig, validate
+from miles_core.driver.loop import LoopResult, run_loop
+from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, Progress, Roles, TrainerRole, WeightPusher,
+                                     batch_source)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_uri: str
+    state: str  # finished | segment_done
+    first_step: int
+    last_step: int | None
+    steps_run: int
+    weight_version: int
+    seconds: float
+
+
+def run_training(cfg: RunConfig) -> TrainResult:
+    from miles_core import run_root
+    from miles_core.storage import Store
+
+    validate(cfg)
+    store = Store(cfg.run_uri)
+    segment = run_root.next_segment(store)
+    run_root.write_config(store, cfg, segment)
+    run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)
+    try:
+        result, version = _run_segment(cfg, store)
+    except BaseException as e:
+        status = run_root.read_status(store)
+        run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
+                              segment=segment, message=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    state = run_root.FINISHED if result.last_step == cfg.run.num_rollout - 1 else run_root.SEGMENT_DONE
+    run_root.write_status(store, state, last_step=-1 if result.last_step is None else result.last_step,
+                          segment=segment)
+    return TrainResult(cfg.run_uri, state, result.first_step, result.last_step, result.steps_run,
+                       version, result.seconds)
+
+
+def _run_segment(cfg: RunConfig, store) -> tuple[LoopResult, int]:
+    from miles_core.cluster import ensure_ray, materialize_initial_model, trainer_actor
+    from miles_core.data import prepare_dataset, stored_dataset_info
+    from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
+    from miles_core.eval.scheduler import build_eval_scheduler
+    from miles_core.metrics.sink import MetricsSink
+    from miles_core.rollout.manager import rollout_manager_actor
+
+    import ray
+
+    ensure_ray()
+    if stored_dataset_info(store) is None:
+        prepare_dataset(cfg.data, store, hf_checkpoint=cfg.model.hf_checkpoint)
+    initial_model = materialize_initial_model(cfg)
+    with contextlib.ExitStack() as stack:
+        fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
+                            num_cpus_per_engine=cfg.run.num_cpus_per_engine).start()
+        stack.callback(fleet.shutdown)
+        trainer = trainer_actor(cfg).remote(cfg, initial_model, fleet.urls())
+        stack.callback(lambda: ray.get(trainer.close.remote()))
+        restored = ray.get(trainer.restore_latest.remote())
+        start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})
+        ray.get(trainer.set_version.remote(int(extras.get("weight_version", 0))))
+        first_push = ray.get(trainer.push_weights.remote(start_step - 1))  # engines serve the trainer's weights
+        version_box = [first_push["version"]]
+        fleet.note_weights(first_push["model_path"], first_push["version"])
+
+        rollout = rollout_manager_actor(num_cpus=0).remote(
+            cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
+            consumed_through_step=extras.get("consumed_through_step", -1))
+        ray.get(rollout.set_version.remote(version_box[0]))
+        ray.get(rollout.start.remote())
+        stack.callback(lambda: ray.get(rollout.stop.remote()))
+
+        sink = stack.enter_context(MetricsSink(store, "trainer"))
+        evals = build_eval_scheduler(
+            cfg, exporter=lambda step, uri: ray.get(trainer.export_hf.remote(step, uri)),
+            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls(),
+            pause_submission=lambda: rollout.pause.remote(), resume_submission=lambda: rollout.resume.remote())
+        stack.callback(evals.close)
+        end_step, end_reason = _end_step(cfg, start_step)
+        progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
+        stack.callback(progress.close)
+        if start_step == 0:
+            sink.log(0, {"rollout/random_policy_reward": random_policy_reward(cfg)})
+        roles = Roles(
+            driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
+            batches=batch_source(cfg.driver, rollout, version_box),
+            trainer=TrainerRole(trainer),
+            weights=WeightPusher(trainer, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
+            checkpoints=Checkpointer(trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save)),
+            evals=evals, metrics=MetricsLog(sink), progress=progress,
+            deadline=Deadline(cfg.run.deadline_seconds))
+        log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
+        result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
+        return result, version_box[0]
+
+
+def _end_step(cfg: RunConfig, start_step: int) -> tuple[int, str]:
+    end, reason = cfg.run.num_rollout, "num_rollout"
+    if cfg.run.segment_steps is not None and start_step + cfg.run.segment_steps < end:
+        end, reason = start_step + cfg.run.segment_steps, "segment_steps"
+    return end, reason
+
+
+def random_policy_reward(cfg: RunConfig, samples: int = 4000) -> float:
+    """Mean reward of a uniform random policy on the builtin task (the level learning must beat);
+    NaN for datasets without a builtin reward."""
+    if not cfg.data.prompt_data.startswith("builtin:") or not cfg.model.hf_checkpoint.startswith("builtin:"):
+        return float("nan")
+    from miles_core.models.builtin import DIGIT_VOCAB, EOS_ID
+    from miles_core.rollout.builtin_tasks import builtin_rows, digits_reward
+
+    rng = random.Random(0)
+    rows = builtin_rows(cfg.data.prompt_data)
+    n = cfg.rollout.rollout_max_response_len
+    total = 0.0
+    for _ in range(samples):
+        row = rows[rng.randrange(len(rows))]
+        response = []
+        while len(response) < n and (not response or response[-1] != EOS_ID):  # the engine stops at EOS
+            response.append(rng.randrange(len(DIGIT_VOCAB)))
+        total += digits_reward(response, row["label"])
+    return total / samples

@@ -1,0 +1,193 @@
+"""Build the roles the training loop drives, once, from the config (DESIGN §5.5).
+
+Modes are decided here: which batch source (sync / one-step-off / fully async), whether the
+checkpointer saves, how evals run. Each role owns its cadence, so the loop never reads a flag.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from miles_core.driver.loop import Batch
+
+log = logging.getLogger(__name__)
+
+
+def _get(ref):
+    import ray
+
+    return ray.get(ref)
+
+
+def _as_batch(step: int, drained) -> Batch:
+    return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics))
+
+
+class OnDemandBatches:
+    """sync: generate batch k (the producer idles between batches), then train on it."""
+
+    def __init__(self, rollout, version_box: list[int]):
+        self.rollout, self.version_box = rollout, version_box
+
+    def next_batch(self, step: int) -> Batch:
+        return _as_batch(step, _get(self.rollout.next_batch.remote(self.version_box[0])))
+
+    def before_weight_update(self) -> None:
+        pass
+
+    def metrics(self) -> dict:
+        return {}
+
+
+class PrefetchedBatches:
+    """one-step-off and fully async: batch k+1 is requested while the trainer works on batch k.
+
+    one-step-off generates it; fully async drains it from the buffer that the continuous producer
+    fills. Either way the driver waits for it before the next weight update (§5.5), which is one
+    source of staleness (documented in docs/fully-async.md).
+    """
+
+    def __init__(self, rollout, version_box: list[int]):
+        self.rollout, self.version_box = rollout, version_box
+        self.pending = None
+        self.wait_seconds = 0.0
+
+    def next_batch(self, step: int) -> Batch:
+        t0 = time.monotonic()
+        ref = self.pending if self.pending is not None else self.rollout.next_batch.remote(self.version_box[0])
+        drained = _get(ref)
+        self.wait_seconds = time.monotonic() - t0
+        self.pending = self.rollout.next_batch.remote(self.version_box[0])
+        batch = _as_batch(step, drained)
+        batch.metrics["perf/train_wait_seconds"] = self.wait_seconds
+        return batch
+
+    def before_weight_update(self) -> None:
+        import ray
+
+        if self.pending is not None:
+            ray.wait([self.pending], num_returns=1)
+
+    def metrics(self) -> dict:
+        return {}
+
+    def cancel(self) -> None:
+        self.pending = None
+
+
+class TrainerRole:
+    def __init__(self, actor):
+        self.actor = actor
+
+    def train_step(self, step: int, batch: Batch) -> dict:
+        return _get(self.actor.train_step.remote(step, batch.groups))
+
+
+class WeightPusher:
+    """Pushes every --update-weights-interval steps (and at the last step), then publishes the
+    version to the rollout side and to the engine actors (which restart dead engines on it)."""
+
+    def __init__(self, trainer_actor, rollout, fleet, interval: int, version_box: list[int]):
+        self.trainer, self.rollout, self.fleet = trainer_actor, rollout, fleet
+        self.interval, self.version_box = interval, version_box
+
+    def push(self, step: int, last: bool = False) -> tuple[int, dict]:
+        if (step + 1) % self.interval != 0 and not last:
+            return self.version_box[0], {}
+        out = _get(self.trainer.push_weights.remote(step))
+        version = out.pop("version")
+        path = out.pop("model_path")
+        _get(self.rollout.set_version.remote(version))
+        self.fleet.note_weights(path, version)
+        self.version_box[0] = version
+        return version, out | {"rollout/published_version": version}
+
+
+class Checkpointer:
+    """Records the consumed group ids every step; saves trainer + rollout state at the cadence."""
+
+    def __init__(self, trainer_actor, rollout, save_interval: int | None, enabled: bool):
+        self.trainer, self.rollout = trainer_actor, rollout
+        self.save_interval, self.enabled = save_interval, enabled
+        self.last_saved: int | None = None
+
+    def save(self, step: int, consumed: list[str], version: int, last: bool) -> None:
+        _get(self.rollout.record_consumed.remote(step, consumed))
+        due = self.enabled and (last or (self.save_interval is not None and (step + 1) % self.save_interval == 0))
+        if not due:
+            return
+        extras = {"rollout_state": _get(self.rollout.state.remote()), "weight_version": version,
+                  "consumed_through_step": step}
+        _get(self.trainer.save_checkpoint.remote(step, extras))
+        self.last_saved = step
+
+
+class MetricsLog:
+    def __init__(self, sink):
+        self.sink = sink
+        self.history: list[dict] = []
+
+    def log(self, step: int, metrics: dict) -> None:
+        self.sink.log(step, metrics)
+        self.history.append({"step": step, **metrics})
+
+
+class Progress:
+    """A rich progress bar on a terminal; one log line every 10 steps elsewhere."""
+
+    def __init__(self, total: int, start: int, enabled: bool):
+        self.enabled, self.total, self.start = enabled, total, start
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
+
+            self.bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
+                                    TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+            self.bar.start()
+
+    def update(self, step: int, m: dict) -> None:
+        info = (f"reward {m.get('rollout/reward/mean', float('nan')):.3f}  "
+                f"staleness {m.get('rollout/fully_async/avg_staleness', 0.0):.2f}  "
+                f"{m.get('perf/tokens_per_second', 0.0):.0f} tok/s")
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step + 1, info=info)
+        elif self.enabled and ((step + 1) % 10 == 0 or step == self.start):
+            print(f"[miles] step {step + 1}/{self.total}  {info}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+@dataclass
+class Deadline:
+    seconds: float | None
+    t0: float = field(default_factory=time.monotonic)
+
+    def expired(self) -> bool:
+        return self.seconds is not None and time.monotonic() - self.t0 >= self.seconds
+
+
+@dataclass
+class Roles:
+    driver: str
+    start_step: int
+    end_step: int
+    end_reason: str
+    batches: Any
+    trainer: TrainerRole
+    weights: WeightPusher
+    checkpoints: Checkpointer
+    evals: Any
+    metrics: MetricsLog
+    progress: Progress
+    deadline: Deadline
+
+
+def batch_source(driver: str, rollout, version_box: list[int]):
+    return OnDemandBatches(rollout, version_box) if driver == "sync" else PrefetchedBatches(rollout, version_box)
