@@ -71,9 +71,11 @@ def write_config(store: Store, cfg, segment: int = 0) -> str:
 def read_config(store: Store, segment: int | None = None) -> dict | None:
     """The resolved config dict of `segment` (default: the latest segment with one), or None."""
     if segment is None:
-        keys = [k for k in store.list("") if "/" not in k and k.startswith("config_segment_") and k.endswith(".json")]
-        for key in reversed([CONFIG_KEY] + sorted(keys)):
-            found = _get_json(store, key)
+        status = read_status(store)
+        latest = status.segment if status is not None else 0
+        # No listing: a run root also holds the buffer and checkpoints; STATUS names the segment.
+        for seg in range(latest, -1, -1):
+            found = _get_json(store, segment_config_key(seg))
             if found is not None:
                 return found.get("config", found)
         return None

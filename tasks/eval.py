@@ -17,7 +17,7 @@ from flytekit import Deck, Resources, StructuredDataset, task
 
 from images import task_image
 from miles_core.storage import normalize_uri
-from tasks.inputs import run_config
+from tasks.inputs import on_cluster, run_config
 from tasks.types import EvalJob, EvalPoint
 
 
@@ -32,7 +32,9 @@ def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
         return
     from miles_core.eval.follower import follow_snapshots
 
-    follow_snapshots(cfg)
+    # Locally the workflow runs its tasks one after another, so the follower starts after train
+    # has finished: the terminal STATUS it sees is this run's, not a previous segment's.
+    follow_snapshots(cfg, start_grace_seconds=300.0 if on_cluster() else 0.0)
 
 
 @task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))

@@ -33,7 +33,7 @@ def run_config(flags: str, run_id: str = "", storage_root: str = "", segment_ste
         overrides[name] = value
     cfg = replace_fields(cfg, **overrides)
     root = normalize_uri(cfg.run.storage_root)  # absolute: Ray workers need not share the cwd
-    if root.startswith("file://") and _on_cluster():
+    if root.startswith("file://") and on_cluster():
         raise ConfigError(
             f"--storage-root={cfg.run.storage_root!r} is a local path, but this task runs on a Flyte cluster where "
             "tasks do not share a disk: set storage_root to object storage (s3://bucket/prefix, gs://...)."
@@ -41,7 +41,7 @@ def run_config(flags: str, run_id: str = "", storage_root: str = "", segment_ste
     return validate(replace_fields(cfg, storage_root=root))
 
 
-def _on_cluster() -> bool:
+def on_cluster() -> bool:
     """True inside a task pod (pyflyte-execute); False for `pyflyte run` without --remote and in tests."""
     mode = FlyteContextManager.current_context().execution_state.mode
     return mode == ExecutionState.Mode.TASK_EXECUTION

@@ -48,9 +48,9 @@ def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> Tra
     Resumes from the run's latest complete checkpoint when there is one, so a retry after a lost
     node, or the next scheduled segment, continues the same lineage.
     """
-    from miles_core.driver import run_training  # the driver pulls in torch/megatron: import on use
+    cfg = run_config(flags, run_id, storage_root, segment_steps)  # bad flags fail here, before any import
+    from miles_core.driver import run_training  # pulls in torch and megatron: import on use
 
-    cfg = run_config(flags, run_id, storage_root, segment_steps)
     run_training(cfg)
     status = read_status(Store(cfg.run_uri))
     if status is None:

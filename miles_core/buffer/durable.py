@@ -59,10 +59,10 @@ class _Entry:
 
 
 class _PendingPut:
-    __slots__ = ("group", "batch", "entry", "done", "error", "slot_at")
+    __slots__ = ("batch", "entry", "done", "error", "slot_at")
 
-    def __init__(self, group: Group, batch: pa.RecordBatch, entry: _Entry, slot_at: float):
-        self.group, self.batch, self.entry, self.slot_at = group, batch, entry, slot_at
+    def __init__(self, batch: pa.RecordBatch, entry: _Entry, slot_at: float):
+        self.batch, self.entry, self.slot_at = batch, entry, slot_at
         self.done = threading.Event()
         self.error: BaseException | None = None
 
@@ -211,7 +211,7 @@ class DurableBuffer:
             if self._closed:
                 raise BufferClosed("buffer closed while put waited for a free slot")
             self._reserved += 1
-            p = _PendingPut(group, batch, entry, time.monotonic())
+            p = _PendingPut(batch, entry, time.monotonic())
             self._pending.append(p)
             self._pending_bytes += batch.nbytes
             self._has_pending.notify()
@@ -234,11 +234,11 @@ class DurableBuffer:
                 if not self._pending and self._closed:
                     return
                 # Coalescing window: until coalesce_seconds after the oldest waiting put, cut short
-                # when no further put can arrive (every slot is waiting here) or the object is big.
+                # when no further put can get a slot (the buffer is full) or the object is big.
                 # Puts arriving while the previous object was being written are already waiting.
                 deadline = self._pending[0].slot_at + self.coalesce_seconds
                 while (not self._closed and (left := deadline - time.monotonic()) > 0
-                       and len(self._pending) < self.capacity and self._pending_bytes < MAX_OBJECT_BYTES):
+                       and self._reserved < self.capacity and self._pending_bytes < MAX_OBJECT_BYTES):
                     self._has_pending.wait(left)
                 self._pending_bytes = 0
                 batch, self._pending = self._pending, []
@@ -380,11 +380,6 @@ class DurableBuffer:
         if callable(handler_metrics):
             out.update(handler_metrics())
         return out
-
-    def payload_nbytes(self) -> int:
-        """Bytes of Arrow rows held for groups found on reopen (groups put here are held as Group objects)."""
-        with self._lock:
-            return sum(e.payload.nbytes for e in self._available if isinstance(e.payload, pa.RecordBatch))
 
     @property
     def queue_size(self) -> int:

@@ -98,10 +98,8 @@ class BatchEngine:
         self._eos = set(model.spec.eos_token_ids)
 
     # ---- requests -----------------------------------------------------------------------------
-    def add(self, req: Request) -> list[TokenEvent]:
-        """Queue a request; one that cannot run at all finishes at once (returned as events)."""
-        if req.rid in self.requests:
-            raise ValueError(f"rid {req.rid!r} is already in flight on this engine")
+    def check(self, req: Request) -> None:
+        """Raise ValueError for a request this model cannot serve (reads nothing that a step changes)."""
         if not req.input_ids:
             raise ValueError("input_ids is empty")
         vocab = self.model.spec.vocab_size
@@ -109,6 +107,12 @@ class BatchEngine:
             raise ValueError(f"input_ids out of range [0, {vocab})")
         if len(req.input_ids) >= self.max_len:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens leaves no room: the model holds {self.max_len} positions")
+
+    def add(self, req: Request) -> list[TokenEvent]:
+        """Queue a request; one that cannot run at all finishes at once (returned as events)."""
+        if req.rid in self.requests:
+            raise ValueError(f"rid {req.rid!r} is already in flight on this engine")
+        self.check(req)
         if req.params.max_new_tokens == 0:
             return [TokenEvent(req.rid, None, None, self.version, {"type": "length", "length": 0})]
         self.requests[req.rid] = req

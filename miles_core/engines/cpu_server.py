@@ -11,7 +11,8 @@ Endpoints, with SGLang's request/response shapes (docs/engines.md lists the fiel
 Threading: the HTTP side runs on one asyncio loop; every engine operation (step, add, abort, pause,
 weight swap) runs on one worker thread, one at a time, so they never interleave. A streamed chunk
 carries the tokens of one weight version only, so a client can attribute every token to the version
-that produced it (DESIGN §5.4).
+that produced it (DESIGN §5.4): a chunk goes out every `--stream-interval` tokens, at every version
+change and at the finish.
 """
 
 from __future__ import annotations
@@ -48,13 +49,15 @@ class _Progress:
 
 class CpuEngineServer:
     def __init__(self, model_path: str, weight_version: int = 0, max_running_requests: int = 512,
-                 max_total_tokens: int = 4096, seed: int = 0):
+                 max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8):
         self.model_path = model_path
+        self.stream_interval = stream_interval
         self.engine = BatchEngine(CausalLM.load(model_path), weight_version, max_running_requests,
                                   max_total_tokens, seed)
         self.tokenizer = _load_tokenizer(model_path)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self.progress: dict[str, _Progress] = {}
+        self._inbox: list[Request] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._loop_task: asyncio.Task | None = None
@@ -83,7 +86,7 @@ class CpuEngineServer:
 
     async def _stop(self, _app) -> None:
         self._closing = True
-        self._dispatch(await self._call(self.engine.abort, None, "Server shutting down"))
+        await self._abort(None, "Server shutting down")
         self._wake.set()
         if self._loop_task:
             self._loop_task.cancel()
@@ -95,10 +98,29 @@ class CpuEngineServer:
     async def _run_loop(self) -> None:
         while not self._closing:
             self._wake.clear()  # clear before checking, so a wake-up between the two is not lost
-            if not self.engine.has_work():
+            if self.engine.paused or not (self._inbox or self.engine.has_work()):
                 await self._wake.wait()
                 continue
-            self._dispatch(await self._call(self.engine.step))
+            inbox, self._inbox = self._inbox, []
+            self._dispatch(await self._call(self._add_and_step, inbox))
+
+    def _add_and_step(self, inbox: list[Request]) -> list[TokenEvent]:
+        events: list[TokenEvent] = []
+        for req in inbox:
+            try:
+                events += self.engine.add(req)
+            except ValueError as e:  # checked in the handler already; a rid clash is all that is left
+                events.append(TokenEvent(req.rid, None, None, self.engine.version,
+                                         {"type": "abort", "message": str(e)}))
+        return events + self.engine.step()
+
+    def _take_from_inbox(self, rid: str | None, message: str) -> list[TokenEvent]:
+        """Requests not yet handed to the engine end here (abort by rid, or all when rid is None)."""
+        taken = [r for r in self._inbox if rid is None or r.rid == rid]
+        if taken:
+            self._inbox = [r for r in self._inbox if not (rid is None or r.rid == rid)]
+        return [TokenEvent(r.rid, None, None, self.engine.version, {"type": "abort", "message": message})
+                for r in taken]
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
         for ev in events:
@@ -116,13 +138,16 @@ class CpuEngineServer:
             return _error(400, f"bad /generate request: {e}")
         if self._closing:
             return _error(503, "server is shutting down")
+        try:
+            self.engine.check(req)
+        except ValueError as e:
+            return _error(400, f"bad /generate request: {e}")
+        if req.rid in self.progress:
+            return _error(400, f"bad /generate request: rid {req.rid!r} is already in flight")
         prog = _Progress(req.rid, self.engine.version)
         self.progress[req.rid] = prog
         try:
-            try:
-                self._dispatch(await self._call(self.engine.add, req))
-            except ValueError as e:
-                return _error(400, f"bad /generate request: {e}")
+            self._inbox.append(req)  # added to the engine by the loop, in one hop with the next step
             self._wake.set()
             if not stream:
                 while prog.finish is None:
@@ -131,18 +156,27 @@ class CpuEngineServer:
                 return web.json_response(self._body(req, prog, want_logprob, t0), dumps=_dumps)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
+            pending = 0  # tokens absorbed but not yet sent
             while prog.finish is None:
                 for group in await _next_groups(prog.queue):
+                    if pending and group[0].version != prog.version:  # a chunk never mixes versions
+                        await self._send(resp, req, prog, want_logprob, t0)
+                        pending = 0
                     _absorb(prog, group)
-                    chunk = self._body(req, prog, want_logprob, t0)
-                    await resp.write(b"data: " + _dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
+                    pending += sum(ev.token is not None for ev in group)
+                    if prog.finish is None and pending >= self.stream_interval:
+                        await self._send(resp, req, prog, want_logprob, t0)
+                        pending = 0
+            # the last chunk, [DONE] and the end of the chunked body leave in one write
+            await resp.write_eof(_sse(self._body(req, prog, want_logprob, t0)) + b"data: [DONE]\n\n")
             return resp
         finally:
             self.progress.pop(req.rid, None)
             if prog.finish is None and not self._closing:  # the client went away: free the slot
                 asyncio.get_running_loop().create_task(self._abort_quietly(req.rid))
+
+    async def _send(self, resp, req, prog, want_logprob, t0) -> None:
+        await resp.write(_sse(self._body(req, prog, want_logprob, t0)))
 
     def _parse_generate(self, body: dict) -> tuple[Request, bool, bool]:
         if not isinstance(body, dict):
@@ -175,9 +209,13 @@ class CpuEngineServer:
         text = self.tokenizer.decode(prog.output_ids) if self.tokenizer is not None else ""
         return {"text": text, "output_ids": list(prog.output_ids), "meta_info": meta}
 
+    async def _abort(self, rid: str | None, message: str) -> None:
+        self._dispatch(self._take_from_inbox(rid, message))
+        self._dispatch(await self._call(self.engine.abort, rid, message))
+
     async def _abort_quietly(self, rid: str) -> None:
         try:
-            await self._call(self.engine.abort, rid, "Client disconnected")
+            await self._abort(rid, "Client disconnected")
         except RuntimeError:  # pool already shut down
             pass
 
@@ -189,6 +227,8 @@ class CpuEngineServer:
             self._dispatch(await self._call(self.engine.pause, mode))
         except ValueError as e:
             return _error(400, str(e))
+        if mode == "abort":
+            self._dispatch(self._take_from_inbox(None, "Aborted by pause_generation(mode=abort)"))
         return web.json_response({"message": "Generation paused successfully."})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
@@ -214,7 +254,7 @@ class CpuEngineServer:
         except ValueError as e:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if body.get("abort_all_requests", False):
-            self._dispatch(await self._call(self.engine.abort, None, "Aborted by update_weights_from_disk"))
+            await self._abort(None, "Aborted by update_weights_from_disk")
         try:  # read the checkpoint off the engine thread, then swap it in between two steps
             model = await asyncio.get_running_loop().run_in_executor(None, CausalLM.load, path)
             await self._call(self.engine.load_weights, model, version)
@@ -241,7 +281,7 @@ class CpuEngineServer:
         rid = body.get("rid") or None
         if rid is None and not body.get("abort_all"):
             return web.Response(status=200)
-        self._dispatch(await self._call(self.engine.abort, rid, "Abort requested"))
+        await self._abort(rid, "Abort requested")
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
@@ -290,6 +330,10 @@ def _load_tokenizer(model_path: str):
     return Tokenizer.from_file(path)
 
 
+def _sse(obj) -> bytes:
+    return b"data: " + _dumps(obj).encode() + b"\n\n"
+
+
 def _dumps(obj) -> str:
     return json.dumps(obj, separators=(",", ":"))
 
@@ -325,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-running-requests", type=int, default=512)
     ap.add_argument("--max-total-tokens", type=int, default=4096, help="Positions per request (prompt + output).")
     ap.add_argument("--seed", type=int, default=0, help="Seed of the sampling generator.")
+    ap.add_argument("--stream-interval", type=int, default=8,
+                    help="Send a stream chunk every N tokens (SGLang's flag). A chunk is also sent at every "
+                         "weight-version change and at the finish, so per-token versions stay exact.")
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads.")
     args = ap.parse_args(argv)
 
@@ -335,7 +382,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
-                                 args.max_total_tokens, args.seed)
+                                 args.max_total_tokens, args.seed, args.stream_interval)
         runner = await serve(server, args.host, args.port)
         log.info("CPU engine serving %s on http://%s:%d (weight version %d)", args.model_path, args.host,
                  args.port, args.weight_version)

@@ -89,14 +89,18 @@ async def _score(dataset: EvalDataset, samples: list[Sample]) -> list[float]:
 
 async def evaluate(engines: GenerateClient | Sequence[GenerateClient], dataset: EvalDataset,
                    sampling: EvalSampling, *, concurrency: int = 64) -> DatasetEval:
-    """Evaluate one dataset on `engines`; returns its metrics (names include the dataset)."""
+    """Evaluate one dataset on `engines`; returns its metrics (names include the dataset).
+
+    At most `concurrency` requests per engine are in flight.
+    """
     clients = list(engines) if isinstance(engines, (list, tuple)) else [engines]
     if not clients:
         raise ValueError("evaluate needs at least one engine client")
     t0 = time.monotonic()
     n = sampling.n_samples_per_prompt
     params = sampling.sampling_params()
-    gate = asyncio.Semaphore(max(1, concurrency) * len(clients))
+    n_engines = sum(len(getattr(c, "urls", None) or [None]) for c in clients)
+    gate = asyncio.Semaphore(max(1, concurrency) * n_engines)
     samples: list[Sample] = []
     versions: set[int] = set()
 

@@ -10,17 +10,20 @@ hold the weight-transport snapshots of every step), and the run's last step.
 
 It stops when STATUS.json has left `running` (finished, failed or segment_done) and every eval
 step with a complete snapshot is settled. A STATUS that is already terminal when the follower
-starts is the previous segment's: the follower waits up to `start_grace_seconds` for the new
-segment to announce itself before believing it.
+starts may be the previous segment's: the follower waits up to `start_grace_seconds` for the new
+segment to announce itself before believing it. While it runs it keeps a heartbeat
+(eval/follower_heartbeat.json); the trainer's scheduler applies --eval-max-in-flight backpressure
+only while that heartbeat is fresh.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
-from miles_core.eval.results import SKIPPED_NAME, evaluated, record_skip, requests
+from miles_core.eval.results import HEARTBEAT_KEY, SKIPPED_NAME, evaluated, record_skip, requests, write_heartbeat
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.run_root import read_status
 from miles_core.storage import Store
@@ -29,11 +32,14 @@ log = logging.getLogger(__name__)
 
 
 def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5.0,
-                     start_grace_seconds: float = 300.0, max_seconds: float | None = None,
+                     start_grace_seconds: float = 600.0, max_seconds: float | None = None,
                      metrics=None) -> dict:
     """Evaluate snapshots as they land until the run stops; returns a summary dict.
 
     `metrics`: a sink with log(step, dict); default MetricsSink(run root, "eval").
+    `start_grace_seconds`: how long a STATUS that is already terminal at start may be the previous
+    segment's (pass 0 when train is known to have run already, as in a local workflow run).
+    `max_seconds`: give up after this long (None: never).
     """
     from miles_core.eval.local_engine import SnapshotEvaluator
     from miles_core.metrics.sink import MetricsSink
@@ -49,6 +55,7 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
     initial = read_status(store)
     started = initial is not None and initial.active
     summary = {"evaluated": [], "skipped": {}, "state": None, "seconds": 0.0}
+    heartbeat = _Heartbeat(store, poll_seconds)
     try:
         with SnapshotEvaluator(cfg, store=store, layout=layout, datasets=datasets,
                                sampling=sampling_from_config(cfg), metrics=sink, mode="tasks") as evaluator:
@@ -81,10 +88,41 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
                 if not todo:
                     time.sleep(poll_seconds)
     finally:
+        heartbeat.stop()
         if own_sink:
             sink.close()
     summary["seconds"] = time.monotonic() - t0
     return summary
+
+
+class _Heartbeat:
+    """Writes eval/follower_heartbeat.json every few seconds from a thread (also while a long eval
+    runs), so the trainer's scheduler knows an evaluator is there to wait for."""
+
+    def __init__(self, store: Store, every_seconds: float):
+        self.store, self.every = store, max(1.0, min(every_seconds, 10.0))
+        self._stop = threading.Event()
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="eval-follower-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        try:
+            write_heartbeat(self.store)
+        except Exception as e:  # noqa: BLE001 - a missed beat only relaxes the trainer's backpressure
+            log.warning("eval follower heartbeat failed: %s", e)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._beat()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        try:
+            self.store.delete(HEARTBEAT_KEY)  # gone: the trainer stops waiting at once
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _todo(store: Store, layout: SnapshotLayout, interval: int | None, names: set[str], status,

@@ -19,7 +19,7 @@ from typing import Any
 from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.evaluate import evaluate_all
 from miles_core.eval.modes import Outcome, record_failure, skip_reason
-from miles_core.eval.pinning import EvalSkip, pin, verify_versions
+from miles_core.eval.pinning import EvalSkip, check_health, pin, verify_versions
 from miles_core.eval.results import record_evals
 from miles_core.eval.snapshots import SnapshotLayout, local_snapshot
 from miles_core.storage import Store
@@ -64,8 +64,8 @@ class SnapshotEvaluator:
             if not self.layout.is_complete(step):
                 raise EvalSkip(f"{job.snapshot_uri} has no completion marker", "ckpt_missing")
             path = self._fetch(step)
-            self._ensure_engine(path, version)
-            evals = asyncio.run(self._run(path, version, datasets))
+            fresh = self._ensure_engine(path, version)
+            evals = asyncio.run(self._run(path, version, datasets, fresh))
         except Exception as e:  # noqa: BLE001 - recorded as a skip
             reason, _ = skip_reason(e)
             if reason in ("unhealthy", "crashed") and self.server is not None:
@@ -90,9 +90,10 @@ class SnapshotEvaluator:
         self._loaded_dir = dest
         return path
 
-    def _ensure_engine(self, path: str, version: int) -> None:
+    def _ensure_engine(self, path: str, version: int) -> bool:
+        """Start the engine on this snapshot unless one runs; True when it was just started."""
         if self.server is not None:
-            return
+            return False
         from miles_core.engines.launcher import EngineServer, EngineStartError
         from miles_core.eval.scheduler import launch_spec
 
@@ -103,14 +104,19 @@ class SnapshotEvaluator:
             server.stop()
             raise EvalSkip(f"the eval engine did not start: {e}", "unhealthy") from e
         self.server = server
+        return True
 
-    async def _run(self, path: str, version: int, datasets: list[EvalDataset]):
+    async def _run(self, path: str, version: int, datasets: list[EvalDataset], fresh: bool):
         from miles_core.engines.client import EngineClient
 
         async with EngineClient([self.server.url],
                                 request_timeout_seconds=self.cfg.rollout.engine_request_timeout_seconds) as client:
-            await pin(client, path, version)
-            self.server.note_weights(path, version)  # a restarted engine comes back on these weights
+            if fresh:  # started on this very snapshot and version: loading it again would only cost time
+                await check_health(client)
+                verify_versions(await client.get_weight_version(), version)
+            else:
+                await pin(client, path, version)
+                self.server.note_weights(path, version)  # a restarted engine comes back on these weights
             evals = await evaluate_all(client, datasets, self.sampling)
         for ev in evals:
             verify_versions({f"responses of {ev.dataset} #{i}": v for i, v in enumerate(ev.weight_versions)}, version)

@@ -132,14 +132,23 @@ class SharedEngines:
         done: concurrent.futures.Future = concurrent.futures.Future()
         t0 = time.monotonic()
         try:
-            self._hook(self.pause_submission)
             try:
+                self._hook(self.pause_submission)
                 done.set_result(self.loop.submit(self._run(job, t0)).result())
-            finally:
-                self._hook(self.resume_submission)
-        except Exception as e:  # noqa: BLE001 - an eval never crashes training
-            done.set_result(record_failure(self.ctx, job, e))
+            except Exception as e:  # noqa: BLE001 - an eval never crashes training
+                done.set_result(record_failure(self.ctx, job, e))
+        finally:
+            self._resume()
         return done
+
+    def _resume(self) -> None:
+        """Resume submission, whatever happened. A producer that cannot resume would starve
+        training silently, so after one retry that error does propagate."""
+        try:
+            self._hook(self.resume_submission)
+        except Exception as e:  # noqa: BLE001
+            log.warning("resuming producer submission after the eval failed (%s); retrying once", e)
+            self._hook(self.resume_submission)
 
     def _hook(self, fn) -> None:
         out = fn()

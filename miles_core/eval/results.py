@@ -165,3 +165,22 @@ def settled_steps(store: Store, dataset_names) -> set[int]:
     """Steps with a result for every dataset in `dataset_names`, or a skip marker."""
     need = set(dataset_names)
     return {s for s, have in evaluated(store).items() if SKIPPED_NAME in have or need <= have}
+
+
+HEARTBEAT_KEY = "eval/follower_heartbeat.json"
+
+
+def write_heartbeat(store: Store) -> None:
+    """The eval follower is alive (Mode 3); the trainer's scheduler applies its in-flight limit only then."""
+    store.put_json(HEARTBEAT_KEY, {"updated_at": time.time()})
+
+
+def follower_alive(store: Store, max_age_seconds: float = 60.0) -> bool:
+    """True when an eval follower wrote its heartbeat within `max_age_seconds` (wall clock)."""
+    try:
+        beat = store.get_json(HEARTBEAT_KEY)
+    except ObjectNotFound:
+        return False
+    except Exception:  # noqa: BLE001 - unreadable: assume alive, so backpressure still bounds the pending set
+        return True
+    return time.time() - float(beat.get("updated_at", 0.0)) <= max_age_seconds

@@ -9,7 +9,9 @@
 It owns the cadence (every --eval-interval steps, and always the last step of a segment), the
 snapshot policy (export at the cadence, or reuse --save-hf checkpoints), the in-flight limit
 (--eval-max-in-flight with --eval-overflow-policy backpressure|skip; the last step is never
-skipped for being busy), and ring retirement of exported snapshots after evals settle. The mode
+skipped for being busy; in Mode 3 the limit applies only while an eval follower's heartbeat is
+fresh, since with no follower running nothing would ever free a slot), and ring retirement of
+exported snapshots after evals settle. The mode
 (shared / dedicated / tasks) is picked once, at construction. Every failure is a metric
 `eval/skipped_{reason}` at the step concerned; nothing here raises into the training loop.
 """
@@ -25,7 +27,7 @@ from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datase
 from miles_core.eval.metric_names import EXPORT_SECONDS
 from miles_core.eval.modes import (DedicatedEngines, EvalContext, EvalJob, EventLoopThread, Outcome,
                                    SharedEngines, SnapshotTasks)
-from miles_core.eval.results import record_skip, settled_steps
+from miles_core.eval.results import follower_alive, record_skip, settled_steps
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.storage import Store
 
@@ -41,7 +43,8 @@ class EvalScheduler:
                  sampling: EvalSampling, eval_interval: int | None, max_in_flight: int, overflow_policy: str,
                  keep_snapshots: int, backpressure_timeout_seconds: float, mode, exporter: Exporter | None,
                  metrics: Any = None, protected_uris: Sequence[str] = (), loop: EventLoopThread | None = None,
-                 poll_seconds: float = 0.5):
+                 poll_seconds: float = 0.5, follower_max_age_seconds: float = 60.0,
+                 on_close: Sequence[Callable[[], Any]] = ()):
         self.store, self.layout, self.datasets, self.sampling = store, layout, datasets, sampling
         self.eval_interval, self.max_in_flight, self.overflow_policy = eval_interval, max_in_flight, overflow_policy
         self.keep_snapshots = keep_snapshots
@@ -49,6 +52,9 @@ class EvalScheduler:
         self.mode, self.exporter, self.metrics = mode, exporter, metrics
         self.protected_uris = tuple(protected_uris)
         self.poll_seconds = poll_seconds
+        self.follower_max_age_seconds = follower_max_age_seconds
+        self._warned_no_follower = False
+        self._on_close = list(on_close)
         self._loop = loop
         self._latest_step = -1
         self._pending: dict[int, concurrent.futures.Future | None] = {}
@@ -107,11 +113,18 @@ class EvalScheduler:
 
     def close(self, timeout_seconds: float | None = 3600.0) -> None:
         """Let in-process evals finish, retire settled snapshots, stop the eval thread."""
-        self.wait(timeout_seconds)
-        self._settle()
-        self.retire()
-        if self._loop is not None:
-            self._loop.close()
+        try:
+            self.wait(timeout_seconds)
+            self._settle()
+            self.retire()
+        finally:
+            if self._loop is not None:
+                self._loop.close()
+            for fn in self._on_close:
+                try:
+                    fn()
+                except Exception as e:  # noqa: BLE001
+                    log.warning("eval shutdown step failed: %s", e)
 
     def __enter__(self) -> "EvalScheduler":
         return self
@@ -152,6 +165,8 @@ class EvalScheduler:
     def _make_room(self, step: int, last: bool) -> bool:
         if len(self._pending) < self.max_in_flight or last:  # the last step is always evaluated
             return True
+        if not self._evaluator_alive():
+            return True
         if self.overflow_policy == "skip":
             record_skip(self.store, step, "busy", f"{len(self._pending)} evals pending", self.metrics)
             return False
@@ -164,7 +179,7 @@ class EvalScheduler:
                 time.sleep(self.poll_seconds)
             if self._settle():
                 self.retire()
-            if len(self._pending) < self.max_in_flight:
+            if len(self._pending) < self.max_in_flight or not self._evaluator_alive():
                 return True
         record_skip(self.store, step, "busy",
                     f"no eval slot within {self.backpressure_timeout_seconds:.0f} s (--eval-backpressure-timeout-seconds)",
@@ -174,7 +189,10 @@ class EvalScheduler:
     def _snapshot(self, step: int) -> str | None:
         """Export (or find the reused checkpoint of) `step`; its URI, or None after counting a skip."""
         uri = self.layout.uri(step)
-        if self.layout.exports:
+        # With disk weight transport the push of this step has already written this very snapshot
+        # (same root, same step, same weights): exporting again would rewrite files under a
+        # marker a follower may be reading.
+        if self.layout.exports and not self._complete(step):
             if self.exporter is None:
                 return "" if isinstance(self.mode, SharedEngines) else self._skip(step, "export_failed", "no exporter")
             t0 = time.monotonic()
@@ -198,6 +216,25 @@ class EvalScheduler:
                 return ""
             return self._skip(step, "ckpt_missing", f"{uri} has no completion marker")
         return uri
+
+    def _evaluator_alive(self) -> bool:
+        """Mode 3 only: is an eval follower running? Without one (a local workflow runs train and
+        eval_follower one after the other; or the follower died), waiting for a slot would stall
+        training for nothing: the pending snapshots are kept and evaluated when a follower runs."""
+        if not isinstance(self.mode, SnapshotTasks):
+            return True
+        alive = follower_alive(self.store, self.follower_max_age_seconds)
+        if not alive and not self._warned_no_follower:
+            self._warned_no_follower = True
+            log.warning("no eval follower heartbeat in %s: Mode 3 evals pile up as pending requests "
+                        "(no backpressure) until an eval_follower runs", self.store.uri("eval"))
+        return alive
+
+    def _complete(self, step: int) -> bool:
+        try:
+            return self.layout.is_complete(step)
+        except Exception:  # noqa: BLE001 - then export, and let the check after it decide
+            return False
 
     def _skip(self, step: int, reason: str, detail: str) -> None:
         record_skip(self.store, step, reason, detail, self.metrics)
@@ -231,13 +268,14 @@ class NoEvals:
 def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any = None,
                          shared_engine_urls: Sequence[str] = (), pause_submission: Callable[[], Any] | None = None,
                          resume_submission: Callable[[], Any] | None = None,
-                         dedicated_engine_urls: Sequence[str] = (), run_uri: str | None = None,
-                         datasets: list[EvalDataset] | None = None) -> EvalScheduler | NoEvals:
+                         dedicated_engine_urls: Sequence[str] = (), initial_model: str | None = None,
+                         run_uri: str | None = None, datasets: list[EvalDataset] | None = None) -> EvalScheduler | NoEvals:
     """The eval scheduler for `cfg`, its mode decided here once (cfg.eval.eval_mode).
 
     shared: needs shared_engine_urls (the rollout engines) and the producer's pause/resume
     submission hooks (sync callables, or returning awaitables such as Ray object refs).
-    dedicated: needs dedicated_engine_urls (see start_dedicated_engines). tasks: nothing more; an
+    dedicated: uses dedicated_engine_urls when given, else starts --eval-num-gpus worth of engines
+    (Ray actors) on `initial_model` and stops them at close(). tasks: nothing more; an
     eval_follower task must run beside training. `exporter` writes a snapshot (export mode).
     """
     e = cfg.eval
@@ -247,6 +285,7 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
     store = Store(run_uri)
     ds = datasets if datasets is not None else load_eval_datasets(cfg, run_uri=run_uri)
     sampling = sampling_from_config(cfg)
+    owned: list[Callable[[], Any]] = []
     needs_loop = e.eval_mode in ("shared", "dedicated")
     loop = EventLoopThread() if needs_loop else None
     sched_box: list[EvalScheduler] = []
@@ -259,8 +298,14 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
                              "pause/resume submission hooks")
         mode = SharedEngines(ctx, loop, shared_engine_urls, pause_submission, resume_submission)
     elif e.eval_mode == "dedicated":
-        if not dedicated_engine_urls:
-            raise ValueError("--eval-mode=dedicated needs the dedicated eval engine URLs (start_dedicated_engines)")
+        if not dedicated_engine_urls:  # start the fleet here; the scheduler owns it and stops it at close()
+            if initial_model is None:
+                from miles_core.cluster import materialize_initial_model
+
+                initial_model = materialize_initial_model(cfg)
+            fleet = start_dedicated_engines(cfg, initial_model)
+            owned.append(fleet.shutdown)
+            dedicated_engine_urls = fleet.urls()
         mode = DedicatedEngines(ctx, loop, dedicated_engine_urls)
     else:
         mode = SnapshotTasks(ctx)
@@ -268,7 +313,8 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
         store=store, layout=SnapshotLayout.from_config(cfg, run_uri), datasets=ds, sampling=sampling,
         eval_interval=e.eval_interval, max_in_flight=e.eval_max_in_flight, overflow_policy=e.eval_overflow_policy,
         keep_snapshots=e.eval_keep_snapshots, backpressure_timeout_seconds=e.eval_backpressure_timeout_seconds,
-        mode=mode, exporter=exporter, metrics=metrics, protected_uris=(cfg.model.hf_checkpoint,), loop=loop)
+        mode=mode, exporter=exporter, metrics=metrics, protected_uris=(cfg.model.hf_checkpoint,), loop=loop,
+        on_close=owned)
     sched_box.append(sched)
     return sched
 

@@ -91,7 +91,10 @@ class MetricsSink:
             except Exception as e:  # noqa: BLE001 - a mirror must never break training
                 log.warning("metrics mirror %s failed: %s", type(m).__name__, e)
         if due:
-            self.flush()
+            try:
+                self.flush()
+            except StorageError as e:  # the events stay buffered; close() raises if storage stays down
+                log.warning("metrics flush of %s failed (will retry): %s", self.component, e)
 
     def log_one(self, step: int, name: str, value: float, wall_time: float | None = None) -> None:
         self.log(step, {name: value}, wall_time)

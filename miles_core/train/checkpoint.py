@@ -14,9 +14,8 @@ import json
 import re
 
 from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
-
 from miles_core.storage import ObjectNotFound, Store
+from miles_core.weights.tensor_files import put_tensors
 
 MARKER = "COMPLETE"
 LATEST = "LATEST"
@@ -34,16 +33,51 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointManager:
-    """Saves and restores a Trainer's state (plus caller extras) under one Store prefix."""
+    """Saves and restores a Trainer's state (plus caller extras) under one Store prefix.
 
-    def __init__(self, store: Store):
+    It owns its cadence: the driver calls `maybe_save(step, ..., last=...)` every step, and a
+    manager without a store (`--save ''`) does nothing. With `save_hf`, every save also writes an
+    HF checkpoint there (`{step}` in it is replaced, else `step_{k:08d}/` is appended), with the
+    snapshot's `.complete` marker, so eval can reuse it.
+    """
+
+    def __init__(self, store: Store | None, *, interval: int | None = None, save_hf: str = ""):
         self.store = store
+        self.interval = interval
+        self.save_hf = save_hf
+
+    @classmethod
+    def from_config(cls, train, run_store: Store) -> "CheckpointManager":
+        """From TrainSection: --save auto = {run root}/checkpoints, '' = disabled, else a URI."""
+        store = None if not train.save else run_store.child("checkpoints") if train.save == "auto" else Store(train.save)
+        return cls(store, interval=train.save_interval, save_hf=train.save_hf)
+
+    def due(self, step: int, last: bool = False) -> bool:
+        """Save after step k when (k + 1) is a multiple of --save-interval, and at the last step."""
+        if self.store is None:
+            return False
+        return last or (self.interval is not None and (step + 1) % self.interval == 0)
+
+    def maybe_save(self, step: int, trainer, extras: dict | None = None, *, last: bool = False) -> str | None:
+        if not self.due(step, last):
+            return None
+        uri = self.save(step, trainer, extras)
+        if self.save_hf:
+            from miles_core.weights.snapshot import export_snapshot
+
+            if "{step}" in self.save_hf:
+                export_snapshot(trainer, Store(self.save_hf.replace("{step}", str(step))), step, key="")
+            else:
+                export_snapshot(trainer, Store(self.save_hf), step, prefix="")
+        return uri
 
     def save(self, step: int, trainer, extras: dict | None = None) -> str:
+        if self.store is None:
+            raise CheckpointError("checkpoints are disabled (--save ''); set --save to a location")
         tensors, meta = trainer.checkpoint_state()
         d = step_dir(step)
         for part in TENSOR_PARTS:
-            self.store.put_bytes(f"{d}/{part}.safetensors", save_tensors(tensors[part]))
+            put_tensors(self.store, f"{d}/{part}.safetensors", tensors[part])
         self.store.put_json(f"{d}/trainer.json", meta)
         self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})
         self.store.put_bytes(f"{d}/{MARKER}", b"")

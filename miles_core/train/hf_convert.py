@@ -186,8 +186,15 @@ def megatron_to_hf(spec: ModelSpec, mcore_state: dict[str, Tensor]) -> dict[str,
 
 
 def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> None:
-    """Copy an HF checkpoint into a built GPTModel; every parameter must be covered."""
+    """Copy an HF checkpoint into a built GPTModel (this TP rank's shards); every parameter is covered."""
+    from megatron.core import parallel_state
+
     mc = hf_to_megatron(spec, hf_state)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    if tp_size > 1:
+        check_tp(spec, tp_size)
+        rank = parallel_state.get_tensor_model_parallel_rank()
+        mc = {k: shard_tensor(spec, k, v, rank, tp_size) for k, v in mc.items()}
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
     missing = sorted(set(own) - set(mc))
     extra = sorted(set(mc) - set(own))
@@ -205,3 +212,67 @@ def megatron_state(model) -> dict[str, Tensor]:
     """The model's tensors (detached, CPU) without Megatron's `_extra_state` entries."""
     return {k: v.detach().cpu() for k, v in model.state_dict().items()
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
+
+
+# ---------------------------------------------------------------------------- tensor parallelism
+
+def _tp_dim(name: str) -> int | None:
+    """Which dim Megatron shards `name` on under tensor parallelism (None: replicated)."""
+    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
+                      "word_embeddings.weight", "output_layer.weight")):
+        return 0
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return 1
+    return None
+
+
+def check_tp(spec: ModelSpec, tp: int) -> None:
+    problems = [f"{what}={n}" for what, n in (("num_key_value_heads", spec.num_kv_heads),
+                                              ("vocab_size", spec.vocab_size),
+                                              ("intermediate_size", spec.ffn_hidden_size)) if n % tp]
+    if problems:
+        raise ConversionError(f"--tensor-model-parallel-size={tp} must divide {', '.join(problems)}")
+
+
+def shard_tensor(spec: ModelSpec, name: str, full: Tensor, rank: int, size: int) -> Tensor:
+    """The slice of a full Megatron tensor that TP rank `rank` of `size` holds."""
+    dim = _tp_dim(name)
+    if size == 1 or dim is None:
+        return full
+    if spec.family != "gpt2" and name.endswith("linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
+        gate, up = torch.chunk(full, 2, dim=0)
+        return torch.cat([torch.chunk(gate, size, 0)[rank], torch.chunk(up, size, 0)[rank]], 0).contiguous()
+    # qkv is packed per query group, so contiguous chunks are whole groups
+    return torch.chunk(full, size, dim=dim)[rank].contiguous()
+
+
+def unshard_tensor(spec: ModelSpec, name: str, parts: list[Tensor]) -> Tensor:
+    """Inverse of `shard_tensor` over all ranks' parts."""
+    dim = _tp_dim(name)
+    if len(parts) == 1 or dim is None:
+        return parts[0]
+    if spec.family != "gpt2" and name.endswith("linear_fc1.weight"):
+        halves = [torch.chunk(p, 2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
+    return torch.cat(parts, dim=dim)
+
+
+def gather_tp_state(spec: ModelSpec, local: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Full Megatron tensors from every TP rank's shards (a collective over the TP group)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return local
+    group = parallel_state.get_tensor_model_parallel_group()
+    out = {}
+    for name, t in local.items():
+        if _tp_dim(name) is None:
+            out[name] = t
+            continue
+        dev = t.cuda() if torch.cuda.is_available() else t
+        parts = [torch.empty_like(dev) for _ in range(size)]
+        dist.all_gather(parts, dev.contiguous(), group=group)
+        out[name] = unshard_tensor(spec, name, [p.cpu() for p in parts])
+    return out

@@ -126,6 +126,7 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
         share_embeddings_and_output_weights=spec.tied_embeddings,
+        parallel_output=False,  # full-vocab logits on every TP rank: the loss needs log-softmax over all of it
     )
     if torch.cuda.is_available():
         model = model.cuda()

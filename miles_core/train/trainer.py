@@ -155,10 +155,8 @@ class Trainer:
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Current weights as HF tensors (CPU, contiguous), optionally cast."""
-        state = hf_convert.megatron_to_hf(self.spec, hf_convert.megatron_state(unwrap(self.model)))
-        if self.tp > 1:
-            raise TrainError("HF export under tensor parallelism needs the TP gather (see hf_convert); "
-                             "export from a TP=1 trainer")
+        local = hf_convert.megatron_state(unwrap(self.model))
+        state = hf_convert.megatron_to_hf(self.spec, hf_convert.gather_tp_state(self.spec, local))
         return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}
 
     def export_hf(self, out_dir: str) -> str:

@@ -12,9 +12,10 @@ import os
 import re
 import tempfile
 
-from safetensors.torch import save as save_tensors
+from concurrent.futures import ThreadPoolExecutor
 
 from miles_core.storage import Store
+from miles_core.weights.tensor_files import put_tensors
 
 MARKER = ".complete"
 _STEP = re.compile(r"^step_(\d{8})$")
@@ -29,18 +30,27 @@ class SnapshotError(RuntimeError):
         super().__init__(message)
 
 
-def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshots", dtype=None) -> str:
-    """Write the snapshot of `trainer` for `step`; return its key. `.complete` is written last."""
-    key = snapshot_key(step, prefix)
-    store.put_bytes(f"{key}/model.safetensors", save_tensors(trainer.hf_state_dict(dtype), metadata={"format": "pt"}))
+def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshots", dtype=None,
+                    key: str | None = None) -> str:
+    """Write the snapshot of `trainer` for `step` (at `key`, default `{prefix}/step_{k:08d}`); return
+    its key. `.complete` is written last."""
+    key = snapshot_key(step, prefix) if key is None else key.strip("/")
+    marker = f"{key}/{MARKER}" if key else MARKER
     src = trainer.hf_dir
-    for name in sorted(os.listdir(src)):
-        path = os.path.join(src, name)
-        if os.path.isfile(path) and not name.endswith((".safetensors", ".bin", ".pt", ".index.json")) \
-                and not name.startswith("."):
-            with open(path, "rb") as f:
-                store.put_bytes(f"{key}/{name}", f.read())
-    store.put_bytes(f"{key}/{MARKER}", b"")
+    extra = [name for name in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, name))
+             and not name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json")) and not name.startswith(".")]
+
+    def copy(name: str) -> None:
+        with open(os.path.join(src, name), "rb") as f:
+            store.put_bytes(f"{key}/{name}" if key else name, f.read())
+
+    # The small files (config, tokenizer) commit in parallel with the weights: each put is fsynced.
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        small = [pool.submit(copy, name) for name in extra]
+        put_tensors(store, f"{key}/model.safetensors" if key else "model.safetensors", trainer.hf_state_dict(dtype))
+        for f in small:
+            f.result()
+    store.put_bytes(marker, b"")
     return key
 
 

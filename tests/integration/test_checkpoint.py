@@ -72,3 +72,24 @@ def test_latest_ignores_incomplete_dirs(tiny_gpt, storage_root):
     keys = store.list("step_00000007")
     assert sorted(k.split("/")[-1] for k in keys) == ["COMPLETE", "extras.json", "model.safetensors",
                                                        "optimizer.safetensors", "rng.safetensors", "trainer.json"]
+
+
+def test_cadence_disabled_and_save_hf(tiny_gpt, tmp_path):
+    """maybe_save writes at (k+1) % interval == 0 and at the last step; --save '' writes nothing;
+    --save-hf with {step} gets a complete HF checkpoint per save."""
+    from miles_core.config.sections import TrainSection as T
+    from miles_core.weights.snapshot import MARKER
+
+    run = Store(str(tmp_path / "run"))
+    hf_tmpl = str(tmp_path / "hf" / "iter_{step}")
+    mgr = CheckpointManager.from_config(T(save="auto", save_interval=2, save_hf=hf_tmpl), run)
+    off = CheckpointManager.from_config(T(save=""), run)
+    with Trainer(TrainSection(), tiny_gpt) as tr:
+        saved = [k for k in range(5) if mgr.maybe_save(k, tr, {}, last=k == 4)]
+        assert off.maybe_save(4, tr, {}, last=True) is None
+    assert saved == [1, 3, 4]
+    assert mgr.complete_steps() == [1, 3, 4]
+    assert mgr.latest() == 4
+    for k in saved:
+        d = tmp_path / "hf" / f"iter_{k}"
+        assert (d / MARKER).exists() and (d / "model.safetensors").exists() and (d / "config.json").exists()

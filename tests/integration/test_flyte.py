@@ -126,7 +126,6 @@ def test_workflow_compiles_with_no_inputs():
     from workflows.fully_async import fully_async_rl
 
     settings = SerializationSettings(image_config=ImageConfig(default_image=Image("default", "ghcr.io/x/y", "ci")))
-    os.environ.update(PREBUILT)
     spec = get_serializable({}, settings, fully_async_rl)
     nodes = {n.id: n for n in spec.template.nodes}
     assert len(nodes) == 5

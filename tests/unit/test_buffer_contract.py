@@ -204,3 +204,14 @@ def test_record_consumed_steps_must_increase(root):
         buf.record_consumed(3, [])
         with pytest.raises(ValueError, match="already recorded"):
             buf.record_consumed(3, [])
+
+
+def test_docs_metric_table_matches_code():
+    """docs/data-path.md lists exactly METRIC_NAMES in its metrics table, so the docs cannot drift."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "data-path.md").read_text()
+    table = doc[doc.index("## Metrics"):doc.index("## Inspecting")]
+    documented = set(re.findall(r"^\| `([^`]+)` \|", table, flags=re.M))
+    assert documented == set(METRIC_NAMES)

@@ -112,3 +112,20 @@ def test_missing_tensor_and_unknown_family_are_named():
         hf_convert.hf_to_megatron(spec, state)
     with pytest.raises(UnsupportedModel, match="llama, qwen2, gpt2"):
         ModelSpec.from_hf_config({"model_type": "mistral"})
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_tensor_parallel_shards_reassemble(kind):
+    """TP=2 shards of every tensor reassemble exactly; fc1 shards hold matching gate/up halves."""
+    spec, state = _spec_and_state(_hf_model(kind, False))
+    full = hf_convert.hf_to_megatron(spec, state)
+    for name, t in full.items():
+        parts = [hf_convert.shard_tensor(spec, name, t, r, 2) for r in range(2)]
+        assert torch.equal(hf_convert.unshard_tensor(spec, name, parts), t), name
+    if kind != "gpt2":
+        fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+        gate = state["model.layers.0.mlp.gate_proj.weight"]
+        rank1 = hf_convert.shard_tensor(spec, "decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, 2)
+        assert torch.equal(rank1[: gate.shape[0] // 2], gate[gate.shape[0] // 2:])
+    with pytest.raises(hf_convert.ConversionError, match="must divide.*vocab_size=37"):
+        hf_convert.check_tp(spec, 2)  # no vocab padding: the vocabulary must split evenly

@@ -178,3 +178,20 @@ def test_results_and_skips_settle_steps(tmp_path):
     assert got == [(9, {"eval/skipped_crashed": 1.0})]
     assert read_result(store, 4, "b").to_row()["mean_reward"] == 0.25
     assert evaluated(store)[4] == {"a", "b"}
+
+
+def test_evaluation_guide_covers_every_eval_flag_and_metric():
+    """docs/evaluation.md names every eval flag, metric pattern and skip reason the code defines.
+    Guards: a new eval flag or metric shipped without a word in the user guide."""
+    from pathlib import Path
+
+    from miles_core.config import flag_table
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "evaluation.md").read_text()
+    for s in flag_table():
+        if s.section == "eval":
+            assert s.flag in text, s.flag
+    for pattern in EVAL_METRIC_PATTERNS:
+        assert f"`{pattern}`" in text, pattern
+    for reason in SKIP_REASONS:
+        assert f"eval/skipped_{reason}" in text, reason

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from miles_core.eval.modes import EvalContext, Outcome, SnapshotTasks
-from miles_core.eval.results import EvalResult, requests, write_result
+from miles_core.eval.results import HEARTBEAT_KEY, EvalResult, requests, write_heartbeat, write_result
 from miles_core.eval.scheduler import EvalScheduler
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.storage import Store
@@ -73,6 +73,17 @@ def steps_on_disk(root) -> list[int]:
     if not os.path.isdir(root):
         return []
     return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_"))
+
+
+def test_existing_snapshot_is_not_exported_again(tmp_path):
+    """With disk weight transport the push of the step already wrote snapshots/step_k: the
+    scheduler uses it instead of rewriting files under a marker a follower may be reading."""
+    mode = FakeMode()
+    calls = []
+    s = make_scheduler(tmp_path, mode, exporter=lambda step, uri: calls.append(step))
+    write_snapshot(str(tmp_path / "run" / "snapshots"), 2)
+    s.on_step(2, 3)
+    assert calls == [] and [j.step for j in mode.jobs] == [2]
 
 
 def test_cadence_and_final_step(tmp_path):
@@ -205,13 +216,16 @@ def test_scheduler_retires_after_evals_settle(tmp_path):
 
 def test_tasks_mode_writes_requests_and_settles_on_results(tmp_path):
     """Mode 3: the scheduler asks the follower through eval/requests/step_k.json and counts the
-    step in flight until results for every dataset (or a skip) exist."""
+    step in flight until results for every dataset (or a skip) exist. The in-flight limit holds
+    only while a follower heartbeat is fresh: with no follower (a local workflow runs train
+    before eval_follower) requests pile up instead of stalling training."""
     run = tmp_path / "run"
     store = Store(str(run))
     ds = [type("D", (), {"name": "held"})()]
     ctx = EvalContext(store=store, datasets=ds, sampling=None, metrics=None, latest_step=lambda: 0)
     s = make_scheduler(tmp_path, SnapshotTasks(ctx), max_in_flight=1, policy="skip")
     s.datasets = ds
+    write_heartbeat(store)
     s.on_step(2, 7)
     assert requests(store)[2]["weight_version"] == 7
     assert s.pending_steps == [2]
@@ -221,3 +235,34 @@ def test_tasks_mode_writes_requests_and_settles_on_results(tmp_path):
     s.on_step(8, 9)
     assert sorted(requests(store)) == [2, 8]
     assert s.pending_steps == [8]
+    store.delete(HEARTBEAT_KEY)  # the follower is gone
+    s.on_step(11, 10)
+    assert sorted(requests(store)) == [2, 8, 11]
+    assert s.pending_steps == [8, 11]
+
+
+def test_shared_mode_always_resumes_submission(tmp_path):
+    """Mode 1: submission is resumed after the eval even when the eval fails (engine down:
+    eval/skipped_unhealthy) or the pause hook itself raises (eval/skipped_crashed); training gets
+    neither exception."""
+    from miles_core.config import parse_flags
+    from miles_core.engines.launcher import free_port
+    from miles_core.eval import build_eval_scheduler
+
+    cfg = parse_flags(["--storage-root", str(tmp_path), "--eval-prompt-data", "h=builtin:reverse4-heldout",
+                       "--eval-max-prompts", "2", "--eval-mode", "shared", "--eval-interval", "1"])
+    calls, sink = [], Sink()
+
+    def pause():
+        calls.append("pause")
+        if len(calls) > 2:
+            raise RuntimeError("producer gone")
+
+    sched = build_eval_scheduler(cfg, exporter=None, metrics=sink, shared_engine_urls=[f"http://127.0.0.1:{free_port()}"],
+                                 pause_submission=pause, resume_submission=lambda: calls.append("resume"))
+    sched.on_step(0, 1)
+    sched.on_step(1, 2, last=True)
+    sched.close()
+    assert calls == ["pause", "resume", "pause", "resume"]
+    assert "eval/skipped_unhealthy" in sink.names_at(0)
+    assert "eval/skipped_crashed" in sink.names_at(1)

@@ -34,6 +34,8 @@ def test_config_per_segment(store):
     assert write_config(store, first, 0) == "config.json"
     second = replace_fields(first, lr=1e-4)
     assert write_config(store, second, 1) == "config_segment_0001.json"
+    assert read_config(store)["train"]["lr"] == first.train.lr  # STATUS still names segment 0
+    write_status(store, RUNNING, last_step=10, segment=1)
     assert read_config(store, 0)["train"]["lr"] == first.train.lr
     assert read_config(store)["train"]["lr"] == 1e-4  # latest segment by default
     assert read_run_config(store, 0) == first

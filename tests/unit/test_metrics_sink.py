@@ -125,3 +125,11 @@ def test_optional_mirrors_fail_clearly_when_missing():
     except ImportError:
         with pytest.raises(ImportError, match="tensorboard"):
             optional_sinks(tensorboard_dir="/tmp/tb")
+
+
+def test_docs_list_every_perf_metric_with_its_meaning():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "metrics.md").read_text()
+    for name, meaning in PERF_METRICS.items():
+        assert f"| `{name}` | {meaning} |" in doc, name

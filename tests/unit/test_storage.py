@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import threading
+import types
 import uuid
 
 import fsspec
@@ -240,7 +241,9 @@ def flaky(monkeypatch):
     FlakyFS.store, FlakyFS.pseudo_dirs, FlakyFS.failures, FlakyFS.calls = {}, [""], 0, 0
     FlakyFS.error = ConnectionError
     sleeps: list[float] = []
-    monkeypatch.setattr(storage.time, "sleep", sleeps.append)  # record the backoff instead of waiting
+    # Record the backoff instead of waiting; replace the module's `time` (not time.sleep itself, which
+    # other threads such as fsspec's event loop may be using).
+    monkeypatch.setattr(storage, "time", types.SimpleNamespace(sleep=sleeps.append))
     return sleeps
 
 

@@ -1,0 +1,233 @@
+"""Generated references in docs/reference/ (DESIGN §13): the flag and metric tables come from the code.
+
+    python -m miles_core.docs_gen            # rewrite docs/reference/*.md
+    python -m miles_core.docs_gen --check    # exit 1 and name the stale files (what the tests do)
+
+Flags come from `miles_core.config.flag_table()`. Metric names come from constants the owning
+modules export, listed in METRIC_SOURCES as (module, attribute) pairs. An attribute is either a
+mapping {name: meaning} (preferred: the meaning lives beside the code that logs the metric) or a
+sequence of names; names may be patterns with `{placeholders}`. A new metric source is one more
+pair in METRIC_SOURCES and a regeneration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_core.config import flag_table
+from miles_core.plugins import PLUGIN_SLOTS
+
+REGENERATE = "python -m miles_core.docs_gen"
+
+# (module, attribute) of every exported metric-name constant. Order is irrelevant: the reference is
+# sorted by name. Keep every module that logs metrics here (the buffer, rollout, trainer, eval, driver).
+METRIC_SOURCES: list[tuple[str, str]] = [
+    ("miles_core.buffer.metrics", "METRIC_NAMES"),            # DESIGN §6.3
+    ("miles_core.rollout.metrics", "ROLLOUT_METRIC_NAMES"),   # DESIGN §12
+    ("miles_core.metrics.names", "PERF_METRICS"),             # DESIGN §12 perf/*
+    ("miles_core.train.losses", "METRIC_NAMES"),              # DESIGN §5.6
+    ("miles_core.eval.metric_names", "EVAL_METRICS"),         # DESIGN §7.2, §7.3
+]
+
+# Meanings for names whose source exports names only (from DESIGN §5.6, §6.3, §12). A source that
+# exports a mapping wins; an entry here for a name no source exports is an error (a stale doc).
+# Prefer moving these into the owning module as a {name: meaning} mapping.
+FALLBACK_MEANINGS: dict[str, str] = {
+    "rollout/fully_async/queue_size": "Groups committed to the buffer and not yet consumed (pinned at 0: rollout-bound; at capacity: train-bound).",
+    "rollout/fully_async/aborted_groups_filtered": "Groups rejected at put because a sample was aborted; handed to the unused-samples handler.",
+    "rollout/fully_async/stale_groups_filtered": "Groups rejected at get because their staleness exceeded --max-weight-staleness.",
+    "rollout/fully_async/avg_staleness": "Mean staleness of the groups examined at get in this window (when any).",
+    "rollout/fully_async/max_staleness": "Maximum staleness of the groups examined at get in this window (when any).",
+    "rollout/fully_async/buffer_avg_staleness": "Mean staleness of the groups still buffered.",
+    "rollout/fully_async/buffer_max_staleness": "Maximum staleness of the groups still buffered.",
+    "rollout/fully_async/put_seconds": "Seconds spent committing groups to object storage in this window.",
+    "rollout/fully_async/bytes_written": "Bytes of sample batches committed to object storage in this window.",
+    "rollout/fully_async/quarantined": "Buffer objects that failed to decode and were moved to buffer/quarantine/.",
+    "rollout/fully_async/unused_dropped": "Rejected groups discarded by --async-unused-samples-handler=drop.",
+    "rollout/fully_async/unused_recycled": "Rejected groups whose prompt went back to the data source (--async-unused-samples-handler=retry).",
+    "rollout/dynamic_filter/drop_{reason}": "Groups dropped at put by --dynamic-sampling-filter-path, per reason it returned.",
+    "rollout/reward/mean": "Mean reward of the scored samples of the consumed batch.",
+    "rollout/response_len/mean": "Mean response length (tokens) of the consumed batch.",
+    "rollout/response_len/max": "Maximum response length (tokens) of the consumed batch.",
+    "rollout/truncated_ratio": "Fraction of samples of the batch cut at --rollout-max-response-len.",
+    "rollout/zero_std/ratio": "Fraction of groups whose rewards are all equal (GRPO learns nothing from them).",
+    "rollout/weight_version/mean": "Mean engine weight version over the response tokens of the batch.",
+    "rollout/weight_version/min": "Oldest engine weight version among the response tokens of the batch.",
+    "rollout/weight_version/max": "Newest engine weight version among the response tokens of the batch.",
+    "rollout/weight_version/mixed_version_ratio": "Fraction of samples whose tokens straddle a weight update (more than one version).",
+    "rollout/reward_failed": "Samples whose reward function raised (they carry no reward).",
+    "rollout/producer/groups_per_second": "Groups the producer finished per second.",
+    "rollout/producer/in_flight_groups": "Groups submitted to the engines and not finished.",
+    "rollout/producer/started_groups": "Groups admitted since the run began (drives --max-weight-staleness admission control).",
+    "train/tis_mean": "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
+    "train/tis_clipfrac": "Fraction of tokens whose importance weight was clamped.",
+    "train/ppo_kl": "Mean approximate KL between the trainer's policy and the ratio's denominator policy.",
+    "train/pg_clipfrac": "Fraction of tokens where the PPO ratio was clipped.",
+    "train/train_rollout_logprob_abs_diff": "Mean |trainer log-prob - engine log-prob| of the response tokens.",
+    "train/grad_norm": "Gradient norm before clipping (--clip-grad).",
+    "train/entropy": "Mean token entropy of the policy on the response tokens.",
+    "train/loss": "Training loss of the step.",
+}
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    meaning: str
+    sources: tuple[str, ...]  # "module:attribute" of every source that exports the name
+
+
+class DocsSourceError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def _entries(module: str, attribute: str) -> list[tuple[str, str]]:
+    try:
+        value = getattr(importlib.import_module(module), attribute)
+    except (ImportError, AttributeError) as e:
+        raise DocsSourceError(f"metric source {module}:{attribute} does not resolve ({e!r}); fix METRIC_SOURCES "
+                              "in miles_core/docs_gen.py") from e
+    if isinstance(value, Mapping):
+        return [(str(k), str(v)) for k, v in value.items()]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise DocsSourceError(f"metric source {module}:{attribute} must be a mapping name -> meaning or a "
+                              f"sequence of names, got {type(value).__name__}")
+    return [(str(name), "") for name in value]
+
+
+def collect_metrics(sources: list[tuple[str, str]] | None = None,
+                    fallback: Mapping[str, str] | None = None) -> list[Metric]:
+    """Every exported metric name, sorted, with its meaning and the sources exporting it."""
+    sources = METRIC_SOURCES if sources is None else sources
+    fallback = FALLBACK_MEANINGS if fallback is None else fallback
+    meanings: dict[str, str] = {}
+    owners: dict[str, list[str]] = {}
+    for module, attribute in sources:
+        for name, meaning in _entries(module, attribute):
+            owners.setdefault(name, []).append(f"{module}:{attribute}")
+            if meaning:
+                if meanings.get(name, meaning) != meaning:
+                    raise DocsSourceError(f"metric {name!r} has two different meanings in {owners[name]}")
+                meanings[name] = meaning
+    stale = sorted(set(fallback) - set(owners))
+    if stale:
+        raise DocsSourceError(f"FALLBACK_MEANINGS lists metrics no source exports (renamed or removed?): {stale}")
+    return [Metric(n, meanings.get(n) or fallback.get(n, ""), tuple(owners[n])) for n in sorted(owners)]
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value == "" or value == []:
+        return '""' if value == "" else "[]"
+    return str(value)
+
+
+def render_flags() -> str:
+    lines = [
+        "# Flag reference",
+        "",
+        f"<!-- Generated by `{REGENERATE}` from miles_core.config.flag_table(); do not edit by hand. -->",
+        "",
+        "Every field of the run config is one flag: the field name in kebab case. Boolean flags also take",
+        "a `--no-` form (`--no-fully-async`); optional values take `none`; list flags take several values",
+        "(`--eval-prompt-data a=builtin:reverse4-heldout b=s3://bucket/eval.jsonl`). The same names are the",
+        "inputs of the Flyte workflows. `miles validate [FLAGS...]` prints the resolved config or every",
+        "problem with it; see [configuration](../configuration.md) for the rules.",
+        "",
+    ]
+    specs = flag_table()
+    for section in dict.fromkeys(s.section for s in specs):
+        lines += [f"## {section}", "", "| Flag | Type | Default | Choices | Help |", "|---|---|---|---|---|"]
+        for s in (s for s in specs if s.section == section):
+            kind = s.kind + (" (optional)" if s.optional else "")
+            choices = ", ".join(f"`{c}`" for c in s.choices) if s.choices else ""
+            lines.append(f"| `{s.flag}` | {kind} | `{_cell(_default(s.default))}` | {choices} | {_cell(s.help)} |")
+        lines.append("")
+    lines += ["## Plugin slots", "",
+              "Every `--*-path` flag takes `module:attr` and is imported and checked by `miles validate`, before",
+              "anything starts. The object each one must point at:", "",
+              "| Flag | Expected object |", "|---|---|"]
+    lines += [f"| `{flag}` | {_cell(contract)} |" for flag, contract in PLUGIN_SLOTS.items()]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def render_metrics(metrics: list[Metric] | None = None) -> str:
+    metrics = collect_metrics() if metrics is None else metrics
+    lines = [
+        "# Metric reference",
+        "",
+        f"<!-- Generated by `{REGENERATE}` from the metric-name constants in "
+        "miles_core.docs_gen.METRIC_SOURCES; do not edit by hand. -->",
+        "",
+        "Metric events are appended to `metrics/{component}/{part}.jsonl` in the run root (step, wall time,",
+        "name, value). Names are interface: dashboards and `miles report` read them. `{placeholders}` stand",
+        "for a dataset name (`{ds}`), a pass@k count (`{k}`) or a reason (`{reason}`).",
+        "",
+    ]
+    groups: dict[str, list[Metric]] = {}
+    for m in metrics:
+        groups.setdefault(m.name.split("/", 1)[0], []).append(m)
+    for group, items in groups.items():
+        lines += [f"## {group}/", "", "| Metric | Meaning | Exported by |", "|---|---|---|"]
+        for m in items:
+            owners = ", ".join(f"`{s}`" for s in m.sources)
+            lines.append(f"| `{m.name}` | {_cell(m.meaning)} | {owners} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# Generated file (relative to the repository root) -> renderer.
+REFERENCES = {
+    "docs/reference/flags.md": render_flags,
+    "docs/reference/metrics.md": render_metrics,
+}
+
+
+def stale_references(root: Path) -> list[str]:
+    """The generated files under `root` whose content differs from what the code renders now."""
+    stale = []
+    for rel, render in REFERENCES.items():
+        path = root / rel
+        if not path.exists() or path.read_text() != render():
+            stale.append(rel)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m miles_core.docs_gen", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a reference is stale")
+    parser.add_argument("--root", default=str(Path(__file__).resolve().parent.parent), help="repository root")
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if args.check:
+        stale = stale_references(root)
+        for rel in stale:
+            print(f"{rel} is stale; regenerate with `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    for rel, render in REFERENCES.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render())
+        print(f"wrote {rel}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

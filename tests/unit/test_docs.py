@@ -1,0 +1,159 @@
+"""The generated references in docs/reference/ cannot drift from the code (DESIGN §13, STYLE e).
+
+If a test here fails after you changed a flag, a help text or a metric name, regenerate with
+`python -m miles_core.docs_gen` and commit docs/reference/ together with the code change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from miles_core import docs_gen
+from miles_core.config import flag_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("rel", sorted(docs_gen.REFERENCES))
+def test_committed_reference_matches_code(rel):
+    """Pins: the committed docs/reference/*.md equal what the code renders now.
+    Guards: hand-edited or forgotten references (slime's catalogue missing 3 of 24 `--*-path` flags)."""
+    path = ROOT / rel
+    assert path.exists(), f"{rel} missing; generate it with `{docs_gen.REGENERATE}`"
+    want, have = docs_gen.REFERENCES[rel](), path.read_text()
+    if have != want:
+        diff = "".join(difflib.unified_diff(have.splitlines(True), want.splitlines(True), rel, "generated", n=1))
+        pytest.fail(f"{rel} is stale; regenerate with `{docs_gen.REGENERATE}`.\n{diff[:3000]}")
+
+
+def test_flag_reference_lists_every_flag_once():
+    """Pins: every flag of flag_table() appears in the flag table exactly once, with its section, and every
+    plugin slot's contract is listed. Guards: a renderer that drops flags (e.g. of a newly added section)."""
+    text, plugins = docs_gen.render_flags().split("## Plugin slots")
+    for flag in docs_gen.PLUGIN_SLOTS:
+        assert f"| `{flag}` |" in plugins
+    for s in flag_table():
+        assert text.count(f"| `{s.flag}` |") == 1, s.flag
+        assert f"## {s.section}" in text
+
+
+def test_flag_rows_escape_pipes():
+    """Pins: help text with '|' does not break the markdown table. Guards: a help string splitting a row."""
+    assert docs_gen._cell("a | b\nc") == "a \\| b c"
+
+
+def test_check_mode_names_stale_files(tmp_path, capsys):
+    """Pins: `python -m miles_core.docs_gen --check` exits 1 naming each stale file and the command to fix
+    it; after regeneration it exits 0. Guards: a CI check that fails without telling how to fix it."""
+    assert docs_gen.main(["--check", "--root", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "docs/reference/flags.md is stale" in err and docs_gen.REGENERATE in err
+    assert docs_gen.main(["--root", str(tmp_path)]) == 0
+    assert docs_gen.main(["--check", "--root", str(tmp_path)]) == 0
+
+
+def test_every_metric_source_resolves_and_design_names_present():
+    """Pins: every registered (module, attribute) source imports, and the names DESIGN §5.6, §6.3, §7.3 and
+    §12 define are exported by some source. Guards: a renamed constant or a metric dropped from the code."""
+    names = {m.name for m in docs_gen.collect_metrics()}
+    design = {
+        "rollout/fully_async/queue_size", "rollout/fully_async/aborted_groups_filtered",
+        "rollout/fully_async/stale_groups_filtered", "rollout/fully_async/avg_staleness",
+        "rollout/fully_async/max_staleness", "rollout/fully_async/buffer_avg_staleness",
+        "rollout/fully_async/buffer_max_staleness", "rollout/fully_async/put_seconds",
+        "rollout/fully_async/bytes_written", "rollout/fully_async/quarantined",
+        "rollout/dynamic_filter/drop_{reason}",
+        "rollout/reward/mean", "rollout/response_len/mean", "rollout/response_len/max", "rollout/truncated_ratio",
+        "rollout/zero_std/ratio", "rollout/weight_version/mean", "rollout/weight_version/min",
+        "rollout/weight_version/max", "rollout/weight_version/mixed_version_ratio",
+        "perf/tokens_per_second", "perf/train_wait_seconds", "perf/producer_blocked_seconds",
+        "perf/weight_update_seconds", "perf/step_seconds",
+        "train/tis_mean", "train/tis_clipfrac", "train/ppo_kl", "train/pg_clipfrac",
+        "train/train_rollout_logprob_abs_diff", "train/grad_norm", "train/entropy", "train/loss",
+        "eval/{ds}", "eval/{ds}/pass@{k}", "eval/{ds}/truncated_ratio", "eval/{ds}/response_len/mean",
+        "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds", "eval/skipped_{reason}",
+    }
+    assert not design - names, f"missing from every metric source: {sorted(design - names)}"
+    undocumented = [m.name for m in docs_gen.collect_metrics() if not m.meaning]
+    assert not undocumented, f"metrics without a meaning (export a {{name: meaning}} mapping): {undocumented}"
+
+
+@pytest.fixture
+def fake_sources(monkeypatch):
+    """Registers two in-memory modules as metric sources (how the lead adds a new component)."""
+    a = types.ModuleType("miles_test_metrics_a")
+    a.NAMES = {"x/b": "meaning of b", "x/a": "meaning of a"}
+    b = types.ModuleType("miles_test_metrics_b")
+    b.NAMES = ("x/a", "y/c")
+    b.CONFLICT = {"x/a": "another meaning"}
+    b.BAD = 3
+    monkeypatch.setitem(sys.modules, a.__name__, a)
+    monkeypatch.setitem(sys.modules, b.__name__, b)
+    return [(a.__name__, "NAMES"), (b.__name__, "NAMES")]
+
+
+def test_metric_sources_merge_mappings_and_sequences(fake_sources):
+    """Pins: a source may export {name: meaning} or a sequence of names; a name exported by several sources
+    is listed once with every source; output is sorted and grouped by the first path component.
+    Guards: duplicate rows or lost meanings when two components log the same metric."""
+    metrics = docs_gen.collect_metrics(fake_sources, fallback={"y/c": "fallback c"})
+    assert [(m.name, m.meaning, len(m.sources)) for m in metrics] == [
+        ("x/a", "meaning of a", 2), ("x/b", "meaning of b", 1), ("y/c", "fallback c", 1)]
+    text = docs_gen.render_metrics(metrics)
+    assert text.index("## x/") < text.index("## y/") and text.count("`x/a`") == 1
+
+
+def test_metric_source_errors(fake_sources):
+    """Pins: an unresolvable source, a wrong type, conflicting meanings and a fallback meaning for a name
+    no source exports are each a DocsSourceError naming the culprit.
+    Guards: a reference that silently omits a renamed or removed metric."""
+    mod_b = fake_sources[1][0]
+    with pytest.raises(docs_gen.DocsSourceError, match="no_such_module_xyz:NAMES"):
+        docs_gen.collect_metrics([("no_such_module_xyz", "NAMES")], fallback={})
+    with pytest.raises(docs_gen.DocsSourceError, match=f"{mod_b}:MISSING"):
+        docs_gen.collect_metrics([(mod_b, "MISSING")], fallback={})
+    with pytest.raises(docs_gen.DocsSourceError, match="mapping"):
+        docs_gen.collect_metrics([(mod_b, "BAD")], fallback={})
+    with pytest.raises(docs_gen.DocsSourceError, match="two different meanings"):
+        docs_gen.collect_metrics(fake_sources + [(mod_b, "CONFLICT")], fallback={})
+    with pytest.raises(docs_gen.DocsSourceError, match="renamed or removed"):
+        docs_gen.collect_metrics(fake_sources, fallback={"gone/metric": "x"})
+
+
+def test_user_docs_exist_and_link_references():
+    """Pins: the quickstart and configuration guides exist and point at the generated flag reference.
+    Guards: README links to docs that were never written."""
+    for rel in ("docs/quickstart.md", "docs/configuration.md"):
+        assert (ROOT / rel).exists(), rel
+    assert "reference/flags.md" in (ROOT / "docs/configuration.md").read_text()
+
+
+def _doc_sessions(rel: str) -> list[tuple[list[str], list[str]]]:
+    """(argv after `miles`, expected stderr lines) of every `$ miles ...` session in a doc's code blocks."""
+    sessions, current = [], None
+    for line in (ROOT / rel).read_text().splitlines():
+        if line.startswith("$ miles "):
+            current = (line[len("$ miles "):].split(), [])
+            sessions.append(current)
+        elif line.startswith("```"):
+            current = None
+        elif current is not None:
+            current[1].append(line)
+    return sessions
+
+
+def test_configuration_examples_match_cli(capsys):
+    """Pins: each `$ miles validate ...` example in docs/configuration.md prints exactly the lines shown.
+    Guards: error messages reworded in the code while the guide keeps quoting the old text."""
+    from miles_core.cli import main
+
+    sessions = _doc_sessions("docs/configuration.md")
+    assert len(sessions) >= 2
+    for argv, expected in sessions:
+        assert main(argv) == 2
+        assert capsys.readouterr().err.splitlines() == expected, " ".join(argv)
