@@ -79,7 +79,8 @@ def run_root_uri(storage_root: str, run_id: str) -> str:
 
 
 def _redact(text: str) -> str:
-    return re.sub(r"(?i)(secret|key|token|password)=([^&\s]+)", r"\1=***", text)
+    # key/secret/token/password, and the credential and signature of presigned URLs (X-Amz-Credential=...).
+    return re.sub(r"(?i)(secret|key|token|password|credential|signature)=([^&\s]+)", r"\1=***", text)
 
 
 def is_transient(e: BaseException) -> bool:

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig, validate
+from miles_core.driver.handles import RayActorHandle
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, Progress, Roles, TrainerRole, WeightPusher,
                                      batch_source)
@@ -83,18 +84,20 @@ def _run_segment(cfg: RunConfig, store) -> tuple[LoopResult, int]:
         version_box = [first_push["version"]]
         fleet.note_weights(first_push["model_path"], first_push["version"])
 
-        rollout = rollout_manager_actor(num_cpus=0).remote(
+        rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
             cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
-            consumed_through_step=extras.get("consumed_through_step", -1))
-        ray.get(rollout.set_version.remote(version_box[0]))
-        ray.get(rollout.start.remote())
-        stack.callback(lambda: ray.get(rollout.stop.remote()))
+            consumed_through_step=extras.get("consumed_through_step", -1)))
+        rollout.call("set_version", version_box[0]).result()
+        rollout.call("start").result()
+        stack.callback(lambda: rollout.call("stop").result())
+        trainer_handle = RayActorHandle(trainer)
 
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
             cfg, exporter=lambda step, uri: ray.get(trainer.export_hf.remote(step, uri)),
             metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls(),
-            pause_submission=lambda: rollout.pause.remote(), resume_submission=lambda: rollout.resume.remote())
+            pause_submission=lambda: rollout.call("pause").result(),
+            resume_submission=lambda: rollout.call("resume").result())
         stack.callback(evals.close)
         end_step, end_reason = _end_step(cfg, start_step)
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
@@ -103,10 +106,10 @@ def _run_segment(cfg: RunConfig, store) -> tuple[LoopResult, int]:
             sink.log(0, {"rollout/random_policy_reward": random_policy_reward(cfg)})
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
-            batches=batch_source(cfg.driver, rollout, version_box),
-            trainer=TrainerRole(trainer),
-            weights=WeightPusher(trainer, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
-            checkpoints=Checkpointer(trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save)),
+            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
+            trainer=TrainerRole(trainer_handle),
+            weights=WeightPusher(trainer_handle, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
+            checkpoints=Checkpointer(trainer_handle, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save)),
             evals=evals, metrics=MetricsLog(sink), progress=progress,
             deadline=Deadline(cfg.run.deadline_seconds))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])

@@ -17,12 +17,6 @@ from miles_core.driver.loop import Batch
 log = logging.getLogger(__name__)
 
 
-def _get(ref):
-    import ray
-
-    return ray.get(ref)
-
-
 def _as_batch(step: int, drained) -> Batch:
     return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics))
 
@@ -34,7 +28,10 @@ class OnDemandBatches:
         self.rollout, self.version_box = rollout, version_box
 
     def next_batch(self, step: int) -> Batch:
-        return _as_batch(step, _get(self.rollout.next_batch.remote(self.version_box[0])))
+        t0 = time.monotonic()
+        batch = _as_batch(step, self.rollout.call("next_batch", self.version_box[0]).result())
+        batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
+        return batch
 
     def before_weight_update(self) -> None:
         pass
@@ -48,61 +45,57 @@ class PrefetchedBatches:
 
     one-step-off generates it; fully async drains it from the buffer that the continuous producer
     fills. Either way the driver waits for it before the next weight update (§5.5), which is one
-    source of staleness (documented in docs/fully-async.md).
+    source of staleness (docs/fully-async.md). The drain checks staleness against the version
+    batch k+1 will be trained under: one more than now when step k ends with a weight push.
     """
 
-    def __init__(self, rollout, version_box: list[int]):
-        self.rollout, self.version_box = rollout, version_box
+    def __init__(self, rollout, version_box: list[int], update_interval: int = 1):
+        self.rollout, self.version_box, self.update_interval = rollout, version_box, update_interval
         self.pending = None
-        self.wait_seconds = 0.0
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
-        ref = self.pending if self.pending is not None else self.rollout.next_batch.remote(self.version_box[0])
-        drained = _get(ref)
-        self.wait_seconds = time.monotonic() - t0
-        self.pending = self.rollout.next_batch.remote(self.version_box[0])
+        future = self.pending if self.pending is not None else self.rollout.call("next_batch", self.version_box[0])
+        drained = future.result()
+        pushes_after_step = (step + 1) % self.update_interval == 0
+        self.pending = self.rollout.call("next_batch", self.version_box[0] + int(pushes_after_step))
         batch = _as_batch(step, drained)
-        batch.metrics["perf/train_wait_seconds"] = self.wait_seconds
+        batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
         return batch
 
     def before_weight_update(self) -> None:
-        import ray
-
         if self.pending is not None:
-            ray.wait([self.pending], num_returns=1)
+            self.pending.result()
 
     def metrics(self) -> dict:
         return {}
 
-    def cancel(self) -> None:
-        self.pending = None
-
 
 class TrainerRole:
-    def __init__(self, actor):
-        self.actor = actor
+    def __init__(self, trainer):
+        self.trainer = trainer
 
     def train_step(self, step: int, batch: Batch) -> dict:
-        return _get(self.actor.train_step.remote(step, batch.groups))
+        return self.trainer.call("train_step", step, batch.groups).result()
 
 
 class WeightPusher:
     """Pushes every --update-weights-interval steps (and at the last step), then publishes the
     version to the rollout side and to the engine actors (which restart dead engines on it)."""
 
-    def __init__(self, trainer_actor, rollout, fleet, interval: int, version_box: list[int]):
-        self.trainer, self.rollout, self.fleet = trainer_actor, rollout, fleet
+    def __init__(self, trainer, rollout, fleet, interval: int, version_box: list[int]):
+        self.trainer, self.rollout, self.fleet = trainer, rollout, fleet
         self.interval, self.version_box = interval, version_box
 
     def push(self, step: int, last: bool = False) -> tuple[int, dict]:
         if (step + 1) % self.interval != 0 and not last:
             return self.version_box[0], {}
-        out = _get(self.trainer.push_weights.remote(step))
+        out = self.trainer.call("push_weights", step).result()
         version = out.pop("version")
-        path = out.pop("model_path")
-        _get(self.rollout.set_version.remote(version))
-        self.fleet.note_weights(path, version)
+        path = out.pop("model_path", None)
+        self.rollout.call("set_version", version).result()
+        if self.fleet is not None and path:
+            self.fleet.note_weights(path, version)
         self.version_box[0] = version
         return version, out | {"rollout/published_version": version}
 
@@ -110,19 +103,19 @@ class WeightPusher:
 class Checkpointer:
     """Records the consumed group ids every step; saves trainer + rollout state at the cadence."""
 
-    def __init__(self, trainer_actor, rollout, save_interval: int | None, enabled: bool):
-        self.trainer, self.rollout = trainer_actor, rollout
+    def __init__(self, trainer, rollout, save_interval: int | None, enabled: bool):
+        self.trainer, self.rollout = trainer, rollout
         self.save_interval, self.enabled = save_interval, enabled
         self.last_saved: int | None = None
 
     def save(self, step: int, consumed: list[str], version: int, last: bool) -> None:
-        _get(self.rollout.record_consumed.remote(step, consumed))
+        self.rollout.call("record_consumed", step, consumed).result()
         due = self.enabled and (last or (self.save_interval is not None and (step + 1) % self.save_interval == 0))
         if not due:
             return
-        extras = {"rollout_state": _get(self.rollout.state.remote()), "weight_version": version,
+        extras = {"rollout_state": self.rollout.call("state").result(), "weight_version": version,
                   "consumed_through_step": step}
-        _get(self.trainer.save_checkpoint.remote(step, extras))
+        self.trainer.call("save_checkpoint", step, extras).result()
         self.last_saved = step
 
 
@@ -189,5 +182,7 @@ class Roles:
     deadline: Deadline
 
 
-def batch_source(driver: str, rollout, version_box: list[int]):
-    return OnDemandBatches(rollout, version_box) if driver == "sync" else PrefetchedBatches(rollout, version_box)
+def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1):
+    if driver == "sync":
+        return OnDemandBatches(rollout, version_box)
+    return PrefetchedBatches(rollout, version_box, update_interval)

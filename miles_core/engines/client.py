@@ -326,6 +326,36 @@ class EngineClient:
         if bad:
             raise EngineControlError(f"update_weights_from_disk({model_path}) failed on {bad}")
 
+    # NCCL weight push (GPU, SGLang only; miles_core.weights.nccl). Each engine joins the group at its
+    # own rank offset, so these take a client over exactly one engine: `EngineClient([url])` per engine.
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str = "nccl") -> None:
+        body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                "world_size": world_size, "group_name": group_name, "backend": backend}
+        await self._success(await self._control(self._single("init_weights_update_group"), "POST",
+                                                 "/init_weights_update_group", body, retries=0))
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, flush_cache: bool, weight_version: int) -> None:
+        """Not retried: the engine takes part in a broadcast, and a second request would wait forever."""
+        body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                "flush_cache": flush_cache, "weight_version": str(weight_version)}
+        res = await asyncio.gather(*(self._control(u, "POST", "/update_weights_from_distributed", body, retries=0)
+                                     for u in self.urls))
+        for r in res:
+            await self._success(r)
+
+    def _single(self, what: str) -> str:
+        if len(self._engines) != 1:
+            raise ValueError(f"{what} needs a client over one engine (each engine has its own rank offset); "
+                             f"this client has {len(self._engines)}")
+        return self._engines[0].url
+
+    @staticmethod
+    async def _success(res: Any) -> None:
+        if isinstance(res, dict) and res.get("success") is False:
+            raise EngineControlError(f"engine answered success=false: {res.get('message')}")
+
     async def abort_request(self, rid: str, url: str | None = None) -> None:
         if url is not None:
             await self._control(url.rstrip("/"), "POST", "/abort_request", {"rid": rid})

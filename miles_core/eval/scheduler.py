@@ -27,7 +27,7 @@ from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datase
 from miles_core.eval.metric_names import EXPORT_SECONDS
 from miles_core.eval.modes import (DedicatedEngines, EvalContext, EvalJob, EventLoopThread, Outcome,
                                    SharedEngines, SnapshotTasks)
-from miles_core.eval.results import follower_alive, record_skip, settled_steps
+from miles_core.eval.results import follower_alive, record_skip, requests, settled_steps
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.storage import Store
 
@@ -92,8 +92,10 @@ class EvalScheduler:
     def retire(self) -> list[int]:
         """Ring-retire exported snapshots whose evals have settled; returns the steps deleted."""
         try:
-            return retire_snapshots(self.layout, self.keep_snapshots, set(self._pending),
-                                    protected_uris=self.protected_uris)
+            pending = set(self._pending)
+            if isinstance(self.mode, SnapshotTasks):  # requests of earlier segments the follower still owes
+                pending |= set(requests(self.store)) - settled_steps(self.store, [d.name for d in self.datasets])
+            return retire_snapshots(self.layout, self.keep_snapshots, pending, protected_uris=self.protected_uris)
         except Exception as e:  # noqa: BLE001 - housekeeping never fails training
             log.warning("snapshot retirement failed: %s", e)
             return []

@@ -1,10 +1,12 @@
 """Trainer checkpoints in a Store: `{save}/step_{k:08d}/` with a COMPLETE marker written last.
 
 A checkpoint holds model.safetensors, optimizer.safetensors, rng.safetensors (tensors, no
-pickle), trainer.json (optimizer hyper-parameters and scalar state, python RNG, model spec) and
+pickle), trainer.json (the optimizer state's skeleton, python RNG, model spec) and
 extras.json: opaque JSON the caller passes (data-source cursor, buffer consumption, weight
 version). Every object is committed atomically by the Store; `COMPLETE` goes last, then the
-`LATEST` pointer. `latest()` trusts only directories with the marker (one listing), so a crash
+`LATEST` pointer. With more than one rank (GPU), each rank writes its own shards as
+`{part}.rank{r:05d}.safetensors` / `trainer.rank{r:05d}.json` and rank 0 marks the directory
+complete after a barrier. `latest()` trusts only directories with the marker (one listing), so a crash
 mid-save leaves the previous checkpoint as the latest.
 """
 
@@ -25,6 +27,23 @@ TENSOR_PARTS = ("model", "optimizer", "rng")
 
 def step_dir(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def _rank_suffix() -> tuple[int, str]:
+    """('', rank 0) in a world of one; '.rank{r:05d}' per rank otherwise (GPU: TP/DP shards)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return 0, ""
+    rank = dist.get_rank()
+    return rank, f".rank{rank:05d}"
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 class CheckpointError(RuntimeError):
@@ -76,12 +95,16 @@ class CheckpointManager:
             raise CheckpointError("checkpoints are disabled (--save ''); set --save to a location")
         tensors, meta = trainer.checkpoint_state()
         d = step_dir(step)
+        rank, suffix = _rank_suffix()
         for part in TENSOR_PARTS:
-            put_tensors(self.store, f"{d}/{part}.safetensors", tensors[part])
-        self.store.put_json(f"{d}/trainer.json", meta)
-        self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})
-        self.store.put_bytes(f"{d}/{MARKER}", b"")
-        self.store.put_bytes(LATEST, d.encode())
+            put_tensors(self.store, f"{d}/{part}{suffix}.safetensors", tensors[part])
+        self.store.put_json(f"{d}/trainer{suffix}.json", meta)
+        _barrier()  # every rank's shards are committed before rank 0 marks the checkpoint complete
+        if rank == 0:
+            self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})
+            self.store.put_bytes(f"{d}/{MARKER}", b"")
+            self.store.put_bytes(LATEST, d.encode())
+        _barrier()
         return self.store.uri(d)
 
     def complete_steps(self) -> list[int]:
@@ -102,9 +125,11 @@ class CheckpointManager:
         d = step_dir(step)
         if not self.store.exists(f"{d}/{MARKER}"):
             raise CheckpointError(f"{self.store.uri(d)} has no {MARKER} marker; it is incomplete and not trusted")
+        _, suffix = _rank_suffix()
         try:
-            tensors = {part: load_tensors(self.store.get_bytes(f"{d}/{part}.safetensors")) for part in TENSOR_PARTS}
-            meta = self.store.get_json(f"{d}/trainer.json")
+            tensors = {part: load_tensors(self.store.get_bytes(f"{d}/{part}{suffix}.safetensors"))
+                       for part in TENSOR_PARTS}
+            meta = self.store.get_json(f"{d}/trainer{suffix}.json")
             extras = self.store.get_json(f"{d}/extras.json")
         except (ObjectNotFound, json.JSONDecodeError) as e:
             raise CheckpointError(f"checkpoint {self.store.uri(d)} is unreadable: {e}") from e

@@ -24,6 +24,7 @@ from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import hf_convert
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, token_entropy
 from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, forward_logits, unwrap
+from miles_core.train.state_tree import flatten, unflatten
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
@@ -104,7 +105,8 @@ class Trainer:
             _, part = self._micro_batch(items[start:start + mbs], total_tokens)
             for k, v in part.items():
                 sums[k] = sums.get(k, 0.0) + v
-        grad_norm = self._optimizer_step() if items else 0.0
+        # nothing to learn from (every token masked out): no step, so weight decay does not move weights
+        grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
         metrics = finalize_metrics(sums, total_tokens) if items else {}
         metrics["train/grad_norm"] = grad_norm
         metrics["train/samples"] = float(len(items))
@@ -167,41 +169,39 @@ class Trainer:
         return out_dir
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
-        """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py."""
+        """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py.
+
+        On GPU these are this rank's shards: model tensors of its TP rank, and the distributed
+        optimizer's own (bucket-space) shard of parameter state, so no rank gathers anything.
+        """
+        model = hf_convert.megatron_state(unwrap(self.model))
         if self.cuda:
-            raise TrainError("GPU optimizer checkpoints (Megatron distributed optimizer) are not implemented yet")
-        model = hf_convert.megatron_state(self.model)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        opt = self.optimizer.state_dict()
-        order = [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
-        opt_tensors, opt_meta = {}, {}
-        for idx, st in opt["state"].items():
-            for key, val in st.items():
-                if isinstance(val, torch.Tensor):
-                    opt_tensors[f"{idx}.{key}"] = val.detach().clone().contiguous()
-                else:
-                    opt_meta[f"{idx}.{key}"] = val
+            opt_tree = {"common": self.optimizer.state_dict(),
+                        "params": self.optimizer.get_parameter_state_dp_reshardable()}
+        else:
+            opt_tree = self.optimizer.state_dict()
+        opt_tensors, opt_skeleton = flatten(opt_tree)
         rng = {"torch_cpu": torch.get_rng_state()}
-        meta = {"param_names": order, "param_groups": opt["param_groups"], "scalar_state": opt_meta,
-                "python_random": _jsonable(random.getstate()), "spec": self.spec.__dict__}
+        if self.cuda:
+            rng["torch_cuda"] = torch.cuda.get_rng_state()
+        meta = {"optimizer": opt_skeleton, "python_random": _jsonable(random.getstate()),
+                "spec": self.spec.__dict__}
         return {"model": model, "optimizer": opt_tensors, "rng": rng}, meta
 
     def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
-        own = {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
-        if set(own) != set(tensors["model"]):
-            raise TrainError("checkpoint model tensors do not match this model (different architecture?)")
+        own = {k: v for k, v in unwrap(self.model).state_dict().items() if not k.endswith("_extra_state")}
+        if set(own) != set(tensors["model"]) or meta.get("spec") != self.spec.__dict__:
+            raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
         with torch.no_grad():
             for k, v in own.items():
                 v.copy_(tensors["model"][k])
-        state: dict[int, dict] = {}
-        for key, val in tensors["optimizer"].items():
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = val
-        for key, val in meta["scalar_state"].items():
-            idx, name = key.split(".", 1)
-            state.setdefault(int(idx), {})[name] = val
-        groups = [dict(g, betas=tuple(g["betas"])) if "betas" in g else g for g in meta["param_groups"]]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+        opt_tree = unflatten(tensors["optimizer"], meta["optimizer"])
+        if self.cuda:
+            self.optimizer.load_state_dict(opt_tree["common"])
+            self.optimizer.load_parameter_state_from_dp_reshardable(opt_tree["params"])
+            torch.cuda.set_rng_state(tensors["rng"]["torch_cuda"])
+        else:
+            self.optimizer.load_state_dict(opt_tree)
         torch.set_rng_state(tensors["rng"]["torch_cpu"])
         random.setstate(_python_rng(meta["python_random"]))
 

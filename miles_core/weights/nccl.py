@@ -8,6 +8,8 @@ Uses SGLang's native endpoints, as slime does:
   weight_version}: the engine receives each tensor by broadcast from rank 0, in that order.
 Tensors go in buckets (one HTTP call per bucket) so engines can load while the next broadcasts.
 The engine side is `DistributedEngineControl`; miles_core.engines.client implements it for SGLang.
+Under tensor parallelism every trainer rank calls `load` (gathering the full tensors is a TP
+collective); only global rank 0 talks to the engines and broadcasts.
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ class NcclWeightTransport:
             yield bucket
 
     async def load(self, engines, version: int) -> None:
+        if dist.is_initialized() and dist.get_rank() != 0:
+            for _ in self._buckets(version):  # take part in the TP gathers only
+                pass
+            return
         if self.group is None:
             await self.connect()
         for bucket in self._buckets(version):

@@ -106,6 +106,15 @@ def test_register_dry_run_offline():
         assert name in text
 
 
+def test_flyte_config_is_ini_flytekit_reads():
+    from flytekit.configuration import Config
+
+    cfg = Config.auto(str(ROOT / "flyte.config"))
+    assert cfg.platform.endpoint and cfg.data_config.s3.endpoint
+    text = (ROOT / "flyte.config").read_text().lower()
+    assert "secret" not in text.replace("credentials never", "") and "access_key" not in text
+
+
 # ----------------------------------------------------------------------------- workflow interface
 
 

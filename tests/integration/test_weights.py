@@ -118,6 +118,7 @@ def test_snapshot_fetch_requires_marker_and_downloads_for_object_stores(trainer,
 
 
 def test_abort_mode_is_refused(trainer, tmp_path):
+    """--pause-generation-mode abort would drop in-flight work: refused, naming the allowed modes."""
     with pytest.raises(WeightSyncError, match="retract, in_place"):
         _sync(trainer, Store(str(tmp_path)), [], [], mode="abort")
 

@@ -266,3 +266,25 @@ def test_shared_mode_always_resumes_submission(tmp_path):
     assert calls == ["pause", "resume", "pause", "resume"]
     assert "eval/skipped_unhealthy" in sink.names_at(0)
     assert "eval/skipped_crashed" in sink.names_at(1)
+
+
+def test_tasks_mode_retirement_keeps_snapshots_the_follower_still_owes(tmp_path):
+    """A snapshot requested by an earlier segment and not yet evaluated is pending for the ring,
+    even though this scheduler never started it; evaluated or unrequested ones beyond
+    --eval-keep-snapshots go (the newest complete one stays)."""
+    run = tmp_path / "run"
+    store = Store(str(run))
+    ds = [type("D", (), {"name": "held"})()]
+    ctx = EvalContext(store=store, datasets=ds, sampling=None, metrics=None, latest_step=lambda: 0)
+    s = make_scheduler(tmp_path, SnapshotTasks(ctx), keep=0)
+    s.datasets = ds
+    root = run / "snapshots"
+    for step in (2, 5, 8, 11):
+        write_snapshot(str(root), step)
+    from miles_core.eval.results import write_request
+
+    write_request(store, 2, "", 3)
+    write_request(store, 5, "", 6)
+    write_result(store, EvalResult(step=5, dataset="held", metrics={}))
+    assert s.retire() == [5, 8]
+    assert steps_on_disk(root) == [2, 11]

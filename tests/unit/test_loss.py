@@ -155,5 +155,6 @@ def test_metric_names_are_the_interface():
 
 
 def test_rollout_logprobs_required_when_the_loss_needs_them():
+    """The default loss without rollout log-probs fails loudly instead of training on zeros."""
     with pytest.raises(ValueError, match="rollout log-probs"):
         policy_loss(LossConfig(), _t(ln(.5)), _t(1), _t(1), total_tokens=1.0)

@@ -326,10 +326,13 @@ def test_s3_endpoint_where_nothing_listens(caplog):
 
 
 def test_redaction_of_secret_looking_values():
-    """Pins: key=/secret=/token=/password= values are masked in error text.
+    """Pins: key=/secret=/token=/password= values and presigned-URL credentials/signatures are masked.
     Guards: presigned URLs or connection strings with credentials ending up in StorageUnavailable."""
-    text = storage._redact("GET https://x/y?X-Amz-Security-Token=abc&Signature=zz password=hunter2 secret=s3")
-    assert "abc" not in text and "hunter2" not in text and "s3" not in text.split("secret=")[1]
+    text = storage._redact("GET https://x/y?X-Amz-Security-Token=abc&X-Amz-Credential=AKIAXYZ%2F20261130"
+                           "&X-Amz-Signature=deadbeef password=hunter2 secret=s3cr aws_access_key=AKIA2")
+    for leaked in ("abc", "AKIAXYZ", "deadbeef", "hunter2", "s3cr", "AKIA2"):
+        assert leaked not in text
+    assert "X-Amz-Credential=***" in text
 
 
 # ----------------------------------------------------------------------------- names and keys

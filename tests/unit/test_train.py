@@ -142,5 +142,6 @@ def test_export_hf_loads_in_transformers_with_the_trainer_logits(tiny_gpt, tmp_p
 
 
 def test_unsupported_estimator_is_refused(tiny_gpt):
+    """--advantage-estimator ppo (a critic) is refused with the flag named, not silently run as GRPO."""
     with pytest.raises(Exception, match="advantage-estimator"):
         Trainer(TrainSection(advantage_estimator="ppo"), tiny_gpt)
