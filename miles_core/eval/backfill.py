@@ -16,12 +16,15 @@ metrics to metrics/eval/, at the snapshot's step, like every other eval.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Sequence
 
 from miles_core.eval.datasets import EvalSampling, load_eval_datasets, parse_dataset_specs, sampling_from_config
-from miles_core.eval.results import SKIPPED_NAME, all_results, evaluated, requests
+from miles_core.eval.results import all_results, evaluated, requests
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.storage import Store, normalize_uri
+
+log = logging.getLogger(__name__)
 
 
 def run_config_of(run_uri: str):
@@ -57,6 +60,10 @@ def backfill_plan(run_uri: str, steps: Sequence[int] | None = None, datasets: Se
     layout = SnapshotLayout.from_config(cfg, run_uri)
     complete = layout.complete_steps()
     chosen = complete if steps is None else sorted(set(steps) & set(complete))
+    missing = [] if steps is None else sorted(set(steps) - set(complete))
+    if missing:  # retired by the ring, never exported, or still being written: nothing to evaluate
+        log.warning("backfill of %s: no complete snapshot for steps %s under %s; skipped", run_uri, missing,
+                    layout.root_uri)
     done = evaluated(Store(run_uri))
     pairs = parse_dataset_specs(_specs(cfg, datasets))
     return [(step, name, uri) for step in chosen for name, uri in pairs

@@ -156,7 +156,11 @@ class Trainer:
     # ------------------------------------------------------------------ weights and state
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """Current weights as HF tensors (CPU, contiguous), optionally cast."""
+        """Current weights as HF tensors (CPU, contiguous), optionally cast.
+
+        Without a cast, on CPU, some tensors are views of the live parameters: use them before the
+        next `train_step` (export and weight sync do), or clone them.
+        """
         local = hf_convert.megatron_state(unwrap(self.model))
         state = hf_convert.megatron_to_hf(self.spec, hf_convert.gather_tp_state(self.spec, local))
         return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}

@@ -11,7 +11,6 @@ import os
 import threading
 import time
 
-import pytest
 
 from miles_core.eval.modes import EvalContext, Outcome, SnapshotTasks
 from miles_core.eval.results import HEARTBEAT_KEY, EvalResult, requests, write_heartbeat, write_result
@@ -288,3 +287,22 @@ def test_tasks_mode_retirement_keeps_snapshots_the_follower_still_owes(tmp_path)
     write_result(store, EvalResult(step=5, dataset="held", metrics={}))
     assert s.retire() == [5, 8]
     assert steps_on_disk(root) == [2, 11]
+
+
+def test_snapshots_on_object_storage_are_fetched_to_a_local_dir(tmp_path):
+    """On a non-file store the snapshot is listed through its marker and downloaded for the engine
+    (engines load from a filesystem path); an unmarked directory is not complete."""
+    import uuid
+
+    from miles_core.eval.snapshots import local_snapshot
+
+    root = f"memory://eval-{uuid.uuid4().hex[:8]}/snapshots"
+    store = Store(root)
+    store.put_bytes("step_00000004/config.json", b"{}")
+    store.put_bytes("step_00000004/model.safetensors", b"w")
+    store.put_bytes("step_00000004/.complete", b"")
+    store.put_bytes("step_00000006/config.json", b"{}")
+    layout = SnapshotLayout(root, "export")
+    assert layout.scan() == ([4], [6])
+    local = local_snapshot(layout.uri(4), str(tmp_path / "dl"))
+    assert sorted(os.listdir(local)) == [".complete", "config.json", "model.safetensors"]
