@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import functools
 import math
 import os
 import sys
@@ -91,7 +92,7 @@ class Workload:
         x = random.Random(f"{self.seed}-{prompt}-{k}").lognormvariate(math.log(self.median_tokens), self.sigma)
         return max(1, min(self.cap_tokens, int(round(x))))
 
-    @property
+    @functools.cached_property
     def mean_tokens(self) -> float:
         """E[L] of the rounded, capped lognormal, exactly (a sum over the integer lengths)."""
         mu, s, cap = math.log(self.median_tokens), self.sigma, self.cap_tokens
@@ -104,7 +105,7 @@ class Workload:
         total += cap * (1 - cdf(cap - 0.5))
         return total
 
-    @property
+    @functools.cached_property
     def token_seconds(self) -> float:
         return self.ideal_step_seconds * self.slots / (self.batch_size * self.n * self.mean_tokens)
 
@@ -197,6 +198,7 @@ class TimedTrainer:
         self.trained: list[list[str]] = []  # group ids per step
         self.staleness: list[int] = []  # per trained group: version at train time - min token version
         self.tokens: list[int] = []  # response tokens per step
+        self.slept: list[tuple[float, float]] = []  # (asked, got) per train_step
 
     def train_step(self, step: int, groups: list) -> dict:
         version = self.clock.version
@@ -204,8 +206,15 @@ class TimedTrainer:
         self.trained.append([g.group_id for g in groups])
         self.staleness.extend(version - min(v for s in g.samples for v in s.token_versions) for g in groups)
         self.tokens.append(sum(len(s.response_ids) for s in samples))
-        time.sleep(len(samples) * self.w.train_seconds_per_sample)
+        asked, t0 = len(samples) * self.w.train_seconds_per_sample, time.monotonic()
+        time.sleep(asked)
+        self.slept.append((asked, time.monotonic() - t0))
         return {"train/samples": float(len(samples))}
+
+    def overshoot(self, skip: int = 0) -> float:
+        """Mean seconds time.sleep overslept per train_step (a loaded machine wakes threads late)."""
+        tail = self.slept[skip:] or self.slept
+        return sum(got - asked for asked, got in tail) / len(tail)
 
     def push_weights(self, step: int) -> dict:
         time.sleep(self.w.push_seconds)
@@ -317,11 +326,11 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
             checkpoints=Checkpointer(trainer_h, rollout, cfg.train.save_interval, enabled=False),
             evals=NoEvals(), metrics=MetricsLog(sink), progress=Progress(cfg.run.num_rollout, 0, enabled=False),
             deadline=Deadline(None))
-        for obj, method, name in ((roles.batches, "next_batch", "wait for batch"),
+        for obj, method, name in ((roles.batches, "next_batch", "wait batch"),
                                   (roles.trainer, "train_step", "train"),
-                                  (roles.batches, "before_weight_update", "prefetch wait before push"),
-                                  (roles.weights, "push", "push + publish"),
-                                  (roles.checkpoints, "save", "record consumed"),
+                                  (roles.batches, "before_weight_update", "prefetch wait"),
+                                  (roles.weights, "push", "push"),
+                                  (roles.checkpoints, "save", "record"),
                                   (roles.metrics, "log", "metrics")):
             phases.wrap(obj, method, name)
         phases.mark_step_end(roles.progress, "update")
@@ -345,23 +354,26 @@ def report(w: Workload, runs: dict[str, DriverRun], warmup: int, knobs: dict) ->
           f"train {w.train_seconds_per_sample * 1e3:.3f} ms/sample; push {w.push_seconds * 1e3:.0f} ms")
     print(f"knobs: {knobs}")
     print(f"ideal time/step = max(generation work / slots, train) = {T:.3f} s (slots always full, fully overlapped)\n")
-    head = (f"{'driver':<13}{'s/step':>8}{'whole run':>11}{'eff':>6}{'slots busy':>11}{'wait batch':>11}"
-            f"{'prefetch':>9}{'push':>7}{'record':>8}{'staleness max/mean':>20}")
-    print(head)
+    print(f"{'driver':<13}{'s/step':>8}{'whole run':>11}{'eff':>6}{'slots busy':>11}{'staleness max/mean':>20}")
     out = {}
     for name, run in runs.items():
         per_step = run.step_seconds(warmup)
-        whole = run.result.seconds
-        tokens = run.trainer.tokens
-        realized = max(sum(tokens) / len(tokens) * w.token_seconds / w.slots, T)
+        tokens, st = run.trainer.tokens, run.trainer.staleness
         ph = {k: sum(v[warmup:]) / max(1, len(v[warmup:])) for k, v in run.phases.seconds.items()}
-        st = run.trainer.staleness
-        out[name] = {"step_seconds": per_step, "whole_run_seconds": whole, "efficiency": T / per_step,
-                     "realized_ideal_step_seconds": realized, "slot_utilisation": run.slot_utilisation(w, warmup),
-                     "phases": ph, "staleness_max": max(st), "staleness_mean": sum(st) / len(st)}
-        print(f"{name:<13}{per_step:>8.3f}{whole:>10.1f}s{T / per_step:>6.2f}{out[name]['slot_utilisation']:>11.2f}"
-              f"{ph['wait for batch']:>11.3f}{ph['prefetch wait before push']:>9.3f}{ph['push + publish']:>7.3f}"
-              f"{ph['record consumed']:>8.3f}{max(st):>12d} / {sum(st) / len(st):.2f}")
+        ph["loop (rest)"] = per_step - sum(ph.values())
+        out[name] = {"step_seconds": per_step, "whole_run_seconds": run.result.seconds, "efficiency": T / per_step,
+                     "realized_gen_step_seconds": sum(tokens) / len(tokens) * w.token_seconds / w.slots,
+                     "slot_utilisation": run.slot_utilisation(w, warmup), "phases": ph,
+                     "train_sleep_overshoot": run.trainer.overshoot(warmup),
+                     "staleness_max": max(st), "staleness_mean": sum(st) / len(st)}
+        print(f"{name:<13}{per_step:>8.3f}{run.result.seconds:>10.1f}s{T / per_step:>6.2f}"
+              f"{out[name]['slot_utilisation']:>11.2f}{max(st):>12d} / {sum(st) / len(st):.2f}")
+    names = list(next(iter(out.values()))["phases"]) if out else []
+    print("\nwhere a step of the trainer went (mean seconds per step, steady state):")
+    print(f"{'driver':<13}" + "".join(f"{k:>{max(9, len(k) + 2)}}" for k in names) + f"{'of train: sleep overshoot':>27}")
+    for name, o in out.items():
+        print(f"{name:<13}" + "".join(f"{o['phases'][k]:>{max(9, len(k) + 2)}.3f}" for k in names)
+              + f"{o['train_sleep_overshoot']:>27.3f}")
     print("(s/step: steady state after the first", warmup, "step(s); phase columns: mean seconds per step)")
     if "sync" in runs and "fully-async" in runs:
         speedup = out["sync"]["step_seconds"] / out["fully-async"]["step_seconds"]
@@ -377,7 +389,7 @@ def report(w: Workload, runs: dict[str, DriverRun], warmup: int, knobs: dict) ->
         print(f"fully async efficiency = ideal / measured = {T:.3f} / {fa['step_seconds']:.3f} = {fa['efficiency']:.2f}"
               f" (target >= 0.9); whole run incl. pipeline fill: max(gen {G:.1f}s, train {tr:.1f}s) / "
               f"{fa['whole_run_seconds']:.1f}s = {whole_ideal / fa['whole_run_seconds']:.2f}")
-        print(f"  realized workload check: consumed batches averaged {fa['realized_ideal_step_seconds']:.3f} s of "
+        print(f"  realized workload check: consumed batches averaged {fa['realized_gen_step_seconds']:.3f} s of "
               f"generation per step at full slots (ideal uses E[L]: {T:.3f} s)")
     return out
 

@@ -16,7 +16,6 @@ restarted engine should be back quickly.
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass
 
@@ -110,9 +109,8 @@ class CausalLM:
             raise ModelLoadError(f"{source}: missing tensor {e.args[0]!r} for a {spec.family} model.") from e
         if spec.family == "llama":
             inv = 1.0 / (spec.rope_theta ** (torch.arange(0, spec.head_dim, 2, dtype=torch.float32) / spec.head_dim))
-            freqs = torch.outer(torch.arange(spec.max_positions, dtype=torch.float32), inv)
-            emb = torch.cat([freqs, freqs], dim=-1)
-            self.cos, self.sin = emb.cos(), emb.sin()
+            freqs = torch.outer(torch.arange(spec.max_positions, dtype=torch.float32), inv)  # [positions, hd/2]
+            self.cos, self.sin = freqs.cos(), freqs.sin()
 
     @staticmethod
     def load(model_dir: str) -> "CausalLM":
@@ -149,18 +147,15 @@ class CausalLM:
         x = self._embed(tokens[:, None], positions[:, None])
         span = int(positions.max()) + 1
         rows = torch.arange(b)
-        valid = torch.arange(span)[None, :] <= positions[:, None]  # [B, span]
-        bias = torch.zeros(b, 1, 1, span).masked_fill_(~valid[:, None, None, :], float("-inf"))
-        kvh, g, hd = self.spec.num_kv_heads, self.spec.num_heads // self.spec.num_kv_heads, self.spec.head_dim
+        mask = (torch.arange(span)[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, span]
+        gqa = self.spec.num_kv_heads != self.spec.num_heads
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(w, x, positions[:, None])  # [B, heads, 1, hd]
             cache[li, 0, rows, :, positions] = k[:, :, 0]
             cache[li, 1, rows, :, positions] = v[:, :, 0]
             kc, vc = cache[li, 0, :b, :, :span], cache[li, 1, :b, :, :span]  # [B, kvh, span, hd]
-            qg = q.view(b, kvh, g, hd)
-            scores = torch.matmul(qg, kc.transpose(-1, -2)) * (1.0 / math.sqrt(hd)) + bias
-            out = torch.matmul(torch.softmax(scores, dim=-1), vc)  # [B, kvh, g, hd]
-            x = self._finish_layer(w, x, out.reshape(b, 1, kvh * g * hd))
+            out = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask, enable_gqa=gqa)  # [B, heads, 1, hd]
+            x = self._finish_layer(w, x, out.reshape(b, 1, -1))
         return self._logits(x[:, 0])
 
     def new_cache(self, slots: int, positions: int) -> torch.Tensor:
@@ -182,12 +177,14 @@ class CausalLM:
             hdn = _rms_norm(x, w["ln1_w"], s.norm_eps)
         qkv = F.linear(hdn, w["qkv_w"], w.get("qkv_b"))
         q_dim, kv_dim = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-        q = qkv[..., :q_dim].view(n, t, s.num_heads, s.head_dim).transpose(1, 2)
-        k = qkv[..., q_dim:q_dim + kv_dim].view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = qkv[..., q_dim + kv_dim:].view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        if s.family == "llama":
-            cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [n, 1, t, hd]
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        qk = qkv[..., :q_dim + kv_dim].view(n, t, s.num_heads + s.num_kv_heads, s.head_dim)
+        if s.family == "llama":  # RoPE on q and k at once; HF's rotate_half convention
+            cos, sin = self.cos[pos][:, :, None], self.sin[pos][:, :, None]  # [n, t, 1, hd/2]
+            x1, x2 = qk.chunk(2, dim=-1)
+            qk = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        q = qk[:, :, :s.num_heads].transpose(1, 2)
+        k = qk[:, :, s.num_heads:].transpose(1, 2)
         return q, k, v
 
     def _finish_layer(self, w, x, attn):
@@ -214,12 +211,7 @@ class CausalLM:
 
 
 def _rms_norm(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _causal_attention(q, k, v, groups):

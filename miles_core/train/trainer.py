@@ -236,6 +236,9 @@ def _pack(items, need_rollout: bool, device, use_loss_mask: bool = True) -> dict
     mask = torch.zeros(b, L - 1)
     adv = torch.zeros(b, L - 1)
     roll = torch.zeros(b, L - 1)
+    # rollout log-probs go along whenever every sample has them: the loss may not need them, but
+    # train/train_rollout_logprob_abs_diff is worth having on-policy too
+    need_rollout = need_rollout or all(len(s.response_logprobs) == len(s.response_ids) for s, _ in items)
     for i, (s, a) in enumerate(items):
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))

@@ -98,14 +98,22 @@ class WeightSync:
                                   f"fully async; use one of {', '.join(PAUSE_MODES)}")
 
     async def push(self, step: int) -> PushResult:
+        """Push the trainer's weights as the next version; return it with timings.
+
+        `pause_seconds` runs from the pause request to the resume acknowledgement: the longest
+        any engine can have been paused.
+        """
         t0 = time.perf_counter()
         self.version += 1
         version = self.version
-        snapshot = await asyncio.to_thread(self.transport.prepare, step)
-        t1 = time.perf_counter()
-        await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-        t_pause = time.perf_counter()
         try:
+            snapshot = await asyncio.to_thread(self.transport.prepare, step)
+        except BaseException:
+            self.version -= 1  # no engine saw this version: the next push reuses the number
+            raise
+        t1 = time.perf_counter()
+        try:  # every engine is resumed whatever fails in between, so none stays paused
+            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
             if self.pause_mode != "in_place":
                 await asyncio.gather(*(e.flush_cache() for e in self.engines))
             await self.transport.load(self.engines, version)
@@ -115,7 +123,7 @@ class WeightSync:
         res = self.publish(version)
         if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
             await res
-        result = PushResult(version, snapshot, t1 - t0, t_resume - t_pause, time.perf_counter() - t0)
+        result = PushResult(version, snapshot, t1 - t0, t_resume - t1, time.perf_counter() - t0)
         self.history.append(result)
         log.info("weights v%d pushed at step %d: export %.3fs, engines paused %.3fs", version, step,
                  result.export_seconds, result.pause_seconds)

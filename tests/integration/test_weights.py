@@ -165,3 +165,17 @@ def test_cpu_engine_serves_the_pushed_weights(trainer, tmp_path):
     assert set(res.token_versions) == {1}
     ours = trainer.logprobs([Sample("p", 0, 0, [1, 2, 3, 4, SEP_ID], res.output_ids)])[0]
     assert torch.allclose(torch.tensor(ours), torch.tensor(res.output_logprobs), atol=1e-4)
+
+
+def test_failed_export_does_not_burn_a_version(trainer, tmp_path):
+    """An export that fails before any engine is paused leaves engines untouched and the version unused."""
+    log = []
+
+    class Broken(DiskWeightTransport):
+        def prepare(self, step):
+            raise OSError("disk full")
+
+    sync = WeightSync([FakeEngine("e0", log)], Broken(trainer, Store(str(tmp_path))), log.append)
+    with pytest.raises(OSError):
+        asyncio.run(sync.push(1))
+    assert log == [] and sync.version == 0
