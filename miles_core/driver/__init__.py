@@ -44,7 +44,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
     run_root.write_config(store, cfg, segment)
     run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)
     try:
-        result, version = _run_segment(cfg, store)
+        result, version = _run_segment(cfg, store, segment)
     except BaseException as e:
         status = run_root.read_status(store)
         run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
@@ -57,7 +57,8 @@ def run_training(cfg: RunConfig) -> TrainResult:
                        version, result.seconds)
 
 
-def _run_segment(cfg: RunConfig, store) -> tuple[LoopResult, int]:
+def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
+    from miles_core import run_root
     from miles_core.cluster import ensure_ray, materialize_initial_model, trainer_actor
     from miles_core.data import prepare_dataset, stored_dataset_info
     from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
@@ -109,7 +110,9 @@ def _run_segment(cfg: RunConfig, store) -> tuple[LoopResult, int]:
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
             trainer=TrainerRole(trainer_handle),
             weights=WeightPusher(trainer_handle, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
-            checkpoints=Checkpointer(trainer_handle, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save)),
+            checkpoints=Checkpointer(
+                trainer_handle, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
+                on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
             evals=evals, metrics=MetricsLog(sink), progress=progress,
             deadline=Deadline(cfg.run.deadline_seconds))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])

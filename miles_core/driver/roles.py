@@ -10,7 +10,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from miles_core.driver.loop import Batch
 
@@ -103,9 +103,10 @@ class WeightPusher:
 class Checkpointer:
     """Records the consumed group ids every step; saves trainer + rollout state at the cadence."""
 
-    def __init__(self, trainer, rollout, save_interval: int | None, enabled: bool):
+    def __init__(self, trainer, rollout, save_interval: int | None, enabled: bool,
+                 on_saved: Callable[[int], None] = lambda step: None):
         self.trainer, self.rollout = trainer, rollout
-        self.save_interval, self.enabled = save_interval, enabled
+        self.save_interval, self.enabled, self.on_saved = save_interval, enabled, on_saved
         self.last_saved: int | None = None
 
     def save(self, step: int, consumed: list[str], version: int, last: bool) -> None:
@@ -117,6 +118,7 @@ class Checkpointer:
                   "consumed_through_step": step}
         self.trainer.call("save_checkpoint", step, extras).result()
         self.last_saved = step
+        self.on_saved(step)
 
 
 class MetricsLog:

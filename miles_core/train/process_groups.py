@@ -2,7 +2,7 @@
 
 `ensure_process_groups(tp)` is idempotent: the first call initialises torch.distributed (NCCL on
 GPU, gloo on CPU) and Megatron's `parallel_state`; later calls check the sizes agree. Under a
-launcher (torchrun or Ray actors that export MASTER_ADDR/RANK/WORLD_SIZE) the env:// rendezvous
+launcher (torchrun, or Ray actors that export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) the env:// rendezvous
 is used; a lone process gets a world of one through a private file:// rendezvous, so nothing
 listens on a port.
 """
@@ -21,7 +21,7 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
             if torch.cuda.is_available():
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, init_method="env://")
