@@ -1,7 +1,7 @@
 """Fully async vs one-step-off vs sync on the real rollout and driver code (issue #7, DESIGN §5).
 
-    .venv/bin/python bench/async_speedup.py [--steps 20] [--batch-size 32] [--n 8] [--ideal-step-seconds 0.4]
-        [--engines 4] [--slots-per-engine 16] [--async-max-concurrent-samples 72]
+    .venv/bin/python bench/async_speedup.py [--steps 20] [--batch-size 32] [--n 8] [--generation-step-seconds 0.4]
+        [--engines 4] [--slots-per-engine 16] [--async-max-concurrent-samples SLOTS+N]
         [--buffer-capacity-factor 2.0] [--max-weight-staleness N] [--drivers sync,one-step-off,fully-async]
 
 What is real: RolloutManager (data source, producer, submission budget, staleness admission,
@@ -37,12 +37,13 @@ import bisect
 import functools
 import math
 import os
+import random
 import sys
 import threading
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,7 +64,7 @@ AREAL_SPEEDUP = 2.77
 
 @dataclass(frozen=True)
 class Workload:
-    """Sizes and times of the benchmark; `token_seconds` follows from `ideal_step_seconds`."""
+    """Sizes and times of the benchmark; `token_seconds` follows from `generation_step_seconds`."""
 
     steps: int = 20
     batch_size: int = 32  # B groups per step
@@ -73,9 +74,10 @@ class Workload:
     median_tokens: int = 48
     sigma: float = 1.0
     cap_factor: float = 16.0  # lengths capped at cap_factor x median
-    ideal_step_seconds: float = 0.4  # T: generation per step with full slots = training per step
+    generation_step_seconds: float = 0.4  # T: a step's generation with every slot busy; training = train_ratio x T
     push_seconds: float = 0.005
     seed: int = 1
+    train_ratio: float = 1.0  # training time per step / generation time per step (1: balanced, the benchmark)
 
     @property
     def slots(self) -> int:
@@ -87,8 +89,6 @@ class Workload:
 
     def length(self, prompt: tuple[int, ...], k: int) -> int:
         """Response length of the k-th sample of `prompt` (deterministic: same for every driver)."""
-        import random
-
         x = random.Random(f"{self.seed}-{prompt}-{k}").lognormvariate(math.log(self.median_tokens), self.sigma)
         return max(1, min(self.cap_tokens, int(round(x))))
 
@@ -107,11 +107,16 @@ class Workload:
 
     @functools.cached_property
     def token_seconds(self) -> float:
-        return self.ideal_step_seconds * self.slots / (self.batch_size * self.n * self.mean_tokens)
+        return self.generation_step_seconds * self.slots / (self.batch_size * self.n * self.mean_tokens)
 
     @property
     def train_seconds_per_sample(self) -> float:
-        return self.mean_tokens * self.token_seconds / self.slots
+        return self.train_ratio * self.mean_tokens * self.token_seconds / self.slots
+
+    @property
+    def ideal_seconds(self) -> float:
+        """Per step, generation and training fully overlapped, slots always full."""
+        return self.generation_step_seconds * max(1.0, self.train_ratio)
 
 
 # ----------------------------------------------------------------------------- stand-ins
@@ -201,13 +206,13 @@ class TimedTrainer:
         self.slept: list[tuple[float, float]] = []  # (asked, got) per train_step
 
     def train_step(self, step: int, groups: list) -> dict:
-        version = self.clock.version
+        t0, version = time.monotonic(), self.clock.version
         samples = [s for g in groups for s in g.samples]
+        asked = len(samples) * self.w.train_seconds_per_sample
         self.trained.append([g.group_id for g in groups])
-        self.staleness.extend(version - min(v for s in g.samples for v in s.token_versions) for g in groups)
+        self.staleness.extend(version - min(s.oldest_version for s in g.samples) for g in groups)
         self.tokens.append(sum(len(s.response_ids) for s in samples))
-        asked, t0 = len(samples) * self.w.train_seconds_per_sample, time.monotonic()
-        time.sleep(asked)
+        time.sleep(max(0.0, t0 + asked - time.monotonic()))  # the bookkeeping above is part of the step
         self.slept.append((asked, time.monotonic() - t0))
         return {"train/samples": float(len(samples))}
 
@@ -280,7 +285,6 @@ class DriverRun:
     trainer: TimedTrainer
     engines: TimedEngines
     metrics: list[tuple[int, dict]]
-    group_ids: list[list[str]] = field(default_factory=list)
 
     def step_seconds(self, warmup: int) -> float:
         """Steady-state time per step: from the end of step warmup-1 to the end of the last step."""
@@ -336,7 +340,7 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
         phases.mark_step_end(roles.progress, "update")
         t_start = time.monotonic()
         result = run_loop(roles)
-        return DriverRun(cfg.driver, result, t_start, phases, trainer, engines, sink.events, list(trainer.trained))
+        return DriverRun(cfg.driver, result, t_start, phases, trainer, engines, sink.events)
     finally:
         rollout.call("stop", 0.0).result(30)
         rollout.close()
@@ -347,7 +351,7 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
 
 
 def report(w: Workload, runs: dict[str, DriverRun], warmup: int, knobs: dict) -> dict:
-    T = w.ideal_step_seconds
+    T = w.ideal_seconds
     print(f"\nworkload: {w.steps} steps x B={w.batch_size} groups x n={w.n}; {w.engines} engines x "
           f"{w.slots_per_engine} slots = {w.slots}; lengths lognormal(median {w.median_tokens}, sigma {w.sigma}) "
           f"capped at {w.cap_tokens} (E[L]={w.mean_tokens:.1f}); {w.token_seconds * 1e3:.3f} ms/token; "
@@ -405,9 +409,11 @@ def parse_args(argv=None) -> tuple[Workload, argparse.Namespace]:
     p.add_argument("--median-tokens", type=int, default=d.median_tokens)
     p.add_argument("--sigma", type=float, default=d.sigma)
     p.add_argument("--cap-factor", type=float, default=d.cap_factor)
-    p.add_argument("--ideal-step-seconds", type=float, default=d.ideal_step_seconds,
-                   help="T: generation per step at full slots = training per step (scales every time)")
+    p.add_argument("--generation-step-seconds", type=float, default=d.generation_step_seconds,
+                   help="T: a step's generation time with every slot busy (scales every time)")
     p.add_argument("--push-seconds", type=float, default=d.push_seconds)
+    p.add_argument("--train-ratio", type=float, default=d.train_ratio,
+                   help="training / generation time per step (default 1: balanced)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--drivers", default=",".join(DRIVERS))
     p.add_argument("--warmup-steps", type=int, default=1)
@@ -418,7 +424,7 @@ def parse_args(argv=None) -> tuple[Workload, argparse.Namespace]:
     p.add_argument("--max-weight-staleness", type=int, default=None)
     a = p.parse_args(argv)
     w = Workload(a.steps, a.batch_size, a.n, a.engines, a.slots_per_engine, a.median_tokens, a.sigma, a.cap_factor,
-                 a.ideal_step_seconds, a.push_seconds, a.seed)
+                 a.generation_step_seconds, a.push_seconds, a.seed, a.train_ratio)
     return w, a
 
 

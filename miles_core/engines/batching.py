@@ -169,22 +169,18 @@ class BatchEngine:
         decoding = list(self.running)
         admitted = self._admit()
         if decoding:
-            b = len(decoding)
             tokens = torch.tensor([r.output_ids[-1] for r in decoding])
             positions = torch.tensor([r.cached for r in decoding])
             logits = self.model.decode(self.cache, tokens, positions)
             for r in decoding:
                 r.cached += 1
             events += self._sample(decoding, logits)
-            assert b == len(decoding)
         if admitted:
             first = len(self.running) - len(admitted)
             seqs = [r.input_ids + r.output_ids for r in admitted]
             lengths = torch.tensor([len(s) for s in seqs])
             width = int(lengths.max())
-            tokens = torch.zeros(len(seqs), width, dtype=torch.long)
-            for i, s in enumerate(seqs):
-                tokens[i, :len(s)] = torch.tensor(s)
+            tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right-padded
             logits = self.model.prefill(self.cache, first, tokens, lengths)
             for r, n in zip(admitted, lengths.tolist()):
                 r.cached = n

@@ -107,6 +107,21 @@ class _Stream:
             self.finish = meta["finish_reason"]
 
 
+async def _sse_data(content: aiohttp.StreamReader):
+    """The payloads of `data:` lines. Split by hand: a cumulative chunk of a long answer can be longer
+    than aiohttp's line limit (128 KiB), which `async for line in content` would refuse."""
+    buf = b""
+    async for piece in content.iter_any():
+        buf += piece
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            line = line.strip()
+            if line.startswith(b"data:"):
+                yield line[5:].strip()
+    if buf.strip().startswith(b"data:"):
+        yield buf.strip()[5:].strip()
+
+
 def parse_version(v: Any) -> int | None:
     if v is None:
         return None
@@ -191,11 +206,9 @@ class EngineClient:
     def _pick(self, url: str | None, tried: set[str]) -> _Engine | None:
         if url is not None:
             url = url.rstrip("/")
-            found = [e for e in self._engines if e.url == url]
-            if not found:
-                self._engines.append(_Engine(url))
-                found = [self._engines[-1]]
-            return None if url in tried else found[0]
+            if url in tried:
+                return None
+            return next((e for e in self._engines if e.url == url), None) or _Engine(url)
         now = time.monotonic()
         cands = [e for e in self._engines if e.url not in tried]
         if not cands:
@@ -217,11 +230,7 @@ class EngineClient:
                 if resp.status >= 500:
                     return self._aborted(rid, st, eng.url, f"HTTP {resp.status}: {await resp.text()}", t0)
                 if payload["stream"]:
-                    async for raw in resp.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
+                    async for data in _sse_data(resp.content):
                         if data == b"[DONE]":
                             break
                         st.absorb(json.loads(data))

@@ -193,7 +193,7 @@ class EngineServer:
             with self._lock:
                 exited = self.proc is None or self.proc.poll() is not None
             if not exited:
-                failures = 0 if _healthy(self.url) else failures + 1
+                failures = 0 if _healthy(self.url, timeout=10.0) else failures + 1
                 if failures < self.spec.health_failures_before_restart:
                     continue
             if self._stop.is_set():

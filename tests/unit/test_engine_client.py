@@ -68,3 +68,46 @@ def test_client_argument_errors():
 
     with pytest.raises(ValueError, match="retract, in_place, abort"):
         asyncio.run(bad_mode())
+
+
+def test_client_reads_long_sse_chunks_from_a_stub_server():
+    """Through a real HTTP stream from a stub on 127.0.0.1: a cumulative chunk longer than aiohttp's
+    128 KiB line limit is read whole (long SGLang answers with log-probs get there), versions are
+    attributed per chunk, and a stream cut before its finish comes back as an abort."""
+    from aiohttp import web
+
+    from miles_core.engines.cpu_server import _sse
+
+    n = 12000  # ~300 KB for the last cumulative chunk
+
+    async def generate(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        ids = list(range(n))
+        await resp.write(_sse(chunk(ids[:10], [-0.5] * 10, "4")))
+        if body["rid"] == "cut":
+            return resp  # the handler ends without a finish chunk or [DONE]
+        await resp.write(_sse(chunk(ids, [-0.5] * n, "5", {"type": "length", "length": n})))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as c:
+                return await c.generate([1, 2], {"max_new_tokens": n}, rid="long"), \
+                    await c.generate([1, 2], {"max_new_tokens": n}, rid="cut")
+        finally:
+            await runner.cleanup()
+
+    res, cut = asyncio.run(go())
+    assert res.finish_reason == "length" and len(res.output_ids) == n == len(res.output_logprobs)
+    assert res.token_versions == [4] * 10 + [5] * (n - 10) and res.weight_version == 5
+    assert cut.aborted and cut.output_ids == list(range(10)) and cut.token_versions == [4] * 10
