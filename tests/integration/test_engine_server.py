@@ -292,6 +292,28 @@ def test_retract_keeps_requests_and_flush_cache_works(llama_engines, ckpts):
     assert all(r.token_versions[-1] == 5 for r in res)
 
 
+def test_timed_out_request_is_aborted_and_freed(gpt_engine, ckpts):
+    """A /generate past request_timeout_seconds returns finish_reason abort, and the engine frees the
+    request (the client aborts it by rid; the server also aborts when the connection drops), so a
+    later weight update counts no request left behind."""
+    async def go():
+        async with EngineClient([gpt_engine.url], request_timeout_seconds=0.5) as c:
+            await c.pause_generation("in_place")
+            res = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 5}, stream=s) for s in (True, False)))
+            await asyncio.sleep(0.3)
+        async with aiohttp.ClientSession() as s:
+            body = {"model_path": ckpts["gpt"], "weight_version": "1"}
+            async with s.post(gpt_engine.url + "/update_weights_from_disk", json=body) as r:
+                left = (await r.json())["num_paused_requests"]
+            async with s.post(gpt_engine.url + "/continue_generation", json={}) as r:
+                assert r.status == 200
+        return res, left
+
+    res, left = run(go())
+    assert all(r.finish_reason == "abort" and "Timeout" in r.abort_message for r in res)
+    assert left == 0
+
+
 # ---- the client over several engines -----------------------------------------------------------
 def test_dispatch_is_least_in_flight(llama_engines):
     """With both engines paused, 10 requests split 5/5 by in-flight count; all finish after continue."""

@@ -257,7 +257,8 @@ def test_checkpointer_records_consumption_every_step_and_saves_on_cadence_and_la
     cp, trainer, rollout = checkpointer(save_interval=2)
     for step in range(5):
         cp.save(step, consumed=[f"g{step}"], version=step + 1, last=step == 4)
-    assert [c for c in rollout.calls if c[0] == "record_consumed"] == [("record_consumed", s, [f"g{s}"]) for s in range(5)]
+    records = [c for c in rollout.calls if c[0] == "record_consumed"]
+    assert records == [("record_consumed", s, [f"g{s}"]) for s in range(5)]
     saves = [c for c in trainer.calls if c[0] == "save_checkpoint"]
     assert [c[1] for c in saves] == [1, 3, 4]
     assert saves[-1][2] == {"rollout_state": {"data_source": "cursor"}, "weight_version": 5, "consumed_through_step": 4}
