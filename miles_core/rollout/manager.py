@@ -133,9 +133,12 @@ class RolloutManager:
             self.buffer = buffer_factory(handler)
         notify_filter_drops(self.buffer, self.producer.on_rejected)
         self.producer.sink = self.buffer
-        if state is not None:
-            committed = getattr(self.buffer, "committed_positions", None)
-            report = self.producer.restore(state, committed() if callable(committed) else ())
+        # Resume (or a fresh start over a run root whose buffer already holds groups, e.g. a crash
+        # before the first checkpoint): skip what the buffer committed, count it as started.
+        committed = getattr(self.buffer, "committed_positions", None)
+        committed = committed() if callable(committed) else set()
+        if state is not None or committed:
+            report = self.producer.restore(state or self.producer.state(), committed)
             log.info("rollout state restored: %s; started groups %d", report, admission.started_groups)
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
         self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)

@@ -116,12 +116,12 @@ class Producer:
         self._loop = asyncio.get_running_loop()
         try:
             while await self._wait_admissible():
+                group = self.source.next_group()  # first: if it raises, nothing has been taken
                 ticket = self.budget.try_acquire()
                 assert ticket is not None  # _wait_admissible checked it, on this loop, just now
                 self.admission.admit()
                 if self._quota is not None:
                     self._quota -= 1
-                group = self.source.next_group()
                 task = self._loop.create_task(self._run_group(group, ticket), name=f"group-{group.group_id}")
                 self._groups[task] = group
         except asyncio.CancelledError:
@@ -232,8 +232,8 @@ class Producer:
             for t in tasks:
                 if not t.done():
                     t.cancel()
-            if any(not t.done() for t in tasks):
-                await asyncio.gather(*tasks, return_exceptions=True)
+            # retrieves every outcome too: a second failing sample must not log "never retrieved"
+            await asyncio.gather(*tasks, return_exceptions=True)
         for s in group.samples:
             if s.status == SampleStatus.PENDING:  # cancelled because a sibling aborted
                 s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
@@ -248,12 +248,10 @@ class Producer:
         self._window_tokens += len(sample.response_ids)
 
     async def _put(self, group: Group) -> None:
-        result = None
         if inspect.iscoroutinefunction(getattr(self.sink, "put", None)):
-            result = self.sink.put(group)
-        else:
-            result = self._loop.run_in_executor(self._put_pool, self.sink.put, group)
-        await result
+            await self.sink.put(group)
+        else:  # the DataBuffer contract: a blocking put (backpressure) on its own thread
+            await self._loop.run_in_executor(self._put_pool, self.sink.put, group)
 
     # ------------------------------------------------------------------ failure
     def _fail(self, error: BaseException, group: Group | None = None) -> None:

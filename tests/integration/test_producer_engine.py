@@ -55,6 +55,11 @@ def positions(batch):
 
 
 def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckpts):
+    """Fully async over a real engine and the durable buffer: scored reverse4 groups with per-token
+    versions; after an in_place update tokens carry version 2; a 'crash' after the step-1
+    checkpoint resumes from the rollout state + the buffer's committed positions, and across both
+    segments no prompt position is consumed twice (groups consumed after the checkpoint are served
+    again, which is right: the restored model never trained on them)."""
     async def segment_one():
         mgr = RolloutManager(config(tmp_path), engine_urls=[engine.url], rows=ROWS)
         await mgr.set_version(1)
@@ -76,16 +81,15 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
             await client.continue_generation()
         await mgr.set_version(2)
         b1 = await mgr.next_batch()
+        await mgr.record_consumed(0, b0.group_ids)
+        await mgr.record_consumed(1, b1.group_ids)
+        state = json.loads(json.dumps(mgr.state()))  # the checkpoint of step 1
         later = None
-        for _ in range(5):
+        for _ in range(5):  # consumed after the checkpoint: lost by the "crash", served again
             later = await mgr.next_batch()
             if later.metrics["rollout/weight_version/max"] == 2:
                 break
         assert later.metrics["rollout/weight_version/max"] == 2.0
-        consumed = positions(b0) + positions(b1) + positions(later)
-        await mgr.record_consumed(0, b0.group_ids)
-        await mgr.record_consumed(1, b1.group_ids)
-        state = json.loads(json.dumps(mgr.state()))  # the checkpoint of step 1
         await mgr.stop(grace_seconds=10)
         return state, positions(b0) + positions(b1)
 
@@ -94,9 +98,18 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
     async def segment_two():
         mgr = RolloutManager(config(tmp_path), engine_urls=[engine.url], rows=ROWS, state=state,
                              consumed_through_step=1)
-        await mgr.set_version(2)
+        version = 2
+        await mgr.set_version(version)
         await mgr.start()
-        batches = [await mgr.next_batch() for _ in range(4)]
+        batches = []
+        async with EngineClient([engine.url]) as client:
+            for _ in range(4):  # the trainer's loop: drain, (train), push weights, publish the version
+                batches.append(await mgr.next_batch())
+                version += 1
+                await client.pause_generation("in_place")
+                await client.update_weights_from_disk(ckpts[1], version)
+                await client.continue_generation()
+                await mgr.set_version(version)
         await mgr.stop(grace_seconds=10)
         return [p for b in batches for p in positions(b)]
 
@@ -122,3 +135,27 @@ def test_sync_driver_batch_path(tmp_path, engine):
     b0, b1 = asyncio.run(main())
     assert len(b0.groups) == len(b1.groups) == 4
     assert not set(b0.group_ids) & set(b1.group_ids)
+
+
+def test_rollout_manager_as_a_ray_actor(tmp_path, engine):
+    """The actor wrapper the driver uses: built remotely from the config, async methods called
+    with .remote(), a DrainedBatch comes back across processes, the state is JSON-able."""
+    import ray
+
+    from miles_core.cluster import ensure_ray
+    from miles_core.rollout.manager import rollout_manager_actor
+
+    ensure_ray(num_cpus=2)
+    actor = rollout_manager_actor(num_cpus=0).remote(config(tmp_path), engine_urls=[engine.url], rows=ROWS)
+    try:
+        ray.get(actor.set_version.remote(1))
+        ray.get(actor.start.remote())
+        batch = ray.get(actor.next_batch.remote(1), timeout=120)
+        assert len(batch.groups) == 4 and batch.group_ids == [g.group_id for g in batch.groups]
+        ray.get(actor.record_consumed.remote(0, batch.group_ids))
+        state = ray.get(actor.state.remote())
+        assert json.loads(json.dumps(state))["started_groups"] >= 4
+        assert ray.get(actor.error.remote()) is None
+        ray.get(actor.stop.remote(5))
+    finally:
+        ray.kill(actor)
