@@ -111,6 +111,10 @@ def _driver_rules(cfg: RunConfig) -> list[str]:
         if r.pause_generation_mode == "abort":
             p.append("--fully-async excludes --pause-generation-mode=abort (it would throw away in-flight work); "
                      "use retract or in_place.")
+    if r.max_weight_staleness == 0 and (run.fully_async or run.one_step_off):
+        p.append("--max-weight-staleness=0 needs the sync driver: under --fully-async or --one-step-off the next "
+                 "batch is generated before the weight update it is trained after, so it is always >= 1 version "
+                 "old and no group could ever be consumed; use >= 1 or --no-fully-async.")
     if r.async_max_concurrent_samples is not None and r.async_max_concurrent_samples < r.n_samples_per_prompt:
         p.append(
             f"--async-max-concurrent-samples={r.async_max_concurrent_samples} must be >= "

@@ -22,7 +22,7 @@ class Batch:
 
 class BatchSource(Protocol):
     def next_batch(self, step: int) -> Batch: ...
-    def before_weight_update(self) -> None: ...
+    def before_weight_update(self, last: bool = False) -> None: ...
     def metrics(self) -> dict[str, float]: ...
 
 
@@ -43,7 +43,7 @@ def run_loop(roles) -> LoopResult:
         batch = roles.batches.next_batch(step)
         metrics = roles.trainer.train_step(step, batch)
         last = step == roles.end_step - 1 or roles.deadline.expired()
-        roles.batches.before_weight_update()  # wait for the prefetched drain of the next batch
+        roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
         version, push_metrics = roles.weights.push(step, last=last)
         roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
         roles.evals.on_step(step, version, last=last)

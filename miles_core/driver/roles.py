@@ -33,7 +33,7 @@ class OnDemandBatches:
         batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
         return batch
 
-    def before_weight_update(self) -> None:
+    def before_weight_update(self, last: bool = False) -> None:
         pass
 
     def metrics(self) -> dict:
@@ -63,8 +63,10 @@ class PrefetchedBatches:
         batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
         return batch
 
-    def before_weight_update(self) -> None:
-        if self.pending is not None:
+    def before_weight_update(self, last: bool = False) -> None:
+        # After the last step no batch is trained: don't wait for it (its groups stay unconsumed
+        # in the buffer and are served first when the run resumes).
+        if self.pending is not None and not last:
             self.pending.result()
 
     def metrics(self) -> dict:

@@ -55,7 +55,7 @@ class Recorder:
                 rec.log.append(("next_batch", step))
                 return Batch(step, [], [f"g{step}-{i}" for i in range(2)], {"rollout/reward/mean": 0.5})
 
-            def before_weight_update(self):
+            def before_weight_update(self, last=False):
                 rec.log.append(("before_weight_update",))
 
             def metrics(self):
