@@ -80,8 +80,10 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
         stack.callback(lambda: ray.get(trainer.close.remote()))
         restored = ray.get(trainer.restore_latest.remote())
         start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})
-        ray.get(trainer.set_version.remote(int(extras.get("weight_version", 0))))
-        first_push = ray.get(trainer.push_weights.remote(start_step - 1))  # engines serve the trainer's weights
+        # The checkpoint holds the weights of its own version (the loop pushes before it saves), so
+        # a resume serves them again under that version; a fresh run's first push makes version 1.
+        ray.get(trainer.set_version.remote(max(0, int(extras.get("weight_version", 0)) - 1)))
+        first_push = ray.get(trainer.push_weights.remote(start_step - 1))
         version_box = [first_push["version"]]
         fleet.note_weights(first_push["model_path"], first_push["version"])
 
