@@ -21,8 +21,8 @@ def opt(default, help: str, choices: tuple[str, ...] | None = None, **kw):
     return field(default=default, metadata=meta, **kw)
 
 
-def opt_list(help: str):
-    return field(default_factory=list, metadata={"help": help})
+def opt_list(help: str, default: tuple[str, ...] = ()):
+    return field(default_factory=lambda: list(default), metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class RolloutSection:
     rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
     async_max_concurrent_samples: Optional[int] = opt(None, "Samples in flight on the engines (budget in groups = this // n); default: rollout_batch_size groups.")
     rollout_submission_granularity: Optional[str] = opt(None, "When a new group may start: 'group' (fewer than budget groups pending) or 'sample' (credits of samples in flight). Default: sample under --fully-async, else group.", choices=("group", "sample"))
-    max_weight_staleness: Optional[int] = opt(None, "Reject groups older than this many weight versions at consumption, and admit no group that could not be consumed in time.")
+    max_weight_staleness: Optional[int] = opt(2, "Reject groups older than this many weight versions at consumption, and admit no group that could not be consumed in time.")
     update_weights_interval: int = opt(1, "Push weights to the engines every N training steps.")
     pause_generation_mode: str = opt("retract", "How engines pause for a weight update: retract (re-queue, recompute cache), in_place (keep cache), abort.", choices=("retract", "in_place", "abort"))
     custom_rm_path: str = opt("", "module:function reward; default: the built-in reward of the prompt dataset.")
@@ -128,11 +128,12 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin:reverse4-heldout allowed).")
+    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin:reverse4-heldout allowed); none to disable evals.",
+                                           default=("heldout=builtin:reverse4-heldout",))
     n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (pass@k for k up to this).")
     eval_max_response_len: Optional[int] = opt(None, "Maximum new tokens in eval; default: --rollout-max-response-len.")
     eval_temperature: float = opt(0.0, "Eval sampling temperature (0 = greedy).")
-    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (and always at the last step).")
+    eval_interval: Optional[int] = opt(40, "Evaluate every N steps (and always at the last step).")
     eval_mode: str = opt("tasks", "Where evals run: tasks (separate Flyte eval tasks on snapshots), shared (the rollout engines), dedicated (--eval-num-gpus engines).", choices=("tasks", "shared", "dedicated"))
     eval_hf_dir: str = opt("", "Where exported snapshots go; default: {run root}/snapshots.")
     eval_keep_snapshots: int = opt(3, "Exported snapshots kept beyond those still pending (ring retirement).")

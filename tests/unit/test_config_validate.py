@@ -69,7 +69,8 @@ RULES: dict[str, tuple[dict, dict, list[str]]] = {
     "save-interval-needs-save": ({"save": ""}, {"save": "", "save_interval": None}, ["--save-interval", "--save"]),
     "save-hf-needs-save": ({"save": "", "save_interval": None, "save_hf": "/tmp/hf"},
                            {"save": "", "save_interval": None, "save_hf": ""}, ["--save-hf", "--save"]),
-    "eval-interval-needs-datasets": ({"eval_interval": 10}, {"eval_interval": 10, "eval_prompt_data": EVAL_DS},
+    "eval-interval-needs-datasets": ({"eval_interval": 10, "eval_prompt_data": []},
+                                     {"eval_interval": 10, "eval_prompt_data": EVAL_DS},
                                      ["--eval-interval", "--eval-prompt-data"]),
     "reuse-mode-divisible": (
         {"save_hf": "/tmp/hf", "save_interval": 20, "eval_interval": 30, "eval_prompt_data": EVAL_DS},
@@ -186,7 +187,7 @@ def test_every_problem_reported_at_once():
     """Pins: validate collects all problems into one ConfigError (STYLE d), one line per problem.
     Guards: a fail-fast validator that makes users fix flags one run at a time."""
     cfg = _cfg(colocate=True, multi_lora=True, use_tis=True, rollout_batch_size=0, run_id="a/b",
-               eval_interval=5)
+               eval_interval=5, eval_prompt_data=[])
     message = _problems(cfg)
     for flag in ("--colocate", "--multi-lora", "--use-tis", "--rollout-batch-size", "--run-id",
                  "--eval-interval"):

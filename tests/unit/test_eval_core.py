@@ -144,7 +144,7 @@ def test_eval_flags_validated():
     with pytest.raises(ConfigError, match="name=uri"):
         parse_flags(["--eval-prompt-data", "builtin:reverse4-heldout"])
     with pytest.raises(ConfigError, match="--eval-interval needs eval datasets"):
-        parse_flags(["--eval-interval", "5"])
+        parse_flags(["--eval-interval", "5", "--eval-prompt-data"])
     with pytest.raises(ConfigError, match=r"--eval-interval % --save-interval == 0"):
         parse_flags(["--eval-prompt-data", "h=builtin:reverse4-heldout", "--eval-interval", "5",
                      "--save-interval", "2", "--save-hf", "/tmp/hf"])
