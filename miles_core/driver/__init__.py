@@ -63,6 +63,7 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
     from miles_core.data import prepare_dataset, stored_dataset_info
     from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
     from miles_core.eval.scheduler import build_eval_scheduler
+    from miles_core.metrics.names import RANDOM_POLICY_REWARD
     from miles_core.metrics.sink import MetricsSink
     from miles_core.rollout.manager import rollout_manager_actor
 
@@ -106,7 +107,7 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
         stack.callback(progress.close)
         if start_step == 0:
-            sink.log(0, {"rollout/random_policy_reward": random_policy_reward(cfg)})
+            sink.log(0, {RANDOM_POLICY_REWARD: random_policy_reward(cfg)})
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),

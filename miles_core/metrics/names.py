@@ -16,8 +16,14 @@ PERF_METRICS: dict[str, str] = {
     "perf/step_seconds": "Wall-clock seconds of the whole training step (drain, train, weight update, save).",
 }
 
+# Logged once, at step 0 of a run on a builtin task: the level learning has to beat.
+RANDOM_POLICY_REWARD = "rollout/random_policy_reward"
+RUN_METRICS: dict[str, str] = {
+    RANDOM_POLICY_REWARD: "Mean reward of a uniformly random policy on the builtin task (logged once at step 0).",
+}
+
 # The names this module owns (checked against docs/metrics.md).
-METRIC_NAMES: tuple[str, ...] = tuple(PERF_METRICS)
+METRIC_NAMES: tuple[str, ...] = tuple(PERF_METRICS) + tuple(RUN_METRICS)
 
 # Names the report reads (owned by other components; listed so the report has one place to change).
 REWARD = "rollout/reward/mean"

@@ -168,6 +168,13 @@ def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) ->
         tail = reward[-max(1, len(reward) // 10):]
         rows.append(("reward", f"first 5 steps {sum(head) / len(head):.3f} -> last 10% {sum(tail) / len(tail):.3f} "
                                f"({len(steps)} steps)"))
+    _, random_level = series(events, N.RANDOM_POLICY_REWARD)
+    if random_level:
+        rows.append(("random-policy level", f"{random_level[0]:.3f} (mean reward of uniformly random tokens)"))
+    for name in sorted({e["name"] for e in events if e["name"].startswith(N.EVAL_PREFIX)
+                        and e["name"].endswith("/pass@1")}):
+        eval_steps, values = series(events, name)
+        rows.append((f"{name} (exact match)", f"{values[-1]:.3f} at step {eval_steps[-1]}"))
     if capacity:
         rows.append(("buffer capacity", f"{capacity} groups"))
     return rows
