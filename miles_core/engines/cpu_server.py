@@ -360,6 +360,16 @@ async def serve(server: CpuEngineServer, host: str, port: int) -> web.AppRunner:
     return runner
 
 
+async def _exit_with_parent(stop: asyncio.Event, poll_seconds: float = 1.0) -> None:
+    """Stop when the process that started us dies (a SIGKILLed engine actor or driver): the server
+    runs in its own session, so nothing else would end it and it would hold its port forever."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(poll_seconds)
+    log.warning("parent process %d is gone; shutting down", parent)
+    stop.set()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m miles_core.engines.cpu_server", description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", required=True, help="HF-format model directory (config.json + safetensors).")
@@ -392,7 +402,9 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        watchdog = asyncio.create_task(_exit_with_parent(stop))
         await stop.wait()
+        watchdog.cancel()
         await runner.cleanup()
 
     asyncio.run(run())
