@@ -82,19 +82,12 @@ def read_spec(model_dir: str) -> ModelSpec:
 
 
 def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(model_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ModelLoadError(f"{model_dir}: no model.safetensors (or index); the CPU engine reads safetensors only.")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(os.path.join(model_dir, name)))
+    try:
+        tensors = load_safetensors_dir(model_dir)
+    except MissingWeights as e:
+        raise ModelLoadError(f"{e} (the CPU engine reads safetensors only).") from e
     return {k: v.float() for k, v in tensors.items()}
 
 

@@ -18,7 +18,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
 
 from miles_core.train.megatron_model import ModelSpec
 
@@ -39,20 +38,12 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def load_hf_state(hf_dir: str) -> dict[str, Tensor]:
     """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise ConversionError(f"{hf_dir}: no model.safetensors (or index); only safetensors checkpoints are read")
-    state: dict[str, Tensor] = {}
-    for name in files:
-        with safe_open(os.path.join(hf_dir, name), framework="pt") as f:
-            for key in f.keys():
-                state[key] = f.get_tensor(key)
-    return state
+    from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
+
+    try:
+        return load_safetensors_dir(hf_dir)
+    except MissingWeights as e:
+        raise ConversionError(str(e)) from e
 
 
 # ---------------------------------------------------------------------------- qkv packing
