@@ -69,8 +69,11 @@ def backfill_table(run_uri: str, points: List[EvalPoint]) -> StructuredDataset:
             for p in points for name, value in sorted(p.metrics.items())]
     schema = pa.schema([("step", pa.int64()), ("dataset", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
     table = pa.Table.from_pylist(rows, schema=schema)
+    # evaluate_snapshot returns full metric names (eval/{ds}, eval/{ds}/pass@1, eval/lag_steps, ...);
+    # short per-dataset names ("mean", "pass@1") are accepted too.
     events = [{"step": r["step"], "time": 0.0, "value": r["value"],
-               "name": f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
+               "name": r["metric"] if r["metric"].startswith("eval/") else
+               f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
               for r in rows]
     Deck("eval curves", eval_figure(events).to_html(full_html=False, include_plotlyjs=True))
     return StructuredDataset(dataframe=table)

@@ -27,8 +27,9 @@ from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datase
 from miles_core.eval.metric_names import EXPORT_SECONDS
 from miles_core.eval.modes import (DedicatedEngines, EvalContext, EvalJob, EventLoopThread, Outcome,
                                    SharedEngines, SnapshotTasks)
-from miles_core.eval.results import follower_alive, record_skip, requests, settled_steps
-from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.eval.results import (follower_alive, record_skip, request_key, requests, settled_steps,
+                                     step_dir)
+from miles_core.eval.snapshots import MARKERS, SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -191,10 +192,8 @@ class EvalScheduler:
     def _snapshot(self, step: int) -> str | None:
         """Export (or find the reused checkpoint of) `step`; its URI, or None after counting a skip."""
         uri = self.layout.uri(step)
-        # With disk weight transport the push of this step has already written this very snapshot
-        # (same root, same step, same weights): exporting again would rewrite files under a
-        # marker a follower may be reading.
-        if self.layout.exports and not self._complete(step):
+        self._forget_lost_segment(step)
+        if self.layout.exports:
             if self.exporter is None:
                 return "" if isinstance(self.mode, SharedEngines) else self._skip(step, "export_failed", "no exporter")
             t0 = time.monotonic()
@@ -232,11 +231,25 @@ class EvalScheduler:
                         "(no backpressure) until an eval_follower runs", self.store.uri("eval"))
         return alive
 
-    def _complete(self, step: int) -> bool:
+    def _forget_lost_segment(self, step: int) -> None:
+        """Results (or an exported snapshot) for `step` that exist before this segment evaluated it
+        came from a segment that crashed after that step and was resumed from an earlier
+        checkpoint: other weights. Remove the stale results, and in export mode the snapshot
+        (marker first, so no reader takes half of it), so the step is evaluated afresh. Reused
+        --save-hf checkpoints are the checkpointer's: it rewrites them itself."""
         try:
-            return self.layout.is_complete(step)
-        except Exception:  # noqa: BLE001 - then export, and let the check after it decide
-            return False
+            name = self.layout.dirname(step)
+            store = self.layout.store()
+            if self.layout.exports and store.list(name):
+                log.warning("replacing snapshot %s left by a lost segment", self.layout.uri(step))
+                for marker in MARKERS:
+                    store.delete(f"{name}/{marker}")
+                store.delete_prefix(name)
+            if self.store.list(step_dir(step)) or self.store.exists(request_key(step)):
+                self.store.delete_prefix(step_dir(step))
+                self.store.delete(request_key(step))
+        except Exception as e:  # noqa: BLE001 - the export below overwrites; the check after it decides
+            log.warning("could not clear the lost segment's snapshot of step %d: %s", step, e)
 
     def _skip(self, step: int, reason: str, detail: str) -> None:
         record_skip(self.store, step, reason, detail, self.metrics)

@@ -74,15 +74,27 @@ def steps_on_disk(root) -> list[int]:
     return sorted(int(n[5:]) for n in os.listdir(root) if n.startswith("step_"))
 
 
-def test_existing_snapshot_is_not_exported_again(tmp_path):
-    """With disk weight transport the push of the step already wrote snapshots/step_k: the
-    scheduler uses it instead of rewriting files under a marker a follower may be reading."""
+def test_lost_segment_snapshot_and_results_are_replaced(tmp_path):
+    """A snapshot and results for a step this segment is only now reaching come from a segment
+    that crashed later and was resumed from an earlier checkpoint (other weights): the scheduler
+    removes both, exports afresh and evaluates again, instead of trusting the stale marker."""
     mode = FakeMode()
     calls = []
-    s = make_scheduler(tmp_path, mode, exporter=lambda step, uri: calls.append(step))
-    write_snapshot(str(tmp_path / "run" / "snapshots"), 2)
+
+    def exporter(step, uri):
+        calls.append(step)
+        write_snapshot(uri[len("file://"):].rsplit("/", 1)[0], step)
+
+    s = make_scheduler(tmp_path, mode, exporter=exporter)
+    run = tmp_path / "run"
+    write_snapshot(str(run / "snapshots"), 2)
+    with open(run / "snapshots" / "step_00000002" / "stale.bin", "wb") as f:
+        f.write(b"old")
+    write_result(Store(str(run)), EvalResult(step=2, dataset="held", metrics={"eval/held": 0.9}))
     s.on_step(2, 3)
-    assert calls == [] and [j.step for j in mode.jobs] == [2]
+    assert calls == [2] and [j.step for j in mode.jobs] == [2]
+    assert not (run / "snapshots" / "step_00000002" / "stale.bin").exists()
+    assert not (run / "eval" / "step_00000002").exists()
 
 
 def test_cadence_and_final_step(tmp_path):
