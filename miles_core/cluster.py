@@ -48,9 +48,7 @@ class TrainerWorker:
         self.loop = asyncio.new_event_loop()
         self.trainer = Trainer(cfg.train, hf_dir, seed=cfg.run.seed)
         self.run_store = Store(cfg.run_uri)
-        save = cfg.train.save
-        self.checkpoints = CheckpointManager(Store(cfg.run_uri + "/checkpoints" if save == "auto" else save)) \
-            if save else None
+        self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.engines = EngineClient(list(engine_urls))
         # Weights staged for the engines live under weights/ (only the newest is kept); eval
         # snapshots under snapshots/ are exported at the eval cadence by the eval scheduler.
@@ -76,22 +74,19 @@ class TrainerWorker:
         self.sync.version = version
 
     def save_checkpoint(self, step: int, extras: dict) -> str | None:
-        if self.checkpoints is None:
-            return None
-        return self.checkpoints.save(step, self.trainer, extras)
+        """Trainer state (and, with --save-hf, an HF checkpoint that reuse-mode evals read). The
+        driver's Checkpointer owns the cadence, so this always saves."""
+        return self.checkpoints.maybe_save(step, self.trainer, extras, last=True)
 
     def restore_latest(self) -> tuple[int, dict] | None:
-        return None if self.checkpoints is None else self.checkpoints.load_latest(self.trainer)
+        return None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
 
     def export_hf(self, step: int, dest_uri: str) -> None:
         """Write the current weights as an HF directory at dest_uri (`.complete` last)."""
         from miles_core.storage import Store
         from miles_core.weights.snapshot import export_snapshot
 
-        parent, _, name = dest_uri.rstrip("/").rpartition("/")
-        if name != f"step_{step:08d}":
-            raise ValueError(f"snapshot directory {dest_uri} must be named step_{step:08d}")
-        export_snapshot(self.trainer, Store(parent), step, prefix="")
+        export_snapshot(self.trainer, Store(dest_uri), step, key="")
 
     def close(self) -> None:
         try:

@@ -101,7 +101,7 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
             cfg, exporter=lambda step, uri: ray.get(trainer.export_hf.remote(step, uri)),
             metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls(),
             pause_submission=lambda: rollout.call("pause").result(),
-            resume_submission=lambda: rollout.call("resume").result())
+            resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model)
         stack.callback(evals.close)
         end_step, end_reason = _end_step(cfg, start_step)
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)

@@ -84,8 +84,8 @@ class CheckpointManager:
         if self.save_hf:
             from miles_core.weights.snapshot import export_snapshot
 
-            if "{step}" in self.save_hf:
-                export_snapshot(trainer, Store(self.save_hf.replace("{step}", str(step))), step, key="")
+            if "{step" in self.save_hf:  # {step} or a formatted {step:08d}, as eval's SnapshotLayout reads it
+                export_snapshot(trainer, Store(self.save_hf.format(step=step)), step, key="")
             else:
                 export_snapshot(trainer, Store(self.save_hf), step, prefix="")
         return uri

@@ -253,36 +253,24 @@ STUBS = textwrap.dedent('''
                 s.log(k, {"rollout/reward/mean": 0.1 * k, "rollout/fully_async/queue_size": 0})
         write_status(st, FINISHED, last_step=5, segment=seg)
 
-    def backfill_plan(run_uri, steps, datasets):
-        return [(s, "heldout", "builtin:reverse4-heldout") for s in (steps or [2, 5])]
-
-    def evaluate_snapshot(run_uri, step, name, uri, *, n_samples, temperature, max_response_len):
-        return {"mean": step / 10, "pass@1": step / 20}
-
     driver = types.ModuleType("miles_core.driver"); driver.run_training = run_training
-    backfill = types.ModuleType("miles_core.eval.backfill")
-    backfill.backfill_plan, backfill.evaluate_snapshot = backfill_plan, evaluate_snapshot
     sys.modules["miles_core.driver"] = driver
-    sys.modules["miles_core.eval.backfill"] = backfill
 ''')
 
 
 @pytest.mark.slow
 def test_workflows_run_locally(tmp_path):
-    """fully_async_rl (twice: prepare_data is a cache hit the second time) and eval_backfill, locally."""
+    """fully_async_rl wiring with a stand-in driver, twice (prepare_data is a cache hit the second
+    time). The real driver runs in tests/e2e; the real backfill in test_eval_backfill_workflow."""
     script = tmp_path / "run.py"
     store = tmp_path / "store"
     script.write_text(STUBS + textwrap.dedent(f'''
-        import pyarrow as pa
         from workflows.fully_async import fully_async_rl
-        from workflows.eval_backfill import eval_backfill
         page = fully_async_rl(storage_root={str(store)!r})
         html = open(page.path).read()
         assert "rollout-bound" in html, html[:500]
         page2 = fully_async_rl(storage_root={str(store)!r})
-        table = eval_backfill(run_uri={str(store / "runs" / "default")!r}).open(pa.Table).all()
-        assert table.num_rows == 4, table
-        print("OK", table.column("metric").to_pylist())
+        print("OK")
     '''))
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0")
