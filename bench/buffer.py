@@ -164,8 +164,8 @@ def open_s3():
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--groups", type=int, default=400)
-    ap.add_argument("--producers", type=int, default=4)
-    ap.add_argument("--coalesce-seconds", type=float, default=0.02)
+    ap.add_argument("--producers", type=int, default=8)
+    ap.add_argument("--coalesce-seconds", type=float, default=0.0)
     ap.add_argument("--stores", default="file,s3")
     ap.add_argument("--repeats", type=int, default=2, help="best of N for each measurement (shared CPUs are noisy)")
     args = ap.parse_args()

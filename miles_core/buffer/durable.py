@@ -12,9 +12,11 @@ What it owns:
 What it leaves to others: when to record (the trainer/checkpointer, with each step), the data
 source's cursor, and which resume step to reopen at (`consumed_through_step`).
 
-Writes are coalesced: one writer thread takes every put that arrived within
-`coalesce_seconds` of the first waiting one and commits them as one object (one PUT/fsync); each
-waiting put returns when that object is committed. Groups put in this process are held as the
+Writes are coalesced (group commit): one writer thread takes every put waiting when it is free,
+optionally waiting `coalesce_seconds` after the oldest for more, and commits them as one object
+(one PUT/fsync); each waiting put returns when that object is committed. With the default 0, puts
+that arrive while an object is being written share the next one, so objects grow with the load
+and an idle buffer adds no latency. Groups put in this process are held as the
 producer's Group objects (get returns them as they are); groups found on reopen are held as
 compact Arrow rows and decoded at get.
 """
@@ -73,7 +75,7 @@ class DurableBuffer:
     def __init__(self, store: Store, *, capacity_groups: int, unused_handler: UnusedSamplesHandler,
                  max_weight_staleness: int | None = None,
                  dynamic_filter: Callable[[Group], tuple[bool, str]] | None = None,
-                 coalesce_seconds: float = 0.02, writer_id: str | None = None):
+                 coalesce_seconds: float = 0.0, writer_id: str | None = None):
         if capacity_groups < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity_groups}")
         self.store = store
