@@ -30,8 +30,11 @@ class Bottleneck:
     detail: str
 
 
-def diagnose_bottleneck(events: list[dict], capacity: int | None) -> Bottleneck:
-    """Read the bottleneck from the buffer queue size (DESIGN §12), with the wait times as support."""
+def diagnose_bottleneck(events: list[dict], capacity: int | None, max_staleness: int | None = None) -> Bottleneck:
+    """Read the bottleneck from the buffer queue size (DESIGN §12), with the wait times as support.
+
+    An empty queue while consumed groups sit at the --max-weight-staleness limit means admission
+    control, not the engines, holds the producer back: more engines would not help."""
     steps, q = series(events, N.QUEUE_SIZE)
     if len(q) < MIN_POINTS:
         return Bottleneck("unknown", f"not enough {N.QUEUE_SIZE} points ({len(q)}) to read a bottleneck.")
@@ -44,6 +47,15 @@ def diagnose_bottleneck(events: list[dict], capacity: int | None) -> Bottleneck:
     support = (f" Trainer waited {sum(wait):.1f} s for data in total; the producer was blocked on a full buffer "
                f"{sum(blocked):.1f} s." if wait or blocked else "")
     share = f"queue at 0 in {at_zero:.0%} and at capacity ({cap:g}) in {at_cap:.0%} of the steps after warm-up."
+    _, stale = series(events, N.MAX_STALENESS)
+    stale = stale[int(len(stale) * WARMUP_FRACTION):]
+    at_limit = (sum(1 for v in stale if v >= max_staleness) / len(stale)
+                if max_staleness is not None and stale else 0.0)
+    if at_zero >= PINNED_FRACTION and at_limit >= PINNED_FRACTION:
+        return Bottleneck("staleness-bound", "Admission control keeps the producer within --max-weight-staleness="
+                          f"{max_staleness}: consumed groups are at the limit in {at_limit:.0%} of the steps and the "
+                          + share + " Raise the limit (more off-policy data) or speed up training; more engines "
+                          "would sit idle." + support)
     if at_zero >= PINNED_FRACTION:
         return Bottleneck("rollout-bound", "The trainer drains the buffer as fast as groups arrive: " + share +
                           " Add engines / rollout GPUs or raise --async-max-concurrent-samples." + support)
@@ -53,17 +65,19 @@ def diagnose_bottleneck(events: list[dict], capacity: int | None) -> Bottleneck:
     return Bottleneck("balanced", "Neither side waits for the other most of the time: " + share + support)
 
 
-def buffer_capacity(run) -> int | None:
+def buffer_capacity(run_config: dict | None) -> int | None:
     """Capacity in groups from the run's resolved config (None when the config is unavailable)."""
-    from miles_core.run_root import read_config
-
-    cfg = read_config(_as_store(run))
-    if not cfg:
-        return None
     try:
-        return max(1, int(cfg["buffer"]["async_data_buffer_capacity_factor"] * cfg["rollout"]["rollout_batch_size"]))
+        return max(1, int(run_config["buffer"]["async_data_buffer_capacity_factor"]
+                          * run_config["rollout"]["rollout_batch_size"]))
     except (KeyError, TypeError):
         return None
+
+
+def staleness_limit(run_config: dict | None) -> int | None:
+    """--max-weight-staleness from the run's resolved config (None: no limit, or no config)."""
+    value = ((run_config or {}).get("rollout") or {}).get("max_weight_staleness")
+    return value if isinstance(value, int) else None
 
 
 # ----------------------------------------------------------------------------- figures
@@ -127,13 +141,14 @@ def eval_figure(events: list[dict]):
 
 def render_report(run, title: str | None = None) -> str:
     """The report of run root `run` (a Store or URI) as one self-contained HTML string."""
-    from miles_core.run_root import read_status
+    from miles_core.run_root import read_config, read_status
 
     store = _as_store(run)
     events = read_metrics(store)
-    capacity = buffer_capacity(store)
+    run_config = read_config(store)
+    capacity = buffer_capacity(run_config)
     status = read_status(store)
-    bottleneck = diagnose_bottleneck(events, capacity)
+    bottleneck = diagnose_bottleneck(events, capacity, staleness_limit(run_config))
     return render_html(events, title or f"miles run {store.uri()}", capacity=capacity, bottleneck=bottleneck,
                        summary=_summary_rows(store.uri(), events, status, capacity))
 

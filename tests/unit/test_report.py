@@ -58,6 +58,17 @@ def test_bottleneck_readings(tmp_path):
     assert diagnose_bottleneck([], 8).verdict == "unknown"
 
 
+def test_empty_queue_at_the_staleness_limit_reads_staleness_bound():
+    """Pins: an empty queue while consumed groups sit at --max-weight-staleness reads staleness-bound
+    (admission control holds the producer back), not rollout-bound. Guards: a report telling users
+    to add engines that would sit idle (the embedded default's own situation)."""
+    events = [{"step": k, "time": 0.0, "name": n, "value": v} for k in range(20)
+              for n, v in (("rollout/fully_async/queue_size", 0.0), ("rollout/fully_async/max_staleness", 2.0))]
+    assert diagnose_bottleneck(events, 8, max_staleness=2).verdict == "staleness-bound"
+    assert diagnose_bottleneck(events, 8, max_staleness=3).verdict == "rollout-bound"
+    assert diagnose_bottleneck(events, 8).verdict == "rollout-bound"
+
+
 def test_report_of_an_empty_run(tmp_path):
     html = render_report(f"file://{tmp_path}/empty")
     assert "No metrics recorded yet" in html and "Bottleneck: unknown" in html
