@@ -7,9 +7,7 @@ of a known major and reject an unknown major or a missing column with SchemaErro
 
 from __future__ import annotations
 
-import dataclasses
 import io
-import json
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -88,9 +86,6 @@ class Group:
         if current_version is None or oldest is None:
             return None
         return max(0, current_version - oldest)
-
-    def nbytes_estimate(self) -> int:
-        return sum(8 * (len(s.prompt_ids) + 3 * len(s.response_ids)) + 128 for s in self.samples)
 
 
 SAMPLE_SCHEMA = pa.schema(
@@ -187,13 +182,3 @@ def ipc_to_groups(data: bytes, source: str = "object") -> list[Group]:
     except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as e:
         raise SchemaError(f"{source}: not a readable Arrow IPC stream ({e})") from e
     return batch_to_groups(table, source)
-
-
-def sample_to_json(s: Sample) -> dict:
-    d = dataclasses.asdict(s)
-    d["status"] = s.status.value
-    return d
-
-
-def label_json(value) -> str:
-    return json.dumps(value)

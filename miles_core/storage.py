@@ -299,7 +299,3 @@ class Store:
                 inv(path)
             except Exception:  # noqa: BLE001 - cache invalidation is best effort
                 pass
-
-
-def open_store(uri: str) -> Store:
-    return Store(uri)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 
 @dataclass
@@ -56,7 +56,3 @@ def run_loop(roles) -> LoopResult:
             break
     steps_run = 0 if step is None else step - roles.start_step + 1
     return LoopResult(roles.start_step, step, steps_run, stopped_by, time.monotonic() - t0)
-
-
-def describe(roles: Any) -> str:
-    return f"{roles.driver} driver, steps {roles.start_step}..{roles.end_step - 1}"

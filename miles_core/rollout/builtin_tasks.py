@@ -10,7 +10,6 @@ generalization instead, which this tiny model passes only intermittently.
 
 from __future__ import annotations
 
-import json
 import random
 
 from miles_core.models.builtin import EOS_ID, SEP_ID
@@ -47,13 +46,3 @@ def digits_reward(response_ids: list[int], label: str) -> float:
     right = sum(1 for i, d in enumerate(answer) if i < len(response_ids) and response_ids[i] == d)
     eos_ok = len(response_ids) > len(answer) and response_ids[len(answer)] == EOS_ID
     return 0.8 * right / len(answer) + 0.2 * float(eos_ok)
-
-
-def reward_for_task(task: str):
-    if task in ("reverse4", "copy4"):
-        return digits_reward
-    raise ValueError(f"no builtin reward for task {task!r}")
-
-
-def label_of(row: dict) -> str:
-    return json.dumps(row["label"]) if not isinstance(row["label"], str) else row["label"]
