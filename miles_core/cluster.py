@@ -65,10 +65,11 @@ class TrainerWorker:
         """§5.4: version += 1, pause, flush unless in_place, load the snapshot, resume."""
         result = self.loop.run_until_complete(self.sync.push(step))
         self._drop_staged_except(self.transport.key)
+        from miles_core.metrics import names as N
+
         return {"version": result.version, "model_path": self.transport.local_path,
-                "perf/weight_update_seconds": result.total_seconds,
-                "perf/weight_export_seconds": result.export_seconds,
-                "perf/engine_pause_seconds": result.pause_seconds}
+                N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.WEIGHT_EXPORT_SECONDS: result.export_seconds,
+                N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
     def set_version(self, version: int) -> None:
         self.sync.version = version

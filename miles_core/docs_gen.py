@@ -32,6 +32,7 @@ METRIC_SOURCES: list[tuple[str, str]] = [
     ("miles_core.metrics.names", "PERF_METRICS"),             # DESIGN §12 perf/*
     ("miles_core.metrics.names", "RUN_METRICS"),              # the random-policy level
     ("miles_core.train.losses", "METRIC_NAMES"),              # DESIGN §5.6
+    ("miles_core.train.metric_names", "TRAIN_STEP_METRICS"),  # trainer step counts and time
     ("miles_core.eval.metric_names", "EVAL_METRICS"),         # DESIGN §7.2, §7.3
 ]
 

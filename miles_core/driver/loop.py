@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from miles_core.metrics.names import STEP_SECONDS
+
 
 @dataclass
 class Batch:
@@ -48,7 +50,7 @@ def run_loop(roles) -> LoopResult:
         roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
         roles.evals.on_step(step, version, last=last)
         step_metrics = metrics | batch.metrics | push_metrics | roles.batches.metrics()
-        step_metrics["perf/step_seconds"] = time.monotonic() - step_t0
+        step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
         roles.metrics.log(step, step_metrics)
         roles.progress.update(step, step_metrics)
         if last:

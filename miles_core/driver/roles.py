@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles_core.driver.loop import Batch
+from miles_core.metrics import names as N
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ class OnDemandBatches:
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
         batch = _as_batch(step, self.rollout.call("next_batch", self.version_box[0]).result())
-        batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
+        batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
 
     def before_weight_update(self, last: bool = False) -> None:
@@ -60,7 +61,7 @@ class PrefetchedBatches:
         pushes_after_step = (step + 1) % self.update_interval == 0
         self.pending = self.rollout.call("next_batch", self.version_box[0] + int(pushes_after_step))
         batch = _as_batch(step, drained)
-        batch.metrics["perf/train_wait_seconds"] = time.monotonic() - t0
+        batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
 
     def before_weight_update(self, last: bool = False) -> None:
@@ -99,7 +100,7 @@ class WeightPusher:
         if self.fleet is not None and path:
             self.fleet.note_weights(path, version)
         self.version_box[0] = version
-        return version, out | {"rollout/published_version": version}
+        return version, out | {N.PUBLISHED_VERSION: version}
 
 
 class Checkpointer:
@@ -148,9 +149,9 @@ class Progress:
             self.bar.start()
 
     def update(self, step: int, m: dict) -> None:
-        info = (f"reward {m.get('rollout/reward/mean', float('nan')):.3f}  "
-                f"staleness {m.get('rollout/fully_async/avg_staleness', 0.0):.2f}  "
-                f"{m.get('perf/tokens_per_second', 0.0):.0f} tok/s")
+        info = (f"reward {m.get(N.REWARD, float('nan')):.3f}  "
+                f"staleness {m.get(N.AVG_STALENESS, 0.0):.2f}  "
+                f"{m.get(N.TOKENS_PER_SECOND, 0.0):.0f} tok/s")
         if self.bar is not None:
             self.bar.update(self.task, completed=step + 1, info=info)
         elif self.enabled and ((step + 1) % 10 == 0 or step == self.start):

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import hf_convert
+from miles_core.train import metric_names as TM
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, token_entropy
 from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, forward_logits, unwrap
 from miles_core.train.state_tree import flatten, unflatten
@@ -109,9 +110,9 @@ class Trainer:
         grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
         metrics = finalize_metrics(sums, total_tokens) if items else {}
         metrics["train/grad_norm"] = grad_norm
-        metrics["train/samples"] = float(len(items))
-        metrics["train/tokens"] = total_tokens
-        metrics["perf/train_step_seconds"] = time.perf_counter() - t0
+        metrics[TM.SAMPLES] = float(len(items))
+        metrics[TM.TOKENS] = total_tokens
+        metrics[TM.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
         return metrics
 
     def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float):

@@ -1,0 +1,14 @@
+"""Metric names the trainer logs beside the loss metrics (train/losses.py METRIC_NAMES), with meanings.
+
+A light module (no torch), so the docs reference can read it cheaply.
+"""
+
+SAMPLES = "train/samples"
+TOKENS = "train/tokens"
+TRAIN_STEP_SECONDS = "perf/train_step_seconds"
+
+TRAIN_STEP_METRICS: dict[str, str] = {
+    SAMPLES: "Samples that entered the loss this step (failed, aborted and fully masked samples excluded).",
+    TOKENS: "Response tokens that entered the loss this step (after the loss mask).",
+    TRAIN_STEP_SECONDS: "Seconds of the trainer's forward, backward and optimizer step.",
+}
