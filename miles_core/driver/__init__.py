@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig, validate
@@ -82,7 +81,7 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
         stack.callback(progress.close)
         if start_step == 0:
-            sink.log(0, {RANDOM_POLICY_REWARD: random_policy_reward(cfg)})
+            sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
@@ -128,29 +127,17 @@ def _start_cluster(cfg: RunConfig, initial_model: str, stack: contextlib.ExitSta
     return fleet, trainer, rollout, start_step, version_box
 
 
+def _random_policy_level(cfg: RunConfig) -> float:
+    """The reward level learning must beat; NaN unless a builtin model runs a builtin task."""
+    if not cfg.data.prompt_data.startswith("builtin:") or not cfg.model.hf_checkpoint.startswith("builtin:"):
+        return float("nan")
+    from miles_core.rollout.builtin_tasks import random_policy_reward
+
+    return random_policy_reward(cfg.data.prompt_data, cfg.rollout.rollout_max_response_len)
+
+
 def _end_step(cfg: RunConfig, start_step: int) -> tuple[int, str]:
     end, reason = cfg.run.num_rollout, "num_rollout"
     if cfg.run.segment_steps is not None and start_step + cfg.run.segment_steps < end:
         end, reason = start_step + cfg.run.segment_steps, "segment_steps"
     return end, reason
-
-
-def random_policy_reward(cfg: RunConfig, samples: int = 4000) -> float:
-    """Mean reward of a uniform random policy on the builtin task (the level learning must beat);
-    NaN for datasets without a builtin reward."""
-    if not cfg.data.prompt_data.startswith("builtin:") or not cfg.model.hf_checkpoint.startswith("builtin:"):
-        return float("nan")
-    from miles_core.models.builtin import DIGIT_VOCAB, EOS_ID
-    from miles_core.rollout.builtin_tasks import builtin_rows, digits_reward
-
-    rng = random.Random(0)
-    rows = builtin_rows(cfg.data.prompt_data)
-    n = cfg.rollout.rollout_max_response_len
-    total = 0.0
-    for _ in range(samples):
-        row = rows[rng.randrange(len(rows))]
-        response = []
-        while len(response) < n and (not response or response[-1] != EOS_ID):  # the engine stops at EOS
-            response.append(rng.randrange(len(DIGIT_VOCAB)))
-        total += digits_reward(response, row["label"])
-    return total / samples

@@ -46,3 +46,20 @@ def digits_reward(response_ids: list[int], label: str) -> float:
     right = sum(1 for i, d in enumerate(answer) if i < len(response_ids) and response_ids[i] == d)
     eos_ok = len(response_ids) > len(answer) and response_ids[len(answer)] == EOS_ID
     return 0.8 * right / len(answer) + 0.2 * float(eos_ok)
+
+
+def random_policy_reward(name: str, max_response_len: int, samples: int = 4000) -> float:
+    """Mean reward of uniformly random tokens on builtin dataset `name` (generation stops at <eos>,
+    as on the engines): the level a learning run has to beat."""
+    from miles_core.models.builtin import DIGIT_VOCAB
+
+    rng = random.Random(0)
+    rows = builtin_rows(name)
+    total = 0.0
+    for _ in range(samples):
+        row = rows[rng.randrange(len(rows))]
+        response: list[int] = []
+        while len(response) < max_response_len and (not response or response[-1] != EOS_ID):
+            response.append(rng.randrange(len(DIGIT_VOCAB)))
+        total += digits_reward(response, row["label"])
+    return total / samples

@@ -146,3 +146,14 @@ def test_custom_reward_loaded_by_dotted_path_and_signature_checked(monkeypatch):
         Rewarder(load_reward("my_rm_mod:bad"))
     with pytest.raises(PluginError, match="--custom-rm-path"):
         load_reward("my_rm_mod:missing")
+
+
+def test_random_policy_level_of_reverse4():
+    """Pins: the random-policy level the report states for reverse4 (uniform tokens over the 13-token
+    vocabulary, stopping at <eos>) is the small number learning must beat (~0.066), deterministic.
+    Guards: a level computed without the <eos> stop, or on the wrong split."""
+    from miles_core.rollout.builtin_tasks import random_policy_reward
+
+    level = random_policy_reward("builtin:reverse4", 5)
+    assert 0.05 < level < 0.08
+    assert level == random_policy_reward("builtin:reverse4", 5)
