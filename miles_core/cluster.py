@@ -1,18 +1,23 @@
-"""Ray roles of a training run: the trainer worker, the engine fleet and the rollout manager.
+"""Where every role of a training run is placed on Ray: the engine fleet, the trainer's ranks and
+the rollout manager (DESIGN §15). The only module that creates Ray actors for a run.
 
-Convention: the driver holds Ray actor handles; every `*.remote(...)` call returns a Ray ref and
-the driver-side wrappers in `miles_core.driver.roles` block on it (`ray.get`) at once, so the loop
-reads sequentially. This module never calls `ray.init` (the Flyte Ray plugin does; local runs
-and tests call `ensure_ray`).
+    fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
+
+The trainer is a `TrainerGroup`: one `TrainerWorker` actor per rank (`--actor-num-nodes` x
+`--actor-num-gpus-per-node`; one GPU each, or one CPU rank process each on a machine without
+GPUs) in one placement group. Rank 0 is created first and gives MASTER_ADDR/MASTER_PORT; every
+rank then initialises torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's parallel state.
+The driver holds handles; every `call(...)` returns a future whose `result()` blocks (the loop
+reads sequentially). This module never calls `ray.init` except in `ensure_ray` (local runs and
+tests; the Flyte Ray task connects its own).
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
+import contextlib
 import os
 
-log = logging.getLogger(__name__)
+from miles_core.driver.handles import RayActorHandle
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -26,103 +31,92 @@ def ensure_ray(num_cpus: int | None = None) -> None:
              configure_logging=False, namespace="miles")
 
 
-class TrainerWorker:
-    """The trainer role (a Ray actor): Megatron model and optimizer, checkpoints, weight pushes.
+class TrainerPlacementError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
 
-    Methods block until done. Weight pushes talk to the engines over HTTP from a private event
-    loop kept for the actor's lifetime (the engine client's connections belong to that loop).
-    """
 
-    def __init__(self, cfg, hf_dir: str, engine_urls: list[str]):
-        import torch
+class GroupFuture:
+    """Every rank's result of one call; `result()` waits for all and returns rank 0's."""
 
-        from miles_core.engines.client import EngineClient
-        from miles_core.storage import Store
-        from miles_core.train.checkpoint import CheckpointManager
-        from miles_core.train.trainer import Trainer
-        from miles_core.weights.sync import DiskWeightTransport, WeightSync
+    def __init__(self, refs: list):
+        self.refs = refs
 
-        if not torch.cuda.is_available():
-            torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
-        self.cfg = cfg
-        self.loop = asyncio.new_event_loop()
-        self.trainer = Trainer(cfg.train, hf_dir, seed=cfg.run.seed)
-        self.run_store = Store(cfg.run_uri)
-        self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
-        self.engines = EngineClient(list(engine_urls))
-        # Weights staged for the engines live under weights/ (only the newest is kept); eval
-        # snapshots under snapshots/ are exported at the eval cadence by the eval scheduler.
-        transport = DiskWeightTransport(self.trainer, self.run_store, prefix="weights",
-                                        cache_dir=os.path.join(_local_cache(cfg), "weights"))
-        self.sync = WeightSync(engines=[self.engines], transport=transport, publish=lambda v: None,
-                               pause_mode=cfg.rollout.pause_generation_mode)
-        self.transport = transport
+    def result(self, timeout: float | None = None):
+        import ray
 
-    def train_step(self, step: int, groups: list) -> dict:
-        return self.trainer.train_step(step, groups)
+        return ray.get(self.refs, timeout=timeout)[0]
 
-    def push_weights(self, step: int) -> dict:
-        """§5.4: version += 1, pause, flush unless in_place, load the snapshot, resume."""
-        result = self.loop.run_until_complete(self.sync.push(step))
-        self._drop_staged_except(self.transport.key)
-        from miles_core.metrics import names as N
+    def done(self) -> bool:
+        import ray
 
-        return {"version": result.version, "model_path": self.transport.local_path,
-                N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.WEIGHT_EXPORT_SECONDS: result.export_seconds,
-                N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
+        return len(ready) == len(self.refs)
 
-    def set_version(self, version: int) -> None:
-        self.sync.version = version
 
-    def save_checkpoint(self, step: int, extras: dict) -> str | None:
-        """Trainer state (and, with --save-hf, an HF checkpoint that reuse-mode evals read). The
-        driver's Checkpointer owns the cadence, so this always saves."""
-        return self.checkpoints.maybe_save(step, self.trainer, extras, last=True)
+class TrainerGroup:
+    """The trainer's ranks. `call(method, *args)` runs the method on every rank (arguments are put
+    in the object store once and read by all ranks) and returns a `GroupFuture`."""
 
-    def restore_latest(self) -> tuple[int, dict] | None:
-        return None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
+    def __init__(self, cfg, hf_dir: str, engine_urls: list[str], engine_actors: list | None = None,
+                 placement_timeout_seconds: float = 600.0):
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def export_hf(self, step: int, dest_uri: str) -> None:
-        """Write the current weights as an HF directory at dest_uri (`.complete` last)."""
-        from miles_core.storage import Store
-        from miles_core.weights.snapshot import export_snapshot
+        from miles_core.train.worker import TrainerWorker, rendezvous_address
 
-        export_snapshot(self.trainer, Store(dest_uri), step, key="")
-
-    def close(self) -> None:
+        t = cfg.train
+        self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
+        gpus = 1 if cfg.engine.engine_backend == "sglang" else 0
+        bundle = {"CPU": cfg.run.num_cpus_trainer, **({"GPU": gpus} if gpus else {})}
+        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         try:
-            self.loop.run_until_complete(self.engines.close())
+            ray.get(self.pg.ready(), timeout=placement_timeout_seconds)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.pg)
+            raise TrainerPlacementError(
+                f"the trainer's {self.world_size} ranks ({bundle} each) could not be placed within "
+                f"{placement_timeout_seconds:.0f} s; the cluster has {ray.available_resources()} free. Lower "
+                "--actor-num-gpus-per-node / --actor-num-nodes or --num-cpus-trainer, or add nodes.") from None
+        opts = [dict(num_cpus=cfg.run.num_cpus_trainer, num_gpus=gpus,
+                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
+                for r in range(self.world_size)]
+        where = ray.get(ray.remote(rendezvous_address).options(**opts[0]).remote())
+        worker = ray.remote(TrainerWorker)
+        self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_dir, r, self.world_size, where,
+                                                                           engine_urls, engine_actors)
+                       for r in range(self.world_size)]
+
+    def call(self, method: str, *args) -> GroupFuture:
+        import ray
+
+        refs = [ray.put(a) for a in args]
+        return GroupFuture([getattr(a, method).remote(*refs) for a in self.actors])
+
+    def shutdown(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        try:
+            if self.actors:
+                self.call("close").result(timeout=120)
         finally:
-            self.loop.close()
-            self.trainer.close()
-
-    def _drop_staged_except(self, keep_key: str | None) -> None:
-        for key in {k.split("/")[1] for k in self.run_store.list("weights") if "/" in k}:
-            if keep_key and keep_key.endswith(key):
-                continue
-            try:
-                self.run_store.delete_prefix(f"weights/{key}")
-            except Exception as e:  # noqa: BLE001 - staging cleanup never fails a step
-                log.warning("could not delete staged weights %s: %s", key, e)
-
-
-def _local_cache(cfg) -> str:
-    from miles_core.storage import Store
-
-    local = Store(cfg.run_uri).local_path("")
-    if local:
-        return os.path.join(local, ".local")
-    return os.path.join(os.path.expanduser("~/.cache/miles"), cfg.run.run_id)
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+            remove_placement_group(self.pg)
 
 
 def materialize_initial_model(cfg) -> str:
     """A local HF directory holding the run's initial weights (builtin models are created once)."""
     from miles_core.models.builtin import materialize_checkpoint
+    from miles_core.train.worker import local_cache
 
     m = cfg.model
     if not m.hf_checkpoint.startswith("builtin:"):
         return m.hf_checkpoint
-    out = os.path.join(_local_cache(cfg), "initial_model")
+    out = os.path.join(local_cache(cfg), "initial_model")
     if not os.path.exists(os.path.join(out, "model.safetensors")):
         tmp = out + ".partial"
         materialize_checkpoint(m.hf_checkpoint, cfg.run.seed, tmp, num_layers=m.tiny_num_layers,
@@ -131,8 +125,31 @@ def materialize_initial_model(cfg) -> str:
     return out
 
 
-def trainer_actor(cfg):
-    import ray
+def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
+    """Engines, trainer ranks (restored from the latest checkpoint) and the rollout manager, in the
+    order that lets the producer start on the trainer's current weights. Teardown goes on `stack`."""
+    from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
+    from miles_core.rollout.manager import rollout_manager_actor
 
-    gpus = 1 if cfg.engine.engine_backend == "sglang" else 0
-    return ray.remote(num_cpus=cfg.run.num_cpus_trainer, num_gpus=gpus, max_concurrency=1)(TrainerWorker)
+    fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
+                        num_cpus_per_engine=cfg.run.num_cpus_per_engine).start()
+    stack.callback(fleet.shutdown)
+    trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actors)
+    stack.callback(trainer.shutdown)
+    restored = trainer.call("restore_latest").result()
+    start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})
+    # The checkpoint holds the weights of its own version (the loop pushes before it saves), so a
+    # resume serves them again under that version; a fresh run's first push makes version 1.
+    trainer.call("set_version", max(0, int(extras.get("weight_version", 0)) - 1)).result()
+    first_push = trainer.call("push_weights", start_step - 1).result()
+    version_box = [first_push["version"]]
+    if first_push["model_path"]:
+        fleet.note_weights(first_push["model_path"], first_push["version"])
+
+    rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
+        cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
+        consumed_through_step=extras.get("consumed_through_step", -1)))
+    rollout.call("set_version", version_box[0]).result()
+    rollout.call("start").result()
+    stack.callback(lambda: rollout.call("stop").result())
+    return fleet, trainer, rollout, start_step, version_box

@@ -43,7 +43,7 @@ class RunSection:
     multi_lora: bool = opt(False, "Serve several LoRA adapters on the engines (sync drivers only).")
     progress: bool = opt(True, "Show a progress bar (step, reward, staleness, tokens/s) on local runs.")
     num_cpus_per_engine: float = opt(1.0, "Ray CPUs reserved by each engine actor.")
-    num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by the trainer actor.")
+    num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by each trainer rank actor (on a machine without GPUs also its torch threads).")
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,8 @@ class EngineSection:
     engine_max_running_requests: int = opt(512, "Requests an engine batches at once (continuous batching).")
     sglang_mem_fraction_static: float = opt(0.8, "SGLang --mem-fraction-static.")
     sglang_extra_args: str = opt("", "Extra arguments appended to `python -m sglang.launch_server`.")
-    weight_transport: str = opt("disk", "How weights reach the engines: disk (safetensors snapshot + update_weights_from_disk) or nccl (GPU broadcast).", choices=("disk", "nccl"))
+    weight_transport: str = opt("disk", "How weights reach the engines: disk (safetensors snapshot + update_weights_from_disk) or distributed (SGLang's /init_weights_update_group + /update_weights_from_distributed broadcast: NCCL on GPU, gloo on CPU).", choices=("disk", "distributed"))
+    update_weight_buffer_size: int = opt(512 << 20, "Bytes per bucket of the distributed weight push (one /update_weights_from_distributed call and broadcast per bucket).")
     engine_bind_host: str = opt("127.0.0.1", "Address engine servers bind. Set 0.0.0.0 on a multi-node cluster; engine URLs then use the node's IP.")
     engine_startup_timeout_seconds: float = opt(900.0, "How long an engine (or its restart) may take to answer /health.")
 
@@ -119,7 +120,12 @@ class TrainSection:
     use_kl_loss: bool = opt(False, "KL penalty to the initial (reference) model.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL penalty.")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
-    tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size (GPU).")
+    actor_num_nodes: int = opt(1, "Nodes of the trainer (miles' name); ranks = --actor-num-nodes x --actor-num-gpus-per-node.")
+    actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node: one GPU each, or one CPU rank process each on a machine without GPUs.")
+    tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size; data parallel size = ranks / this.")
+    pipeline_model_parallel_size: int = opt(1, "Megatron pipeline parallel size (only 1 is supported).")
+    context_parallel_size: int = opt(1, "Megatron context parallel size (only 1 is supported).")
+    balance_data: bool = opt(False, "Split each batch across data-parallel ranks by token count (longest first onto the lightest rank) instead of by sample count.")
     micro_batch_size: int = opt(256, "Samples per forward/backward micro-batch.")
     save: str = opt("auto", "Checkpoint location: 'auto' = {run root}/checkpoints, a URI, or '' to disable.")
     save_interval: Optional[int] = opt(50, "Save a checkpoint every N steps (and always at the last step).")

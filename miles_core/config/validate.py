@@ -27,7 +27,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems = _types(cfg)
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    for check in (_ranges, _driver_rules, _loss_rules, _save_eval_rules, _names, _plugins):
+    for check in (_ranges, _parallel_rules, _driver_rules, _loss_rules, _save_eval_rules, _names, _plugins):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -99,6 +99,27 @@ def _ranges(cfg: RunConfig) -> list[str]:
     return p
 
 
+def _parallel_rules(cfg: RunConfig) -> list[str]:
+    """Trainer layout: ranks = nodes x per-node ranks = TP x DP; PP and CP are not built."""
+    t = cfg.train
+    p = []
+    for value, flag in ((t.actor_num_nodes, "--actor-num-nodes"), (t.actor_num_gpus_per_node, "--actor-num-gpus-per-node"),
+                        (t.tensor_model_parallel_size, "--tensor-model-parallel-size")):
+        if value < 1:
+            p.append(f"{flag}={value} must be >= 1.")
+    for value, flag in ((t.pipeline_model_parallel_size, "--pipeline-model-parallel-size"),
+                        (t.context_parallel_size, "--context-parallel-size")):
+        if value != 1:
+            p.append(f"{flag}={value} is not supported: the trainer builds tensor and data parallelism only; use 1.")
+    world = t.actor_num_nodes * t.actor_num_gpus_per_node
+    if world >= 1 and t.tensor_model_parallel_size >= 1 and world % t.tensor_model_parallel_size:
+        p.append(f"--tensor-model-parallel-size={t.tensor_model_parallel_size} must divide the trainer's "
+                 f"{world} ranks (--actor-num-nodes x --actor-num-gpus-per-node).")
+    if cfg.engine.update_weight_buffer_size < 1:
+        p.append(f"--update-weight-buffer-size={cfg.engine.update_weight_buffer_size} must be >= 1 (bytes).")
+    return p
+
+
 def _driver_rules(cfg: RunConfig) -> list[str]:
     r, run = cfg.rollout, cfg.run
     p = []
@@ -120,8 +141,6 @@ def _driver_rules(cfg: RunConfig) -> list[str]:
             f"--async-max-concurrent-samples={r.async_max_concurrent_samples} must be >= "
             f"--n-samples-per-prompt={r.n_samples_per_prompt}: a group's samples run together."
         )
-    if cfg.engine.weight_transport == "nccl" and cfg.engine.engine_backend != "sglang":
-        p.append("--weight-transport=nccl needs --engine-backend=sglang (GPU); the CPU engine loads weights from disk.")
     if cfg.eval.eval_num_gpus > 0 and cfg.eval.eval_mode != "dedicated":
         p.append(f"--eval-num-gpus={cfg.eval.eval_num_gpus} needs --eval-mode=dedicated.")
     return p

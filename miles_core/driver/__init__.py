@@ -14,7 +14,6 @@ import logging
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig, validate
-from miles_core.driver.handles import RayActorHandle
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, Progress, Roles, TrainerRole, WeightPusher,
                                      batch_source)
@@ -58,7 +57,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
 
 def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
     from miles_core import run_root
-    from miles_core.cluster import ensure_ray, materialize_initial_model
+    from miles_core.cluster import ensure_ray, materialize_initial_model, start_cluster
     from miles_core.data import prepare_dataset, stored_dataset_info
     from miles_core.eval.scheduler import build_eval_scheduler
     from miles_core.metrics.names import RANDOM_POLICY_REWARD
@@ -69,7 +68,7 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
         prepare_dataset(cfg.data, store, hf_checkpoint=cfg.model.hf_checkpoint)
     initial_model = materialize_initial_model(cfg)
     with contextlib.ExitStack() as stack:
-        fleet, trainer, rollout, start_step, version_box = _start_cluster(cfg, initial_model, stack)
+        fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
             cfg, exporter=lambda step, uri: trainer.call("export_hf", step, uri).result(),
@@ -95,36 +94,6 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
         return result, version_box[0]
-
-
-def _start_cluster(cfg: RunConfig, initial_model: str, stack: contextlib.ExitStack):
-    """Engines, trainer (restored from the latest checkpoint) and the rollout manager, in the order
-    that lets the producer start on the trainer's current weights. Teardown goes on `stack`."""
-    from miles_core.cluster import trainer_actor
-    from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
-    from miles_core.rollout.manager import rollout_manager_actor
-
-    fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
-                        num_cpus_per_engine=cfg.run.num_cpus_per_engine).start()
-    stack.callback(fleet.shutdown)
-    trainer = RayActorHandle(trainer_actor(cfg).remote(cfg, initial_model, fleet.urls()))
-    stack.callback(lambda: trainer.call("close").result())
-    restored = trainer.call("restore_latest").result()
-    start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})
-    # The checkpoint holds the weights of its own version (the loop pushes before it saves), so a
-    # resume serves them again under that version; a fresh run's first push makes version 1.
-    trainer.call("set_version", max(0, int(extras.get("weight_version", 0)) - 1)).result()
-    first_push = trainer.call("push_weights", start_step - 1).result()
-    version_box = [first_push["version"]]
-    fleet.note_weights(first_push["model_path"], first_push["version"])
-
-    rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
-        cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
-        consumed_through_step=extras.get("consumed_through_step", -1)))
-    rollout.call("set_version", version_box[0]).result()
-    rollout.call("start").result()
-    stack.callback(lambda: rollout.call("stop").result())
-    return fleet, trainer, rollout, start_step, version_box
 
 
 def _random_policy_level(cfg: RunConfig) -> float:

@@ -4,9 +4,10 @@ A checkpoint holds model.safetensors, optimizer.safetensors, rng.safetensors (te
 pickle), trainer.json (the optimizer state's skeleton, python RNG, model spec) and
 extras.json: opaque JSON the caller passes (data-source cursor, buffer consumption, weight
 version). Every object is committed atomically by the Store; `COMPLETE` goes last, then the
-`LATEST` pointer. With more than one rank (GPU), each rank writes its own shards as
-`{part}.rank{r:05d}.safetensors` / `trainer.rank{r:05d}.json` and rank 0 marks the directory
-complete after a barrier. `latest()` trusts only directories with the marker (one listing), so a crash
+`LATEST` pointer. Under tensor parallelism each TP rank's shards go to `{part}.tp{r:02d}.safetensors` /
+`trainer.tp{r:02d}.json`, written by the DP-rank-0 replica of that TP rank (DP replicas hold the
+same state), and global rank 0 marks the directory complete after a barrier. Every rank loads its
+TP rank's files, so a checkpoint resumes at any DP size; another TP size is refused. `latest()` trusts only directories with the marker (one listing), so a crash
 mid-save leaves the previous checkpoint as the latest.
 """
 
@@ -29,14 +30,17 @@ def step_dir(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _rank_suffix() -> tuple[int, str]:
-    """('', rank 0) in a world of one; '.rank{r:05d}' per rank otherwise (GPU: TP/DP shards)."""
+def _layout() -> tuple[bool, bool, str]:
+    """(this rank writes shards, this rank marks complete, file suffix of its TP rank)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return 0, ""
-    rank = dist.get_rank()
-    return rank, f".rank{rank:05d}"
+        return True, True, ""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    suffix = f".tp{ps.get_tensor_model_parallel_rank():02d}" if tp > 1 else ""
+    return ps.get_data_parallel_rank() == 0, dist.get_rank() == 0, suffix
 
 
 def _barrier() -> None:
@@ -81,7 +85,9 @@ class CheckpointManager:
         if not self.due(step, last):
             return None
         uri = self.save(step, trainer, extras)
-        if self.save_hf:
+        if self.save_hf and not _layout()[1]:
+            trainer.join_export()  # rank 0 writes the HF checkpoint; its TP peers help gather it
+        elif self.save_hf:
             from miles_core.weights.snapshot import export_snapshot
 
             if "{step" in self.save_hf:  # {step} or a formatted {step:08d}, as eval's SnapshotLayout reads it
@@ -95,12 +101,13 @@ class CheckpointManager:
             raise CheckpointError("checkpoints are disabled (--save ''); set --save to a location")
         tensors, meta = trainer.checkpoint_state()
         d = step_dir(step)
-        rank, suffix = _rank_suffix()
-        for part in TENSOR_PARTS:
-            put_tensors(self.store, f"{d}/{part}{suffix}.safetensors", tensors[part])
-        self.store.put_json(f"{d}/trainer{suffix}.json", meta)
-        _barrier()  # every rank's shards are committed before rank 0 marks the checkpoint complete
-        if rank == 0:
+        writes, marks, suffix = _layout()
+        if writes:
+            for part in TENSOR_PARTS:
+                put_tensors(self.store, f"{d}/{part}{suffix}.safetensors", tensors[part])
+            self.store.put_json(f"{d}/trainer{suffix}.json", meta)
+        _barrier()  # every TP rank's shards are committed before rank 0 marks the checkpoint complete
+        if marks:
             self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})
             self.store.put_bytes(f"{d}/{MARKER}", b"")
             self.store.put_bytes(LATEST, d.encode())
@@ -125,13 +132,16 @@ class CheckpointManager:
         d = step_dir(step)
         if not self.store.exists(f"{d}/{MARKER}"):
             raise CheckpointError(f"{self.store.uri(d)} has no {MARKER} marker; it is incomplete and not trusted")
-        _, suffix = _rank_suffix()
+        suffix = _layout()[2]
         try:
+            meta = self.store.get_json(f"{d}/trainer{suffix}.json")
             tensors = {part: load_tensors(self.store.get_bytes(f"{d}/{part}{suffix}.safetensors"))
                        for part in TENSOR_PARTS}
-            meta = self.store.get_json(f"{d}/trainer{suffix}.json")
             extras = self.store.get_json(f"{d}/extras.json")
-        except (ObjectNotFound, json.JSONDecodeError) as e:
+        except ObjectNotFound as e:
+            raise CheckpointError(f"checkpoint {self.store.uri(d)} has no {e} for this trainer's layout; "
+                                  "was it saved with another --tensor-model-parallel-size?") from e
+        except json.JSONDecodeError as e:
             raise CheckpointError(f"checkpoint {self.store.uri(d)} is unreadable: {e}") from e
         trainer.load_checkpoint_state(tensors, meta)
         return extras

@@ -133,6 +133,15 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
     return loss, sums
 
 
+SUM_KEYS = ("train/tis_mean", "train/tis_clipfrac", "train/ppo_kl", "train/pg_clipfrac",
+            "train/train_rollout_logprob_abs_diff", "train/entropy", "train/loss")
+
+
+def sum_keys(cfg: LossConfig) -> tuple[str, ...]:
+    """The keys of `policy_loss`'s sums under `cfg` (ranks without samples report zeros for them)."""
+    return SUM_KEYS + (("train/kl_loss",) if cfg.use_kl_loss else ())
+
+
 def finalize_metrics(sums: dict[str, float], total_tokens: float) -> dict[str, float]:
     """Token means over the batch from the summed micro-batch metrics."""
     n = max(total_tokens, 1.0)

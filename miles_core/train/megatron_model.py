@@ -101,6 +101,8 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
         tensor_model_parallel_size=tensor_model_parallel_size,
         use_cpu_initialization=cpu, perform_initialization=True,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # The loss is already divided by the global token count: DDP must sum gradients, not average.
+        calculate_per_token_loss=True,
         # Fusions need CUDA kernels (or Apex/TE); the local spec runs the unfused paths.
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
@@ -151,18 +153,21 @@ def unwrap(model):
 
 
 def build_gpu_training(model, *, lr: float, weight_decay: float, clip_grad: float):
-    """GPU path: Megatron DDP + Megatron's distributed optimizer in bf16 (not exercised on CPU).
+    """GPU path: Megatron DDP (summing gradients over DP, `calculate_per_token_loss`) + Megatron's
+    mixed-precision Adam in bf16 with fp32 main parameters (not exercised on CPU).
 
-    Returns (ddp_model, optimizer). The optimizer's `step()` returns (ok, grad_norm, zeros).
+    The optimizer is not the distributed (ZeRO-1) one: its state is replicated over DP ranks like
+    the CPU path's, so a checkpoint is one state per TP rank and resumes at any DP size
+    (docs/training.md). Returns (ddp_model, optimizer); `optimizer.step()` returns (ok, grad_norm, zeros).
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=True)
+                                            use_distributed_optimizer=False, average_in_collective=False)
     ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
     opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=True,
-                              clip_grad=clip_grad, use_distributed_optimizer=True,
+                              clip_grad=clip_grad, use_distributed_optimizer=False,
                               adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
     optimizer = get_megatron_optimizer(opt_cfg, [ddp_model])
     return ddp_model, optimizer

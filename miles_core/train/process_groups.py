@@ -23,7 +23,8 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
             if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+                # Ray gives each rank actor its own CUDA_VISIBLE_DEVICES (one device): index 0
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
             dist.init_process_group(backend, init_method="env://")
         else:
             fd, path = tempfile.mkstemp(prefix="miles-pg-")

@@ -7,6 +7,11 @@ group), runs micro-batches of `micro_batch_size` samples with the loss over resp
 `loss_mask` is 1, clips the gradient norm and steps once. `export_hf(dir)` writes an HF
 checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what checkpoint.py stores.
 On CPU: fp32, plain `torch.optim.AdamW`. On GPU: bf16 Megatron DDP + Megatron's optimizer.
+
+One Trainer per rank (miles_core.cluster places them). Every rank gets the whole batch and trains
+on its data-parallel shard (miles_core.train.data_parallel); the loss is normalised by the global
+token count and gradients are summed over DP ranks, so DP=N makes the DP=1 update. Collectives
+(`train_step`, `hf_state_dict`, `logprobs`, checkpoint save) must be called on every rank.
 Use it as a context manager (or call `close()`) to release the model.
 """
 
@@ -21,9 +26,11 @@ import torch
 from safetensors.torch import save_file
 
 from miles_core.samples import Group, Sample, SampleStatus
+from miles_core.train import data_parallel as DP
 from miles_core.train import hf_convert
 from miles_core.train import metric_names as TM
-from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, token_entropy
+from miles_core.train.losses import (LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys,
+                                    token_entropy)
 from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, forward_logits, unwrap
 from miles_core.train.state_tree import flatten, unflatten
 
@@ -78,6 +85,12 @@ class Trainer:
             self.optimizer = torch.optim.AdamW(self._params(), lr=train.lr, weight_decay=train.weight_decay,
                                                betas=(0.9, 0.999), eps=1e-8)
         self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
+        from megatron.core import parallel_state as ps
+
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
+        self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -99,15 +112,19 @@ class Trainer:
         items = trainable_samples(groups, self.cfg.normalize_advantages_std)
         self.model.train()
         self._zero_grad()
-        total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))
+        total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
+        mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data,
+                        tokens=lambda it: len(it[0].prompt_ids) + len(it[0].response_ids))
         sums: dict[str, float] = {}
         mbs = self.cfg.micro_batch_size
-        for start in range(0, len(items), mbs):
-            _, part = self._micro_batch(items[start:start + mbs], total_tokens)
+        for start in range(0, len(mine), mbs):
+            _, part = self._micro_batch(mine[start:start + mbs], total_tokens)
             for k, v in part.items():
                 sums[k] = sums.get(k, 0.0) + v
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
         grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
+        if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
+            sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
         metrics = finalize_metrics(sums, total_tokens) if items else {}
         metrics["train/grad_norm"] = grad_norm
         metrics[TM.SAMPLES] = float(len(items))
@@ -141,9 +158,10 @@ class Trainer:
             self.model.finish_grad_sync()
             _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm or 0.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params(), self.cfg.clip_grad)
+        DP.all_reduce_grads(self._params(), self.dp_group)
+        grad_norm = DP.clip_grad_norm(self._params(), self.cfg.clip_grad, self.tp_group)
         self.optimizer.step()
-        return float(grad_norm)
+        return grad_norm
 
     @torch.no_grad()
     def logprobs(self, samples: list[Sample]) -> list[list[float]]:
@@ -166,6 +184,12 @@ class Trainer:
         state = hf_convert.megatron_to_hf(self.spec, hf_convert.gather_tp_state(self.spec, local))
         return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}
 
+    def join_export(self) -> None:
+        """What a rank other than the export source does while rank 0 exports: rank 0's TP peers
+        (DP rank 0) take part in gathering the shards; every other rank has nothing to do."""
+        if self.dp_rank == 0 and self.tp > 1:
+            self.hf_state_dict()
+
     def export_hf(self, out_dir: str) -> str:
         """HF checkpoint of the current weights: model.safetensors, config.json, tokenizer files."""
         os.makedirs(out_dir, exist_ok=True)
@@ -176,37 +200,33 @@ class Trainer:
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py.
 
-        On GPU these are this rank's shards: model tensors of its TP rank, and the distributed
-        optimizer's own (bucket-space) shard of parameter state, so no rank gathers anything.
+        These are this rank's TP shards. The optimizer state is replicated over DP ranks (plain
+        AdamW on CPU, Megatron's non-distributed optimizer on GPU), so DP rank 0 of each TP rank
+        holds everything, and a checkpoint resumes at any DP size.
         """
         model = hf_convert.megatron_state(unwrap(self.model))
-        if self.cuda:
-            opt_tree = {"common": self.optimizer.state_dict(),
-                        "params": self.optimizer.get_parameter_state_dp_reshardable()}
-        else:
-            opt_tree = self.optimizer.state_dict()
-        opt_tensors, opt_skeleton = flatten(opt_tree)
+        opt_tensors, opt_skeleton = flatten(self.optimizer.state_dict())
         rng = {"torch_cpu": torch.get_rng_state()}
         if self.cuda:
             rng["torch_cuda"] = torch.cuda.get_rng_state()
         meta = {"optimizer": opt_skeleton, "python_random": _jsonable(random.getstate()),
-                "spec": self.spec.__dict__}
+                "spec": self.spec.__dict__, "tensor_model_parallel_size": self.tp}
         return {"model": model, "optimizer": opt_tensors, "rng": rng}, meta
 
     def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
+        saved_tp = int(meta.get("tensor_model_parallel_size", 1))
+        if saved_tp != self.tp:
+            raise TrainError(f"checkpoint was saved with --tensor-model-parallel-size={saved_tp}; this trainer has "
+                             f"{self.tp}. Resuming at another TP size is not supported (the DP size may change).")
         own = {k: v for k, v in unwrap(self.model).state_dict().items() if not k.endswith("_extra_state")}
         if set(own) != set(tensors["model"]) or meta.get("spec") != self.spec.__dict__:
             raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
         with torch.no_grad():
             for k, v in own.items():
                 v.copy_(tensors["model"][k])
-        opt_tree = unflatten(tensors["optimizer"], meta["optimizer"])
+        self.optimizer.load_state_dict(unflatten(tensors["optimizer"], meta["optimizer"]))
         if self.cuda:
-            self.optimizer.load_state_dict(opt_tree["common"])
-            self.optimizer.load_parameter_state_from_dp_reshardable(opt_tree["params"])
             torch.cuda.set_rng_state(tensors["rng"]["torch_cuda"])
-        else:
-            self.optimizer.load_state_dict(opt_tree)
         torch.set_rng_state(tensors["rng"]["torch_cpu"])
         random.setstate(_python_rng(meta["python_random"]))
 

@@ -1,0 +1,80 @@
+"""Data parallelism of the trainer: which samples a rank trains on, and the sums ranks share.
+
+Every rank receives the whole drained batch (one Ray object read by all ranks) and computes the
+same (sample, advantage) list, so GRPO advantages and the global token count need no
+communication. `shard(items, dp_size, dp_rank, balance)` then picks this DP rank's samples; the
+peers of one DP rank (its TP group) pick the same ones. The loss of every micro-batch is divided by
+the *global* token count, so summing gradients over DP ranks (`all_reduce_grads`, or Megatron's
+DDP with `calculate_per_token_loss` on GPU) gives exactly the DP=1 gradient of the same batch.
+
+- default split: contiguous runs of (almost) equal sample counts, in batch order;
+- `--balance-data`: longest first onto the rank with the fewest tokens so far (LPT), each rank's
+  samples then back in batch order, so token counts differ by at most one sample's length.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
+    """This DP rank's share of `items`; `tokens(item)` is its token count (used with `balance`)."""
+    if dp_size == 1:
+        return list(items)
+    if not balance:
+        per, extra = divmod(len(items), dp_size)
+        start = dp_rank * per + min(dp_rank, extra)
+        return list(items[start:start + per + (dp_rank < extra)])
+    loads = [0] * dp_size
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-tokens(items[i]), i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += tokens(items[i])
+    return [item for i, item in enumerate(items) if owner[i] == dp_rank]
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
+    """Sum the gradients of `params` over `group` (one coalesced buffer per dtype)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(synced)
+
+
+def all_reduce_sums(sums: dict[str, float], group) -> dict[str, float]:
+    """Metric sums over every DP rank (keys sorted, so every rank packs them in the same order)."""
+    if group is None or dist.get_world_size(group) == 1 or not sums:
+        return sums
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return dict(zip(keys, t.tolist()))
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group) -> float:
+    """`torch.nn.utils.clip_grad_norm_` over a tensor-parallel model: Megatron marks sharded
+    parameters `tensor_model_parallel`; their squared norms are summed over the TP group, the
+    replicated ones (identical on every TP rank) are counted once. Returns the total norm."""
+    with_grad = [p for p in params if p.grad is not None]
+    sq_sharded, sq_replicated = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    for p in with_grad:
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "tensor_model_parallel", False):
+            sq_sharded += sq
+        else:
+            sq_replicated += sq
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        dist.all_reduce(sq_sharded, group=tp_group)
+    total = float((sq_sharded + sq_replicated).sqrt())
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in with_grad:
+            p.grad.mul_(coef)
+    return total
