@@ -134,7 +134,7 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
                         num_cpus_per_engine=cfg.run.num_cpus_per_engine).start()
     stack.callback(fleet.shutdown)
-    trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actors)
+    trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actor_handles())
     stack.callback(trainer.shutdown)
     restored = trainer.call("restore_latest").result()
     start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})

@@ -12,7 +12,13 @@ Failure rules (DESIGN §9):
 - a 4xx answer to `/generate` is a bug in the request: `EngineRequestError`.
 - control calls (`/health`, `/model_info`, `/get_weight_version`, pause/continue, `/flush_cache`,
   `/update_weights_from_disk`, `/abort_request`) are idempotent and retried on connection errors,
-  timeouts and 5xx; when retries run out, `EngineControlError` names the engine and the endpoint.
+  timeouts and 5xx; when retries run out, `EngineControlError` names the engine and the endpoint
+  (`EngineUnavailableError`, a subclass, when the engine never answered: connection error, timeout
+  or 5xx). A 4xx answer is final and not retried.
+- the distributed weight-update calls (`/init_weights_update_group`, `/update_weights_from_distributed`,
+  `/destroy_weights_update_group`; `miles_core.weights.distributed`) are never retried: the engine
+  takes part in a collective, and a second request would wait forever for a peer. Each takes its own
+  `timeout_seconds`.
 
 Per-token weight versions: with `stream=True` (the default) the client reads SGLang's SSE stream
 (`data: {json}` lines, then `data: [DONE]`). Each chunk carries the output so far and
@@ -51,6 +57,10 @@ class EngineControlError(RuntimeError):
 
     def __init__(self, message: str):
         super().__init__(message)
+
+
+class EngineUnavailableError(EngineControlError):
+    """The engine gave no answer (connection error, timeout or 5xx), as opposed to refusing (4xx)."""
 
 
 @dataclass
@@ -263,11 +273,12 @@ class EngineClient:
 
     # ---- control ------------------------------------------------------------------------------
     async def _control(self, url: str, method: str, path: str, body: dict | None = None,
-                       retries: int | None = None) -> Any:
+                       retries: int | None = None, timeout_seconds: float | None = None) -> Any:
         """One idempotent control call with retries; returns parsed JSON (or text, or None)."""
         retries = self.control_retries if retries is None else retries
-        timeout = aiohttp.ClientTimeout(total=self.control_timeout_seconds, sock_connect=self.connect_timeout_seconds)
-        last = ""
+        total = self.control_timeout_seconds if timeout_seconds is None else timeout_seconds
+        timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout_seconds, total))
+        last, answered = "", False
         for attempt in range(retries + 1):
             if attempt:
                 await asyncio.sleep(self.retry_backoff_seconds * 2 ** (attempt - 1))
@@ -281,10 +292,12 @@ class EngineClient:
                             return text
                     last = f"HTTP {resp.status}: {text[:500]}"
                     if resp.status < 500:
+                        answered = True
                         break  # the engine said no; asking again will not change that
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
-                last = f"{type(e).__name__}: {e}"
-        raise EngineControlError(f"{method} {url}{path} failed: {last}")
+                last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        error = EngineControlError if answered else EngineUnavailableError
+        raise error(f"{method} {url}{path} failed: {last}")
 
     async def _all(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
         urls = self.urls
@@ -335,24 +348,43 @@ class EngineClient:
         if bad:
             raise EngineControlError(f"update_weights_from_disk({model_path}) failed on {bad}")
 
-    # NCCL weight push (GPU, SGLang only; miles_core.weights.nccl). Each engine joins the group at its
-    # own rank offset, so these take a client over exactly one engine: `EngineClient([url])` per engine.
+    # The distributed weight push (miles_core.weights.distributed; SGLang's protocol, NCCL on GPU and gloo
+    # on the CPU engine). Never retried (see module doc). A 4xx answer (success false, or a request
+    # validation error) raises EngineControlError with the engine's message; no answer raises
+    # EngineUnavailableError.
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str, backend: str = "nccl") -> None:
+                                        world_size: int, group_name: str, backend: str = "nccl", *,
+                                        timeout_seconds: float | None = None) -> dict:
+        """Join the engine at `rank_offset` (each engine has its own, so the client must hold one engine:
+        `EngineClient([url])`). Blocks until every rank has joined, so send it concurrently with the
+        trainer's own join."""
         body = {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                 "world_size": world_size, "group_name": group_name, "backend": backend}
-        await self._success(await self._control(self._single("init_weights_update_group"), "POST",
-                                                 "/init_weights_update_group", body, retries=0))
+        return self._success(await self._control(self._single("init_weights_update_group"), "POST",
+                                                 "/init_weights_update_group", body, retries=0,
+                                                 timeout_seconds=timeout_seconds))
 
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                              group_name: str, flush_cache: bool, weight_version: int) -> None:
-        """Not retried: the engine takes part in a broadcast, and a second request would wait forever."""
+                                              group_name: str, *, flush_cache: bool = False,
+                                              weight_version: int | str | None = None,
+                                              timeout_seconds: float | None = None) -> list[dict]:
+        """Every engine receives `names` by broadcast from rank 0, in order; send it concurrently with the
+        broadcast. `weight_version` (sent as a string) is set by the engine only when given."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
-                "flush_cache": flush_cache, "weight_version": str(weight_version)}
-        res = await asyncio.gather(*(self._control(u, "POST", "/update_weights_from_distributed", body, retries=0)
-                                     for u in self.urls))
-        for r in res:
-            await self._success(r)
+                "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        res = await asyncio.gather(*(self._control(u, "POST", "/update_weights_from_distributed", body, retries=0,
+                                                   timeout_seconds=timeout_seconds) for u in self.urls))
+        return [self._success(r) for r in res]
+
+    async def destroy_weights_update_group(self, group_name: str, *,
+                                           timeout_seconds: float | None = None) -> list[dict]:
+        """Every engine leaves and destroys the group (an engine without it answers 400: EngineControlError)."""
+        res = await asyncio.gather(*(self._control(u, "POST", "/destroy_weights_update_group",
+                                                   {"group_name": group_name}, retries=0,
+                                                   timeout_seconds=timeout_seconds) for u in self.urls))
+        return [self._success(r) for r in res]
 
     def _single(self, what: str) -> str:
         if len(self._engines) != 1:
@@ -361,9 +393,10 @@ class EngineClient:
         return self._engines[0].url
 
     @staticmethod
-    async def _success(res: Any) -> None:
+    def _success(res: Any) -> Any:
         if isinstance(res, dict) and res.get("success") is False:
             raise EngineControlError(f"engine answered success=false: {res.get('message')}")
+        return res
 
     async def abort_request(self, rid: str, url: str | None = None) -> None:
         if url is not None:

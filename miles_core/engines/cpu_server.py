@@ -6,13 +6,33 @@ Endpoints, with SGLang's request/response shapes (docs/engines.md lists the fiel
 `POST /generate` (non-streaming and `"stream": true` SSE), `POST /pause_generation {mode}`,
 `POST /continue_generation`, `GET|POST /flush_cache`, `POST /update_weights_from_disk`,
 `GET /get_weight_version`, `GET /get_model_info` (and `/model_info`), `POST /abort_request {rid}`,
-`GET /health` (and `/health_generate`).
+`GET /health` (and `/health_generate`), and SGLang's distributed weight update over gloo:
+`POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
+`POST /destroy_weights_update_group` (miles_core.weights.distributed is the trainer's side).
+
+Distributed weight update: the engine joins the group at `rank_offset` (it has one rank: TP 1) with
+SGLang's `init_custom_process_group` helper, in a thread of its own (the rendezvous blocks until every
+rank joined). Each `/update_weights_from_distributed` receives its tensors by broadcast from rank 0 in
+that thread, then merges them into the current HF tensors (a bucket is partial: names it does not
+carry keep their values) and swaps the new model in between two engine steps, like
+`/update_weights_from_disk`; `weight_version` changes only when the request carries one. While the
+engine is paused, the model is built once per push rather than once per bucket: a bucket without a
+version is merged and the build waits for the bucket with the version, or for the next engine step,
+whichever comes first (no step ever runs on a model that lacks a received bucket). Errors answer
+as SGLang's do: 400 with `{"success": false, "message"}`, or 400 with SGLang's request-validation error
+body (`{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}`) for a body
+that lacks a field or has one of the wrong type. Metadata that cannot be received (an unknown group,
+an unknown dtype, a malformed shape) is refused before the broadcast, as in SGLang; a name whose
+shape differs from the served tensor is refused after it (so rank 0's broadcast completes) and the
+served weights stay as they were.
 
 Threading: the HTTP side runs on one asyncio loop; every engine operation (step, add, abort, pause,
-weight swap) runs on one worker thread, one at a time, so they never interleave. A streamed chunk
-carries the tokens of one weight version only, so a client can attribute every token to the version
-that produced it (DESIGN §5.4): a chunk goes out every `--stream-interval` tokens, at every version
-change and at the finish.
+weight swap) runs on one worker thread, one at a time, so they never interleave. Weight-update group
+operations run on a second thread (see below); a receive blocked by a dead peer does not hold up
+shutdown (the process exits without waiting for it). A streamed chunk carries the tokens of one
+weight version only, so a client can attribute every token to the version that produced it
+(DESIGN §5.4): a chunk goes out every `--stream-interval` tokens, at every version change and at
+the finish.
 """
 
 from __future__ import annotations
@@ -22,14 +42,16 @@ import asyncio
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 from aiohttp import web
 
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
-from miles_core.engines.model import CausalLM, ModelLoadError
+from miles_core.engines.model import CausalLM, ModelLoadError, read_safetensors, read_spec
 
 log = logging.getLogger("miles_core.engines.cpu_server")
 
@@ -49,13 +71,25 @@ class _Progress:
 
 class CpuEngineServer:
     def __init__(self, model_path: str, weight_version: int = 0, max_running_requests: int = 512,
-                 max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8):
+                 max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8,
+                 dist_timeout_seconds: float = 120.0):
         self.model_path = model_path
         self.stream_interval = stream_interval
-        self.engine = BatchEngine(CausalLM.load(model_path), weight_version, max_running_requests,
-                                  max_total_tokens, seed)
+        model, self.hf_tensors = _load_model(model_path)
+        self.engine = BatchEngine(model, weight_version, max_running_requests, max_total_tokens, seed)
         self.tokenizer = _load_tokenizer(model_path)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Weight-update groups: joins, receives and destroys run here, one at a time, off the engine
+        # thread and off the event loop (a rendezvous or a broadcast blocks until every rank takes part).
+        self.dist_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-group")
+        self.dist_timeout_seconds = dist_timeout_seconds
+        self.groups: dict = {}  # group_name -> torch ProcessGroup
+        self.dist_busy = 0  # operations queued or running in dist_pool
+        self._dist_count = threading.Lock()
+        self._dist_waiters: set[asyncio.Task] = set()
+        self._weights_lock = asyncio.Lock()  # one weight change at a time (disk or distributed)
+        self._build_lock = asyncio.Lock()  # model builds from hf_tensors, in order
+        self._stale = False  # hf_tensors holds received buckets the served model does not have yet
         self.progress: dict[str, _Progress] = {}
         self._inbox: list[Request] = []
         self._wake = asyncio.Event()
@@ -71,6 +105,9 @@ class CpuEngineServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/model_info", self.model_info)
@@ -91,6 +128,15 @@ class CpuEngineServer:
         if self._loop_task:
             self._loop_task.cancel()
         self.pool.shutdown(wait=False)
+        for task in list(self._dist_waiters):  # a handler waiting on a blocked receive must not hold shutdown
+            task.cancel()
+        if not self.dist_busy:  # destroying a group that a blocked receive still uses would block too
+            for name in list(self.groups):
+                try:
+                    self._destroy_group(name)
+                except Exception as e:  # noqa: BLE001 - shutting down anyway
+                    log.warning("destroying group %s at shutdown failed: %s", name, e)
+        self.dist_pool.shutdown(wait=False)
 
     async def _call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
@@ -101,6 +147,8 @@ class CpuEngineServer:
             if self.engine.paused or not (self._inbox or self.engine.has_work()):
                 await self._wake.wait()
                 continue
+            if self._stale:  # never step on a model that lacks received buckets
+                await self._rebuild(None)
             inbox, self._inbox = self._inbox, []
             self._dispatch(await self._call(self._add_and_step, inbox))
 
@@ -255,16 +303,158 @@ class CpuEngineServer:
             return web.json_response({"success": False, "message": str(e)}, status=400)
         if body.get("abort_all_requests", False):
             await self._abort(None, "Aborted by update_weights_from_disk")
-        try:  # read the checkpoint off the engine thread, then swap it in between two steps
-            model = await asyncio.get_running_loop().run_in_executor(None, CausalLM.load, path)
-            await self._call(self.engine.load_weights, model, version)
-        except (ModelLoadError, ValueError, OSError) as e:
-            return web.json_response({"success": False, "message": f"Failed to load weights from {path}: {e}"},
-                                     status=400)
-        self.model_path = path
+        async with self._weights_lock:
+            try:  # read the checkpoint off the engine thread, then swap it in between two steps
+                model, tensors = await asyncio.get_running_loop().run_in_executor(None, _load_model, path)
+                await self._call(self.engine.load_weights, model, version)
+            except (ModelLoadError, ValueError, OSError) as e:
+                return web.json_response({"success": False, "message": f"Failed to load weights from {path}: {e}"},
+                                         status=400)
+            self.model_path, self.hf_tensors, self._stale = path, tensors, False
         log.info("loaded weights from %s (weight version %s)", path, self.engine.version)
         return web.json_response({"success": True, "message": "Succeeded to update model weights.",
                                   "num_paused_requests": self.engine.num_requests})
+
+    # ---- distributed weight update (SGLang's protocol over gloo) ------------------------------
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = _fields(await _json_or_empty(request), {"master_address": str, "master_port": int,
+                                                           "rank_offset": int, "world_size": int},
+                           {"group_name": (str, "weight_update_group"), "backend": (str, "nccl")})
+        except ValueError as e:
+            return _validation_error(str(e))
+        name, backend = body["group_name"], body["backend"]
+        rank = body["rank_offset"]  # + this engine's TP rank, which is 0
+        log.info("init custom process group: master_address=%s, master_port=%d, rank_offset=%d, rank=%d, "
+                 "world_size=%d, group_name=%s, backend=%s", body["master_address"], body["master_port"],
+                 body["rank_offset"], rank, body["world_size"], name, backend)
+        if not name:
+            return _answer(False, "Failed to initialize custom process group: group name cannot be empty.")
+        if name in self.groups:
+            return _answer(False, f"Failed to initialize custom process group: group {name!r} already exists; "
+                                  "destroy it first (/destroy_weights_update_group).")
+        if backend != "gloo":
+            return _answer(False, f"Failed to initialize custom process group: backend {backend!r} is not "
+                                  "available on the CPU engine; use gloo.")
+        try:
+            self.groups[name] = await self._dist(self._join, body["master_address"], body["master_port"], rank,
+                                                 body["world_size"], name)
+        except Exception as e:  # noqa: BLE001 - SGLang answers every failure of the join the same way
+            log.error("Failed to initialize custom process group: %s", e)
+            return _answer(False, f"Failed to initialize custom process group: {e}.")
+        return _answer(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            body = _fields(await _json_or_empty(request), {"names": list, "dtypes": list, "shapes": list},
+                           {"group_name": (str, "weight_update_group"), "flush_cache": (bool, True),
+                            "weight_version": ((str, int, type(None)), None), "abort_all_requests": (bool, False),
+                            "load_format": ((str, type(None)), None)})
+            _list_of("names", body["names"], str)
+            _list_of("dtypes", body["dtypes"], str)
+            for shape in body["shapes"]:
+                _list_of("shapes", shape, int)
+            version = _parse_version(body["weight_version"])
+        except ValueError as e:
+            return _validation_error(str(e))
+        name = body["group_name"]
+        if name not in self.groups:
+            return _unknown_group(name, self.groups)
+        try:  # refused before the broadcast, like SGLang (whose rank 0 then waits for this engine until its timeout)
+            metas = _tensor_metas(body["names"], body["dtypes"], body["shapes"])
+            if body["load_format"] not in (None, "direct"):
+                raise ValueError(f"load_format={body['load_format']!r} is not supported by the CPU engine")
+        except ValueError as e:
+            return _answer(False, f"Failed to update parameter online: {e}. The served weights are unchanged.")
+        if body["abort_all_requests"]:
+            await self._abort(None, "Aborted by update_weights_from_distributed")
+        async with self._weights_lock:
+            group = self.groups.get(name)
+            if group is None:  # destroyed while this request waited
+                return _unknown_group(name, self.groups)
+            t0 = time.monotonic()
+            try:
+                received = await self._dist(_receive, group, metas)
+            except Exception as e:  # noqa: BLE001 - a broken collective: the group is unusable now
+                log.error("receiving weights failed: %s", e)
+                return _answer(False, f"Failed to update parameter online: {e}. The served weights are "
+                                      "unchanged; destroy and re-initialize the group.")
+            t1 = time.monotonic()
+            try:
+                tensors = _merge(self.hf_tensors, received)
+            except ValueError as e:
+                return _answer(False, f"Failed to update parameter online: {e}. The served weights are unchanged.")
+            previous, self.hf_tensors = self.hf_tensors, tensors
+            if version is None and self.engine.paused:
+                self._stale = True  # built once: with the bucket that carries the version, or before the next step
+            else:
+                try:
+                    await self._rebuild(version)
+                except (ModelLoadError, ValueError) as e:
+                    self.hf_tensors, self._stale = previous, True  # previous may hold deferred buckets
+                    return _answer(False, f"Failed to update parameter online: {e}. "
+                                          "The served weights are unchanged.")
+            nbytes = sum(t.numel() * t.element_size() for t in received.values())
+            log.info("received %d tensors (%.1f MiB) over %s in %.3fs, %s in %.3fs (weight version %s)", len(metas),
+                     nbytes / 2**20, name, t1 - t0, "deferred the build" if self._stale else "built the model",
+                     time.monotonic() - t1, self.engine.version)
+        message = "Succeeded to update parameter online."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return _answer(True, message)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            body = _fields(await _json_or_empty(request), {}, {"group_name": (str, "weight_update_group")})
+        except ValueError as e:
+            return _validation_error(str(e))
+        if body["group_name"] not in self.groups:
+            return _answer(False, "The group to be destroyed does not exist.")
+        try:
+            await self._dist(self._destroy_group, body["group_name"])
+        except Exception as e:  # noqa: BLE001
+            return _answer(False, f"Failed to destroy custom process group: {e}.")
+        return _answer(True, "Succeeded to destroy custom process group.")
+
+    async def _rebuild(self, version: int | None) -> None:
+        """Build the model from `hf_tensors` off the engine thread and swap it in between two steps."""
+        async with self._build_lock:
+            tensors, self._stale = self.hf_tensors, False
+            model = await asyncio.get_running_loop().run_in_executor(None, CausalLM, self.engine.model.spec,
+                                                                     tensors, "update_weights_from_distributed")
+            await self._call(self.engine.load_weights, model, version)
+
+    async def _dist(self, fn, *args):
+        """Run `fn` in the group thread. `dist_busy` counts operations until their thread finishes (a
+        cancelled waiter does not end a blocked receive); the waiting handler can be cancelled at shutdown."""
+        with self._dist_count:
+            self.dist_busy += 1
+        future = self.dist_pool.submit(fn, *args)
+        future.add_done_callback(self._dist_done)
+        task = asyncio.current_task()
+        self._dist_waiters.add(task)
+        try:
+            return await asyncio.wrap_future(future)
+        finally:
+            self._dist_waiters.discard(task)
+
+    def _dist_done(self, _future) -> None:
+        with self._dist_count:
+            self.dist_busy -= 1
+
+    def _join(self, address: str, port: int, rank: int, world_size: int, name: str):
+        from miles_core.weights.distributed import init_custom_process_group
+
+        return init_custom_process_group(backend="gloo", init_method=f"tcp://{address}:{port}",
+                                         timeout=timedelta(seconds=self.dist_timeout_seconds),
+                                         world_size=world_size, rank=rank, group_name=name)
+
+    def _destroy_group(self, name: str) -> None:
+        import torch.distributed as dist
+
+        pg = self.groups.pop(name, None)
+        if pg is not None:
+            dist.destroy_process_group(pg)
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(self.engine.version)})
@@ -319,6 +509,93 @@ def _parse_version(v) -> int | None:
         return int(v)
     except (TypeError, ValueError) as e:
         raise ValueError(f"weight_version={v!r}: the CPU engine keeps integer versions") from e
+
+
+def _load_model(path: str) -> tuple[CausalLM, dict]:
+    """The served model and the HF tensors it was built from (a distributed update merges into these)."""
+    tensors = read_safetensors(path)
+    return CausalLM(read_spec(path), tensors, path), tensors
+
+
+def _fields(body: dict, required: dict, optional: dict) -> dict:
+    """Check a JSON body like SGLang's request models do: required fields and types, defaults for the rest."""
+    out = {}
+    missing = [k for k in required if k not in body]
+    if missing:
+        raise ValueError(f"missing field(s): {', '.join(missing)}")
+    for k, typ in required.items():
+        out[k] = _typed(k, body[k], typ)
+    for k, (typ, default) in optional.items():
+        out[k] = _typed(k, body[k], typ) if k in body else default
+    return out
+
+
+def _typed(key: str, value, typ):
+    types = typ if isinstance(typ, tuple) else (typ,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+        raise ValueError(f"field {key!r}: {value!r} is not {names}")
+    return value
+
+
+def _list_of(key: str, value, typ) -> None:
+    """A request-model check: `value` is a list of `typ` (bools are not ints)."""
+    if not isinstance(value, list) or not all(isinstance(v, typ) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"field {key!r}: {value!r} is not a list of {typ.__name__}")
+
+
+def _tensor_metas(names: list, dtypes: list, shapes: list) -> list:
+    """(name, torch dtype, shape) per tensor; ValueError for metadata that cannot be received."""
+    import torch
+
+    if not (len(names) == len(dtypes) == len(shapes)):  # SGLang zips them (silently dropping the excess)
+        raise ValueError(f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})")
+    metas = []
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        dt = getattr(torch, dtype, None)
+        if not isinstance(dt, torch.dtype):
+            raise ValueError(f"{name}: dtype {dtype!r} is not a torch dtype (e.g. float32, bfloat16)")
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: shape {shape} has a negative dimension")
+        metas.append((name, dt, shape))
+    return metas
+
+
+def _receive(group, metas: list) -> dict:
+    """Receive each tensor by broadcast from rank 0 of `group`, in order (the CPU engine's TP is 1)."""
+    import torch
+
+    from miles_core.weights.distributed import broadcast_bucket
+
+    tensors = {name: torch.empty(shape, dtype=dt) for name, dt, shape in metas}
+    broadcast_bucket(list(tensors.values()), group)
+    return tensors
+
+
+def _merge(current: dict, received: dict) -> dict:
+    """The current HF tensors with `received` replacing (or adding) theirs, as float32; ValueError when a
+    received tensor's shape differs from the served one's."""
+    bad = [f"{k}: {list(v.shape)} != {list(current[k].shape)}" for k, v in received.items()
+           if k in current and v.shape != current[k].shape]
+    if bad:
+        raise ValueError("shape differs from the served tensor: " + "; ".join(bad))
+    return {**current, **{k: v.float() for k, v in received.items()}}
+
+
+def _unknown_group(name: str, groups: dict) -> web.Response:
+    # SGLang's ModelRunner asserts this (outside its try); the CPU engine answers it like a failed update.
+    return _answer(False, f"Group {name} not in {list(groups)}. Please call `init_weights_update_group` first.")
+
+
+def _answer(success: bool, message: str) -> web.Response:
+    """SGLang's answer to the weight-update endpoints: 200, or 400 with success false."""
+    return web.json_response({"success": success, "message": message}, status=200 if success else 400)
+
+
+def _validation_error(message: str) -> web.Response:
+    """SGLang's answer to a body its request model rejects (FastAPI validation, mapped to 400)."""
+    return web.json_response({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                              "code": 400}, status=400)
 
 
 def _load_tokenizer(model_path: str):
@@ -383,6 +660,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="Send a stream chunk every N tokens (SGLang's flag). A chunk is also sent at every "
                          "weight-version change and at the finish, so per-token versions stay exact.")
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads.")
+    ap.add_argument("--dist-timeout-seconds", type=float, default=120.0,
+                    help="Timeout of a weight-update group's rendezvous and of each of its broadcasts.")
     args = ap.parse_args(argv)
 
     import torch
@@ -392,7 +671,7 @@ def main(argv: list[str] | None = None) -> None:
 
     async def run() -> None:
         server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
-                                 args.max_total_tokens, args.seed, args.stream_interval)
+                                 args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds)
         runner = await serve(server, args.host, args.port)
         log.info("CPU engine serving %s on http://%s:%d (weight version %d)", args.model_path, args.host,
                  args.port, args.weight_version)
@@ -406,8 +685,14 @@ def main(argv: list[str] | None = None) -> None:
         await stop.wait()
         watchdog.cancel()
         await runner.cleanup()
+        return server.dist_busy
 
-    asyncio.run(run())
+    if asyncio.run(run()):
+        # A receive blocked in a collective (a peer died) ends only at the group's timeout, and the
+        # interpreter would wait for its thread: leave now, the process is being stopped.
+        log.warning("exiting with a weight-update group operation still blocked")
+        logging.shutdown()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,13 @@ with the newest weights it was told about (`note_weights`), so the URL stays val
 engine does not serve stale weights. Requests that were in flight on the dead process are answered
 by `EngineClient` as aborted (their connection drops); the run goes on (DESIGN §9).
 
+`restart()` (`EngineServer`, `EngineActor`; `EngineFleet.restart(i)`) does the same on demand and
+blocks until the engine is healthy: the distributed weight transport calls it for an engine that
+stopped answering mid-push. The restart count is the engine's generation: it changes with every
+restart, whoever made it, so the weight transport knows to form its group again
+(`EngineFleet.restart_counts()`). A monitor restart never undoes an on-demand one: the monitor only
+replaces the process it judged dead.
+
 Naming: methods of `EngineFleet` are blocking (they wait on the actors). This module never calls
 `ray.init`: inside a Flyte Ray task the plugin has done it; tests do it themselves.
 """
@@ -121,7 +128,9 @@ class EngineServer:
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
         self.port = free_port(spec.bind_host if spec.bind_host not in ("0.0.0.0", "::") else "")
         self.url = f"http://{_url_host(spec.bind_host)}:{self.port}"
-        self.log_path = os.path.join(log_dir or tempfile.mkdtemp(prefix="miles-engine-"), f"{name}.log")
+        log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
+        os.makedirs(log_dir, exist_ok=True)
+        self.log_path = os.path.join(log_dir, f"{name}.log")
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
         self._lock = threading.RLock()
@@ -143,6 +152,16 @@ class EngineServer:
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
+
+    def restart(self) -> str:
+        """Kill the process (whatever state it is in) and start it again on the same port with the newest
+        noted weights; block until it is healthy (EngineStartError otherwise). Returns the URL."""
+        with self._lock:
+            log.warning("%s: restart requested", self.name)
+            self._terminate()
+            self._launch()
+            self.restarts += 1
+        return self.url
 
     def stop(self) -> None:
         self._stop.set()
@@ -178,6 +197,7 @@ class EngineServer:
             return
         try:  # the server may have children (SGLang's scheduler/detokenizer): end its process group
             os.killpg(p.pid, signal.SIGTERM)
+            os.killpg(p.pid, signal.SIGCONT)  # a stopped process handles SIGTERM only once continued
             p.wait(timeout=15)
         except (subprocess.TimeoutExpired, ProcessLookupError, PermissionError):
             try:
@@ -191,17 +211,21 @@ class EngineServer:
         backoff = 1.0
         while not self._stop.wait(self.spec.health_interval_seconds):
             with self._lock:
-                exited = self.proc is None or self.proc.poll() is not None
+                judged = self.proc
+                exited = judged is None or judged.poll() is not None
             if not exited:
                 failures = 0 if _healthy(self.url, timeout=10.0) else failures + 1
                 if failures < self.spec.health_failures_before_restart:
                     continue
             if self._stop.is_set():
                 return
-            code = self.proc.returncode if self.proc is not None else None
-            log.warning("%s: engine %s (exit code %s); restarting", self.name,
-                        "exited" if exited else "stopped answering /health", code)
             with self._lock:
+                if self.proc is not judged:  # restarted on demand meanwhile: judge the new process afresh
+                    failures = 0
+                    continue
+                code = judged.returncode if judged is not None else None
+                log.warning("%s: engine %s (exit code %s); restarting", self.name,
+                            "exited" if exited else "stopped answering /health", code)
                 self._terminate()
                 try:
                     self._launch()
@@ -245,6 +269,9 @@ class EngineActor:
     def note_weights(self, model_path: str, weight_version: int) -> None:
         self.server.note_weights(model_path, weight_version)
 
+    def restart(self) -> str:
+        return self.server.restart()
+
     def shutdown(self) -> None:
         self.server.stop()
 
@@ -287,6 +314,17 @@ class EngineFleet:
         import ray
 
         return ray.get([a.pid.remote() for a in self.actors])
+
+    def actor_handles(self) -> list:
+        """The Ray actor handles, engine i at index i (to call from other actors, e.g. a trainer rank)."""
+        return list(self.actors)
+
+    def restart(self, i: int) -> str:
+        """Restart engine i now (kill, start on the same port with the noted weights) and block until it
+        is healthy; its restart count goes up by one. Returns its URL."""
+        import ray
+
+        return ray.get(self.actors[i].restart.remote())
 
     def note_weights(self, model_path: str, weight_version: int) -> None:
         """Tell every actor the weights the engines now serve (call after each weight update)."""

@@ -7,7 +7,8 @@
   3. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
   4. flush the cache unless in_place;
   5. load the weights on every engine: `update_weights_from_disk(path, version)` (disk), or the
-     NCCL broadcast (`NcclWeightTransport`, GPU), setting the weight version without aborting;
+     bucketed broadcast of `DistributedWeightTransport` (NCCL on GPU, gloo on CPU), setting the
+     weight version without aborting;
   6. resume every engine;
   7. publish the version to the rollout side (a callback).
 Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a

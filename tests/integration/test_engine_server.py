@@ -5,7 +5,10 @@ of the control endpoints; per-token weight versions across an in-place pause + w
 resume; that a weight reload changes what is generated; abort by rid and pause(mode=abort) end
 requests with finish_reason abort; retract keeps requests alive; the client's least-in-flight
 dispatch, its fallback when a connection is refused, and that a killed engine's in-flight requests come
-back as aborted (not as exceptions) while the launcher restarts the process.
+back as aborted (not as exceptions) while the launcher restarts the process. The distributed weight
+update endpoints (SGLang's shapes over gloo): their error answers, and a round trip with rank 0 in
+this test process (partial buckets merge, the version moves only when sent, the result equals a disk
+load of the same weights exactly).
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ import time
 import aiohttp
 import pytest
 
+import socket
+from datetime import timedelta
+
+import torch
+from safetensors.torch import load_file
+
 from miles_core.engines.client import EngineClient, GenerateResult
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer, free_port
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.weights.distributed import broadcast_bucket, destroy_custom_process_group, init_custom_process_group
 
 PROMPT = [1, 2, 3, 4, 10]
 
@@ -380,3 +390,130 @@ def test_killed_engine_returns_in_flight_as_aborted_and_restarts(ckpts):
 
 async def _restarted(server: EngineServer) -> bool:
     return server.restarts >= 1
+
+
+# ---- distributed weight update (SGLang's protocol over gloo) ------------------------------------
+async def _post(session, url, path, body):
+    async with session.post(url + path, json=body) as r:
+        return r.status, await r.json()
+
+
+def _is_validation_error(status, body):
+    """SGLang's answer to a body its request model rejects: 400 with FastAPI's error envelope."""
+    return status == 400 and body["object"] == "error" and body["code"] == 400 and body["type"] == "Bad Request"
+
+
+def test_distributed_update_error_answers(gpt_engine):
+    """Missing or mistyped fields: 400 with SGLang's validation-error body; an unknown group (update or
+    destroy) and a backend the CPU engine lacks: 400 with success false and SGLang's message."""
+    good = {"names": ["transformer.ln_f.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "nope"}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            u = gpt_engine.url
+            for path, body in [("/init_weights_update_group", {}),
+                               ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": "x",
+                                                               "rank_offset": 1, "world_size": 2}),
+                               ("/update_weights_from_distributed", {}),
+                               ("/update_weights_from_distributed", {**good, "names": "transformer.ln_f.weight"}),
+                               ("/update_weights_from_distributed", {**good, "shapes": [[1.5]]}),
+                               ("/update_weights_from_distributed", {**good, "weight_version": [3]})]:
+                status, res = await _post(s, u, path, body)
+                assert _is_validation_error(status, res), (path, body, status, res)
+            status, res = await _post(s, u, "/update_weights_from_distributed", good)
+            assert status == 400 and res["success"] is False
+            assert "Group nope not in" in res["message"] and "init_weights_update_group" in res["message"]
+            status, res = await _post(s, u, "/destroy_weights_update_group", {"group_name": "nope"})
+            assert (status, res) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
+            status, res = await _post(s, u, "/init_weights_update_group",
+                                      {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                       "world_size": 2, "group_name": "g", "backend": "nccl"})
+            assert status == 400 and res["success"] is False and "gloo" in res["message"]
+
+    run(go())
+
+
+def test_distributed_update_round_trip(gpt_engine, ckpts):
+    """This process is rank 0 of a world of 2 (the engine at rank_offset 1): init answers success; a second
+    init of the same group is refused; a bad dtype or a negative dim is refused before the broadcast; a
+    shape that differs from the served tensor is refused after it, changing nothing; two buckets without
+    a version while paused are merged, kept the version, and are served after the resume; a bucket with
+    weight_version "7" moves the version; both times the engine computes what a disk load of the same
+    checkpoint computes (to 1e-6); destroy answers success, a second destroy does not."""
+    other = load_file(os.path.join(ckpts["gpt_other"], "model.safetensors"))
+    names = list(other)
+    greedy = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mine = {}
+
+    def join():
+        mine["pg"] = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", timedelta(seconds=30), 2, 0,
+                                               group_name="g")
+
+    async def update(s, bucket, version=None, body_extra=None):
+        body = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+                "shapes": [list(t.shape) for _, t in bucket], "group_name": "g", "flush_cache": False,
+                **({"weight_version": version} if version is not None else {}), **(body_extra or {})}
+        (status, res), _ = await asyncio.gather(_post(s, gpt_engine.url, "/update_weights_from_distributed", body),
+                                                asyncio.to_thread(broadcast_bucket, [t for _, t in bucket], mine["pg"]))
+        return status, res
+
+    async def go():
+        async with aiohttp.ClientSession() as s, EngineClient([gpt_engine.url]) as c:
+            u = gpt_engine.url
+            await c.update_weights_from_disk(ckpts["gpt"], 1)
+            before = await c.generate(PROMPT, greedy)
+            init = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                    "group_name": "g", "backend": "gloo"}
+            (status, res), _ = await asyncio.gather(_post(s, u, "/init_weights_update_group", init),
+                                                    asyncio.to_thread(join))
+            assert (status, res) == (200, {"success": True, "message": "Succeeded to initialize custom process group."})
+            status, res = await _post(s, u, "/init_weights_update_group", init)
+            assert status == 400 and res["success"] is False and "already exists" in res["message"]
+
+            for bad in ({"dtypes": ["float99"]}, {"shapes": [[-1]]}):  # refused before any broadcast
+                body = {"names": [names[0]], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g", **bad}
+                status, res = await _post(s, u, "/update_weights_from_distributed", body)
+                assert status == 400 and res["success"] is False
+                assert res["message"].startswith("Failed to update parameter online")
+
+            wrong = [(names[0], torch.zeros(3, 3))]  # received, then refused: the served weights stay
+            status, res = await update(s, wrong, "5")
+            assert status == 400 and "shape differs" in res["message"]
+            assert (await c.model_info(u))["weight_version"] == "1"
+            same = await c.generate(PROMPT, greedy)
+
+            await c.pause_generation("retract")  # paused: buckets without a version are merged, built later
+            for part in (names[:3], names[3:]):
+                status, res = await update(s, [(n, other[n]) for n in part])
+                assert (status, res["success"]) == (200, True) and "Weight version" not in res["message"]
+            assert (await c.model_info(u))["weight_version"] == "1"
+            await c.continue_generation()
+            unversioned = await c.generate(PROMPT, greedy)  # every bucket is served, under the old version
+            status, res = await update(s, [(names[0], other[names[0]])], "7")  # running: built at once
+            assert (status, res["success"]) == (200, True) and res["message"].endswith("Weight version updated to 7.")
+            assert (await c.model_info(u))["weight_version"] == "7"
+            pushed = await c.generate(PROMPT, greedy)
+            await c.update_weights_from_disk(ckpts["gpt_other"], 7)
+            loaded = await c.generate(PROMPT, greedy)
+
+            status, res = await _post(s, u, "/destroy_weights_update_group", {"group_name": "g"})
+            assert (status, res) == (200, {"success": True, "message": "Succeeded to destroy custom process group."})
+            status, res = await _post(s, u, "/destroy_weights_update_group", {"group_name": "g"})
+            assert status == 400 and res["success"] is False
+            await c.update_weights_from_disk(ckpts["gpt"], 1)  # leave the shared engine as the other tests expect
+            return before, same, unversioned, pushed, loaded
+
+    try:
+        before, same, unversioned, pushed, loaded = run(go())
+    finally:
+        destroy_custom_process_group(mine.get("pg"))
+    assert (same.output_ids, same.output_logprobs) == (before.output_ids, before.output_logprobs)
+    for got in (unversioned, pushed):  # same tensors as the disk load; float noise of the batch layout only
+        assert got.output_ids == loaded.output_ids
+        assert max(abs(a - b) for a, b in zip(got.output_logprobs, loaded.output_logprobs)) < 1e-6
+    assert max(abs(a - b) for a, b in zip(pushed.output_logprobs, before.output_logprobs)) > 1e-3
+    assert (set(unversioned.token_versions), set(pushed.token_versions)) == ({1}, {7})
+

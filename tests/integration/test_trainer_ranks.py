@@ -5,7 +5,8 @@ Pins: DP=2 makes the same update as DP=1 on the same batch (the loss is normalis
 token count and gradients are summed over DP), with and without --balance-data; TP=2 computes the
 same log-probs as TP=1 and, gathered, the same parameters after a step; a DP=2 checkpoint resumes
 at DP=2 and at DP=1 with the same next-step loss; a TP=2 checkpoint is refused at TP=1 with an
-error naming the flag.
+error naming the flag; a TP=2 trainer pushes its gathered weights over the distributed transport
+(gloo, several buckets) into a real CPU engine, whose greedy log-probs then equal the trainer's.
 
 Tolerances (fp32 on CPU; only the order of summation differs between layouts): parameters after one
 AdamW step (lr 2e-3) agree within 2e-5 absolute, log-probs within 1e-4, losses within 1e-5 relative.
@@ -32,8 +33,8 @@ def ray_up():
     ensure_ray()
 
 
-def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False):
-    flags = ["--run-id", "ranks", "--storage-root", f"file://{tmp}", "--actor-num-gpus-per-node", str(ranks),
+def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, extra: tuple = ()):
+    flags = [*extra, "--run-id", "ranks", "--storage-root", f"file://{tmp}", "--actor-num-gpus-per-node", str(ranks),
              "--tensor-model-parallel-size", str(tp), "--num-cpus-trainer", "0.25", "--micro-batch-size", "3",
              "--save", save or "", "--save-interval", "none"]
     return parse_flags(flags + (["--balance-data"] if balance else []))
@@ -123,3 +124,34 @@ def test_tensor_parallel_matches_one_rank_and_refuses_a_tp_change(tmp_path, tiny
     finally:
         for g in (one, tp2):
             g.shutdown()
+
+
+def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_transport(tmp_path, tiny_llama16):
+    import asyncio
+
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
+    from miles_core.samples import Sample
+
+    fleet = EngineFleet(EngineLaunchSpec("cpu", tiny_llama16, startup_timeout_seconds=120), 1,
+                        num_cpus_per_engine=0.25).start()
+    cfg = _cfg(tmp_path, 2, tp=2, extra=("--weight-transport", "distributed", "--update-weight-buffer-size", "16384"))
+    group = TrainerGroup(cfg, tiny_llama16, fleet.urls(), fleet.actor_handles())
+    url = fleet.urls()[0]
+
+    async def greedy():
+        async with EngineClient([url]) as c:
+            res = await c.generate([1, 2, 3, 4, 10], {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True})
+            return res, (await c.model_info(url))["weight_version"]
+
+    try:
+        group.call("train_step", 0, make_groups(n_groups=4, seed=2)).result()
+        assert group.call("push_weights", 0).result()["version"] == 1
+        res, version = asyncio.run(greedy())
+        assert version == "1"
+        probe = [Sample("p", 0, 0, [1, 2, 3, 4, 10], list(res.output_ids), [], [], [1] * len(res.output_ids))]
+        trainer_lp = group.call("logprobs", probe).result()[0]
+        assert max(abs(a - b) for a, b in zip(trainer_lp, res.output_logprobs)) < LOGP_ATOL
+    finally:
+        group.shutdown()
+        fleet.shutdown()

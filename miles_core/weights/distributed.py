@@ -1,0 +1,354 @@
+"""The `distributed` weight transport: SGLang's weight-update protocol, NCCL on GPU, gloo on CPU.
+
+The trainer (global rank 0) and every engine rank form one process group outside the trainer's own
+world, then the trainer broadcasts the HF tensors bucket by bucket:
+
+1. form the group (when there is none, when an engine was restarted since, or after a failed push):
+   `/destroy_weights_update_group` on every engine (an old group, if any, goes), then
+   `/init_weights_update_group` {master_address, master_port, rank_offset, world_size, group_name,
+   backend} to every engine concurrently while the trainer joins as rank 0 on a fresh free port of
+   `master_address`. World = 1 + sum of engine TP sizes; engine i's TP ranks start at
+   rank_offset = 1 + i * engine_tp_size (SGLang adds its TP rank to the offset).
+2. per bucket of at most `bucket_bytes` (a larger tensor goes alone), `/update_weights_from_distributed`
+   {names, dtypes, shapes, group_name, flush_cache: false[, weight_version]} to every engine
+   concurrently with `broadcast(src=0)` of the same tensors in the same order.
+
+The per-bucket version rule: SGLang sets `weight_version` after every successful call that carries
+one, so only the LAST bucket carries it (as a string, like `/update_weights_from_disk`). An engine
+that fails part-way keeps advertising the old version, never a version whose weights it lacks.
+
+Failures: no HTTP call is retried (a second request would wait forever in a broadcast). Every HTTP
+call, the rendezvous and every broadcast are bounded by `timeout_seconds` (the group's timeout is
+the same number, so a broadcast to a dead or stuck engine ends too). When a push fails, the group is
+dropped on both sides, every engine that did not answer in time (connection error, timeout, 5xx) is
+restarted with `restart_engine(i)` unless its launcher already restarted it since the group formed,
+the group is formed again and the whole push is retried once; if that fails too, `WeightPushError`
+names the engines. "Did not answer in time" includes a live engine left waiting in a broadcast that a
+dead peer broke: nothing releases such a receive before the group's timeout (destroying or aborting a
+gloo group does not; measured on torch 2.13), and SGLang forms its groups with torch's 30-minute
+default, so a restart is the only bounded way back. Engines that answered `success: false` are alive
+(their receive failed cleanly) and simply rejoin.
+
+`init_custom_process_group` is SGLang's helper (python/sglang/srt/utils/common.py), adapted to the
+installed torch: the options argument of `_new_process_group_helper` is looked up by name (SGLang
+compares version strings, which picks the wrong name on torch 2.10+). It works with or without a
+default process group in the calling process; broadcasts name the group and rank 0 of it.
+
+Only global rank 0 of the trainer holds this transport (miles_core.train.worker): its `prepare`
+gathers the full HF tensors, a TP collective its TP peers join through `Trainer.join_export`; it
+alone talks to the engines and broadcasts. (`prepare`/`load` also do nothing harmful on another
+rank: they keep no tensors and return.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from miles_core.engines.client import EngineClient, EngineControlError, EngineUnavailableError
+from miles_core.engines.launcher import free_port
+
+log = logging.getLogger(__name__)
+
+BUCKET_BYTES = 512 << 20
+GROUP_NAME = "miles-weights"
+
+
+class WeightPushError(RuntimeError):
+    """The distributed push failed twice (once, then once more after restarting and rejoining)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
+                              group_name=None, pg_options=None, device_id=None):
+    """A process group outside the default world (SGLang's helper, which copies torch's and OpenRLHF's)."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    default_pg_timeout, rendezvous)
+
+    assert (store is None) or (init_method is None), "Cannot specify both init_method and store."
+    if store is not None:
+        assert world_size > 0, "world_size must be positive if using store"
+        assert rank >= 0, "rank must be non-negative if using store"
+    elif init_method is None:
+        init_method = "env://"
+    backend = Backend(backend) if backend else Backend("undefined")
+    if timeout is None:
+        timeout = default_pg_timeout
+    if store is None:
+        store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+        store.set_timeout(timeout)
+        # A PrefixStore avoids clashes with other users of a multi-tenant store.
+        store = PrefixStore(group_name, store)
+    # torch 2.6 renamed pg_options to backend_options; ask the installed torch which one it takes.
+    params = inspect.signature(_new_process_group_helper).parameters
+    options = "backend_options" if "backend_options" in params else "pg_options"
+    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+                                      **{options: pg_options}, timeout=timeout, device_id=device_id)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+def destroy_custom_process_group(pg) -> None:
+    """Destroy a group made by `init_custom_process_group`; never raises (its peers may be gone)."""
+    if pg is None:
+        return
+    try:
+        dist.destroy_process_group(pg)
+    except Exception as e:  # noqa: BLE001 - a broken group must not stop the next one from forming
+        log.warning("destroying the weight-update group failed: %s", e)
+
+
+def buckets(tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Consecutive groups of at most `bucket_bytes`; a tensor larger than that goes alone."""
+    out: list[list[tuple[str, torch.Tensor]]] = []
+    bucket, size = [], 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            out.append(bucket)
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        out.append(bucket)
+    return out
+
+
+def dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def broadcast_bucket(tensors: list[torch.Tensor], group) -> None:
+    """Rank 0 of `group` sends (or a peer receives into) each tensor, in order."""
+    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+    for h in handles:
+        h.wait()
+
+
+@dataclass
+class _Failure:
+    """What went wrong in one attempt: per engine index, a message; `silent` did not answer at all."""
+
+    messages: dict[int, str] = field(default_factory=dict)
+    silent: set[int] = field(default_factory=set)
+    trainer: str = ""
+
+    def add(self, i: int, e: BaseException) -> None:
+        self.messages[i] = str(e) or type(e).__name__
+        if not isinstance(e, EngineControlError) or isinstance(e, EngineUnavailableError):
+            self.silent.add(i)
+
+    def __bool__(self) -> bool:
+        return bool(self.messages or self.trainer)
+
+    def describe(self, urls: list[str]) -> str:
+        parts = [f"engine {i} ({urls[i]}): {m}" for i, m in sorted(self.messages.items())]
+        if self.trainer:
+            parts.append(f"trainer (rank 0): {self.trainer}")
+        return "; ".join(parts)
+
+
+class _AttemptFailed(Exception):
+    def __init__(self, failure: _Failure):
+        super().__init__("push attempt failed")
+        self.failure = failure
+
+
+class DistributedWeightTransport:
+    """Pushes `state_fn()` to the engines at `engine_urls` over one process group (module doc)."""
+
+    local_path = None  # no local snapshot with this transport
+    key = None
+
+    def __init__(self, state_fn: Callable[[], dict[str, torch.Tensor]], engine_urls: list[str], *,
+                 master_address: str, backend: str, bucket_bytes: int, engine_tp_size: int = 1,
+                 timeout_seconds: float = 120.0, engine_generations: Callable[[], list[int]] | None = None,
+                 restart_engine: Callable[[int], None] | None = None, group_name: str = GROUP_NAME):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend={backend!r}; expected nccl (GPU) or gloo (CPU)")
+        if not engine_urls:
+            raise ValueError("DistributedWeightTransport needs at least one engine URL")
+        if bucket_bytes <= 0 or engine_tp_size <= 0 or timeout_seconds <= 0:
+            raise ValueError("bucket_bytes, engine_tp_size and timeout_seconds must be positive")
+        self.state_fn, self.engine_urls = state_fn, [u.rstrip("/") for u in engine_urls]
+        self.master_address, self.backend, self.bucket_bytes = master_address, backend, bucket_bytes
+        self.engine_tp_size, self.timeout_seconds = engine_tp_size, timeout_seconds
+        self.engine_generations, self.restart_engine = engine_generations, restart_engine
+        self.group_name = group_name
+        self.group = None  # the trainer's side of the group, None when there is none
+        self.group_generations: list[int] | None = None  # engine_generations() when the group formed
+        self.state: dict[str, torch.Tensor] | None = None
+        self.history: list[dict] = []  # per load: buckets, bytes, attempts, group formations (for tests/bench)
+
+    # ---- WeightTransport ----------------------------------------------------------------------
+    def prepare(self, step: int) -> None:
+        """Gather the HF tensors (a TP collective on the trainer: every TP peer calls this) and keep them."""
+        state = self.state_fn()
+        self.state = state if self._is_source() else None
+        if self.state is not None and not self.state:
+            raise WeightPushError("state_fn() returned no tensors; nothing to push")
+        return None
+
+    async def load(self, engines, version: int) -> None:
+        """Push the prepared tensors as `version` (engines are paused). `engines` is ignored: each engine
+        joins at its own rank offset, so this talks to `engine_urls` one client per engine."""
+        if not self._is_source():
+            return
+        if self.state is None:
+            raise WeightPushError("load() before prepare(): no tensors to push")
+        record = {"version": version, "attempts": 0, "formed": 0, "buckets": [], "failures": []}
+        self.history.append(record)
+        try:
+            first = await self._attempt(version, record)
+            if first is None:
+                return
+            log.warning("weights v%d: push failed (%s); restarting what did not answer and retrying once",
+                        version, first.describe(self.engine_urls))
+            await self._restart_silent(first)
+            second = await self._attempt(version, record)
+            if second is not None:
+                raise WeightPushError(f"weights v{version} did not reach every engine, also after restarting "
+                                      f"and rejoining: {second.describe(self.engine_urls)} "
+                                      f"(first attempt: {first.describe(self.engine_urls)})")
+        finally:
+            self.state = None  # views of live parameters must not outlive the push
+
+    async def close(self) -> None:
+        """Destroy the group on every engine that answers, then the trainer's side."""
+        if self._is_source():
+            async with _Clients(self.engine_urls) as clients:
+                await self._destroy_remote(clients)
+        destroy_custom_process_group(self.group)
+        self.group, self.group_generations = None, None
+
+    # ---- one attempt ----------------------------------------------------------------------------
+    async def _attempt(self, version: int, record: dict) -> _Failure | None:
+        """Form the group if needed and send every bucket; the failure, or None when every engine has it."""
+        record["attempts"] += 1
+        async with _Clients(self.engine_urls) as clients:
+            try:
+                if self._needs_group():
+                    await self._form_group(clients)
+                    record["formed"] += 1
+                parts = buckets(self.state, self.bucket_bytes)
+                record["buckets"] = [[n for n, _ in b] for b in parts]
+                for k, bucket in enumerate(parts):
+                    await self._send_bucket(clients, bucket, str(version) if k == len(parts) - 1 else None)
+            except _AttemptFailed as e:
+                self._drop_group()
+                record["failures"].append(e.failure.describe(self.engine_urls))
+                return e.failure
+            except BaseException:
+                self._drop_group()  # whatever broke, the next push starts from a fresh group
+                raise
+        return None
+
+    def _needs_group(self) -> bool:
+        if self.group is None:
+            return True
+        return self.engine_generations is not None and list(self.engine_generations()) != self.group_generations
+
+    async def _form_group(self, clients: list[EngineClient]) -> None:
+        self._drop_group()
+        await self._destroy_remote(clients)
+        generations = list(self.engine_generations()) if self.engine_generations is not None else None
+        port = free_port(self.master_address)
+        world = 1 + len(clients) * self.engine_tp_size
+        log.info("forming weight-update group %s on %s:%d (world %d, %s)", self.group_name, self.master_address,
+                 port, world, self.backend)
+        calls = [c.init_weights_update_group(self.master_address, port, 1 + i * self.engine_tp_size, world,
+                                             self.group_name, self.backend, timeout_seconds=self.timeout_seconds)
+                 for i, c in enumerate(clients)]
+        join = asyncio.to_thread(init_custom_process_group, backend=self.backend,
+                                 init_method=f"tcp://{self.master_address}:{port}",
+                                 timeout=timedelta(seconds=self.timeout_seconds), world_size=world, rank=0,
+                                 group_name=self.group_name)
+        *answers, mine = await asyncio.gather(*calls, join, return_exceptions=True)
+        failure = self._failures(answers)
+        if isinstance(mine, BaseException):
+            failure.trainer = f"joining the group: {mine}"
+        else:
+            self.group = mine
+        if failure:
+            raise _AttemptFailed(failure)
+        self.group_generations = generations
+
+    async def _send_bucket(self, clients: list[EngineClient], bucket: list[tuple[str, torch.Tensor]],
+                           weight_version: str | None) -> None:
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        tensors = [self._on_device(t) for _, t in bucket]
+        calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, flush_cache=False,
+                                                   weight_version=weight_version,
+                                                   timeout_seconds=self.timeout_seconds) for c in clients]
+        *answers, sent = await asyncio.gather(*calls, asyncio.to_thread(broadcast_bucket, tensors, self.group),
+                                              return_exceptions=True)
+        failure = self._failures(answers)
+        if isinstance(sent, BaseException):
+            failure.trainer = f"broadcast: {sent}"
+        if failure:
+            raise _AttemptFailed(failure)
+
+    # ---- recovery -------------------------------------------------------------------------------
+    async def _restart_silent(self, failure: _Failure) -> None:
+        """Restart every engine that did not answer, unless the launcher already did since the group formed."""
+        if not failure.silent or self.restart_engine is None:
+            return
+        now = list(self.engine_generations()) if self.engine_generations is not None else None
+        todo = []
+        for i in sorted(failure.silent):
+            if now is not None and self.group_generations is not None and now[i] != self.group_generations[i]:
+                log.info("engine %d (%s) was already restarted by its launcher", i, self.engine_urls[i])
+                continue
+            log.warning("restarting engine %d (%s): %s", i, self.engine_urls[i], failure.messages.get(i, ""))
+            todo.append(i)
+        await asyncio.gather(*(asyncio.to_thread(self.restart_engine, i) for i in todo))
+
+    def _drop_group(self) -> None:
+        destroy_custom_process_group(self.group)
+        self.group = None  # group_generations stays: _restart_silent compares against it
+
+    async def _destroy_remote(self, clients: list[EngineClient]) -> None:
+        """Best effort: an engine that is down or has no group is fine."""
+        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name, timeout_seconds=self.timeout_seconds)
+                               for c in clients), return_exceptions=True)
+
+    # ---- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _failures(answers: list) -> _Failure:
+        failure = _Failure()
+        for i, a in enumerate(answers):
+            if isinstance(a, BaseException):
+                failure.add(i, a)
+        return failure
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.contiguous()
+        return t.cuda(non_blocking=True) if self.backend == "nccl" else t.cpu()
+
+    @staticmethod
+    def _is_source() -> bool:
+        return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class _Clients:
+    """One `EngineClient` per engine for the duration of one attempt (sessions belong to one event loop)."""
+
+    def __init__(self, urls: list[str]):
+        self.clients = [EngineClient([u], control_retries=0) for u in urls]
+
+    async def __aenter__(self) -> list[EngineClient]:
+        return self.clients
+
+    async def __aexit__(self, *exc) -> None:
+        await asyncio.gather(*(c.close() for c in self.clients))
