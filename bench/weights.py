@@ -1,13 +1,13 @@
 """Weight-sync benchmark, both transports, each against a raw transfer of the same bytes in the same run.
 
-    .venv/bin/python bench/weights.py [--models tiny,smollm] [--transports disk,distributed] [--repeats 3]
+    .venv/bin/python bench/weights.py [--models tiny,smollm] [--transports store,distributed] [--repeats 3]
 
 For each model (the embedded default builtin:tiny-gpt, and a random Llama the size of
 SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, vocab 49152) it
 runs the real path: a Megatron-core Trainer on CPU and `WeightSync.push` into the project's CPU
 engine server.
 
-- disk: export the safetensors snapshot to a file:// run root, pause the engine (served in this
+- store: export the safetensors snapshot to a file:// run root, pause the engine (served in this
   process), `update_weights_from_disk` over HTTP, resume, publish. Baseline: a raw copy of the
   snapshot's bytes (read + write + fsync of model.safetensors).
 - distributed: `DistributedWeightTransport` over gloo (the trainer's HF tensors, pause, per bucket
@@ -19,7 +19,7 @@ engine server.
   timed until the receiver's one-element acknowledgement arrives: the transfer alone, without the
   HF gather, the HTTP calls, or the engine's model rebuild.
 
-Printed: ratio = baseline seconds / push seconds (disk target >= 0.5), and the pause the engine sees.
+Printed: ratio = baseline seconds / push seconds (store target >= 0.5), and the pause the engine sees.
 """
 
 from __future__ import annotations
@@ -70,13 +70,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def bench_disk(name: str, repeats: int, work: str, **_) -> dict:
+async def bench_store(name: str, repeats: int, work: str, **_) -> dict:
     from miles_core.config.sections import TrainSection
     from miles_core.engines.client import EngineClient
     from miles_core.engines.cpu_server import CpuEngineServer, serve
     from miles_core.storage import Store
     from miles_core.train.trainer import Trainer
-    from miles_core.weights.sync import DiskWeightTransport, WeightSync
+    from miles_core.weights.sync import StoreWeightTransport, WeightSync
 
     hf = make_checkpoint(name, os.path.join(work, f"{name}-hf"))
     trainer = Trainer(TrainSection(), hf)
@@ -87,7 +87,7 @@ async def bench_disk(name: str, repeats: int, work: str, **_) -> dict:
     pushes, pauses, copies = [], [], []
     try:
         async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
-            sync = WeightSync([client], DiskWeightTransport(trainer, store), lambda v: None, "retract")
+            sync = WeightSync([client], StoreWeightTransport(trainer, store), lambda v: None, "retract")
             for k in range(repeats):
                 res = await sync.push(k)
                 pushes.append(res.total_seconds)
@@ -100,7 +100,7 @@ async def bench_disk(name: str, repeats: int, work: str, **_) -> dict:
         trainer.close()
     nbytes = os.path.getsize(store.local_path("snapshots/step_00000000/model.safetensors"))
     push, copy = statistics.median(pushes), statistics.median(copies)
-    return {"model": name, "transport": "disk", "bytes": nbytes, "push_s": push,
+    return {"model": name, "transport": "store", "bytes": nbytes, "push_s": push,
             "pause_s": statistics.median(pauses), "export_s": statistics.median(r.export_seconds for r in sync.history),
             "baseline_s": copy, "baseline": "raw copy", "ratio": copy / push}
 
@@ -188,7 +188,7 @@ async def bench_distributed(name: str, repeats: int, work: str, bucket_bytes: in
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm")
-    ap.add_argument("--transports", default="disk,distributed")
+    ap.add_argument("--transports", default="store,distributed")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="Bucket size of the distributed push "
@@ -197,18 +197,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print("CPU: the distributed transport runs over gloo (NCCL needs CUDA + SGLang)" if not torch.cuda.is_available()
           else "CUDA present; this bench still measures gloo and the CPU engine")
-    benches = {"disk": bench_disk, "distributed": bench_distributed}
+    benches = {"store": bench_store, "distributed": bench_distributed}
     with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as work:
         for name in args.models.split(","):
             for transport in args.transports.split(","):
                 r = asyncio.run(benches[transport](name, args.repeats, work,
                                                    bucket_bytes=int(args.bucket_mib * 2**20)))
-                extra = (f"export {r['export_s']:.3f}s" if transport == "disk" else
+                extra = (f"export {r['export_s']:.3f}s" if transport == "store" else
                          f"gather {r['export_s']:.3f}s, {r['buckets']} bucket(s), first push with group "
                          f"formation {r['first_push_s']:.3f}s")
                 print(f"{r['model']:>7} {transport:>11}: {r['bytes'] / 2**20:8.1f} MiB  push {r['push_s']:.3f}s "
                       f"({extra}, engine pause {r['pause_s']:.3f}s)  {r['baseline']} {r['baseline_s']:.3f}s  "
-                      f"ratio {r['ratio']:.2f}" + (" (target >= 0.5)" if transport == "disk" else ""), flush=True)
+                      f"ratio {r['ratio']:.2f}" + (" (target >= 0.5)" if transport == "store" else ""), flush=True)
 
 
 if __name__ == "__main__":

@@ -109,20 +109,29 @@ class TrainerGroup:
 
 
 def materialize_initial_model(cfg) -> str:
-    """A local HF directory holding the run's initial weights (builtin models are created once)."""
+    """The URI of the run's initial weights, which every role copies to its own node.
+
+    --hf-checkpoint as given (a local directory becomes a file:// URI: one machine or a shared
+    filesystem); a builtin model is created once, into the run root's `model/initial/`.
+    """
+    import tempfile
+
     from miles_core.models.builtin import materialize_checkpoint
-    from miles_core.train.worker import local_cache
+    from miles_core.storage import Store, normalize_uri
 
     m = cfg.model
     if not m.hf_checkpoint.startswith("builtin:"):
-        return m.hf_checkpoint
-    out = os.path.join(local_cache(cfg), "initial_model")
-    if not os.path.exists(os.path.join(out, "model.safetensors")):
-        tmp = out + ".partial"
-        materialize_checkpoint(m.hf_checkpoint, cfg.run.seed, tmp, num_layers=m.tiny_num_layers,
-                               hidden_size=m.tiny_hidden_size, num_heads=m.tiny_num_heads)
-        os.replace(tmp, out)
-    return out
+        return normalize_uri(m.hf_checkpoint)
+    store = Store(cfg.run_uri).child("model/initial")
+    if not store.exists(".complete"):
+        with tempfile.TemporaryDirectory(prefix="miles-initial-") as tmp:
+            materialize_checkpoint(m.hf_checkpoint, cfg.run.seed, tmp, num_layers=m.tiny_num_layers,
+                                   hidden_size=m.tiny_hidden_size, num_heads=m.tiny_num_heads)
+            for name in sorted(os.listdir(tmp)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    store.put_bytes(name, f.read())
+        store.put_bytes(".complete", b"")
+    return store.uri()
 
 
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
@@ -143,8 +152,8 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     trainer.call("set_version", max(0, int(extras.get("weight_version", 0)) - 1)).result()
     first_push = trainer.call("push_weights", start_step - 1).result()
     version_box = [first_push["version"]]
-    if first_push["model_path"]:
-        fleet.note_weights(first_push["model_path"], first_push["version"])
+    if first_push["model_uri"]:
+        fleet.note_weights(first_push["model_uri"], first_push["version"])
 
     rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
         cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),

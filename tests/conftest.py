@@ -10,6 +10,30 @@ import pytest
 from tests.support.seaweed import start_seaweed
 
 
+@pytest.fixture(scope="session", autouse=True)
+def node_cache(tmp_path_factory):
+    """This machine's node-local cache (miles_core.node_local) in a temp dir, not ~/.cache/miles;
+    set before any Ray instance starts, so its workers inherit it."""
+    os.environ.setdefault("MILES_CACHE_DIR", str(tmp_path_factory.mktemp("node-cache")))
+    return os.environ["MILES_CACHE_DIR"]
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for one test module (2 CPUs), shut down after it; one a module
+    before started is reused as is."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="miles")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def seaweed():
     server = start_seaweed()

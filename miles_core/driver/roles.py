@@ -95,10 +95,10 @@ class WeightPusher:
             return self.version_box[0], {}
         out = self.trainer.call("push_weights", step).result()
         version = out.pop("version")
-        path = out.pop("model_path", None)
+        uri = out.pop("model_uri", None)
         self.rollout.call("set_version", version).result()
-        if self.fleet is not None and path:
-            self.fleet.note_weights(path, version)
+        if self.fleet is not None and uri:
+            self.fleet.note_weights(uri, version)
         self.version_box[0] = version
         return version, out | {N.PUBLISHED_VERSION: version}
 

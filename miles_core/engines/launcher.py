@@ -22,6 +22,7 @@ Naming: methods of `EngineFleet` are blocking (they wait on the actors). This mo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shlex
@@ -36,7 +37,16 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from miles_core.node_local import localize, require_uri
+
 log = logging.getLogger(__name__)
+
+
+class EngineLoadError(RuntimeError):
+    """An engine did not load the weights it was given."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
 
 
 class EngineStartError(RuntimeError):
@@ -126,6 +136,7 @@ class EngineServer:
         self.spec = spec
         self.name = name
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
+        self.model_kind = "models"  # node-cache kind of model_path: the initial model, then pushed weights
         self.port = free_port(spec.bind_host if spec.bind_host not in ("0.0.0.0", "::") else "")
         self.url = f"http://{_url_host(spec.bind_host)}:{self.port}"
         log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
@@ -148,7 +159,28 @@ class EngineServer:
     def note_weights(self, model_path: str, weight_version: int) -> None:
         """Weights the engine has been given since; a restart loads these instead of the initial ones."""
         with self._lock:
-            self.model_path, self.weight_version = model_path, weight_version
+            self.model_path, self.weight_version, self.model_kind = model_path, weight_version, "weights"
+
+    def load_weights(self, uri: str, weight_version: int, *, flush_cache: bool = False) -> None:
+        """Copy the snapshot at `uri` to this node and load it (`/update_weights_from_disk` with the
+        local path); the server reports `weight_version` from then on, and restarts load it too."""
+        from miles_core.weights.snapshot import MARKER
+
+        path = localize(uri, "weights", required=MARKER)
+        body = json.dumps({"model_path": path, "weight_version": str(weight_version), "flush_cache": flush_cache,
+                           "abort_all_requests": False}).encode()
+        req = urllib.request.Request(self.url + "/update_weights_from_disk", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.spec.startup_timeout_seconds) as r:
+                answer = json.loads(r.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            raise EngineLoadError(f"{self.name}: loading {uri} failed: HTTP {e.code} {e.read()[:500]!r}") from e
+        except (urllib.error.URLError, OSError) as e:
+            raise EngineLoadError(f"{self.name}: loading {uri} failed: {e}") from e
+        if answer.get("success") is False:
+            raise EngineLoadError(f"{self.name}: loading {uri} failed: {answer.get('message')}")
+        self.note_weights(uri, weight_version)
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -172,7 +204,10 @@ class EngineServer:
 
     # ---- internals ----------------------------------------------------------------------------
     def _launch(self) -> None:
-        cmd = server_command(self.spec, self.model_path, self.weight_version, self.port)
+        # A URI (the Ray roles hand engines URIs only) is copied to this node first; a local path
+        # (an EngineServer made directly, on this node) is used as is.
+        path = localize(self.model_path, self.model_kind) if "://" in self.model_path else self.model_path
+        cmd = server_command(self.spec, path, self.weight_version, self.port)
         log.info("%s: starting %s", self.name, shlex.join(cmd))
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(self.spec),
@@ -249,6 +284,7 @@ class EngineActor:
 
     def __init__(self, spec: EngineLaunchSpec, name: str):
         logging.basicConfig(level=logging.INFO)
+        require_uri(spec.model_path, f"{name} model")
         self.server = EngineServer(spec, name)
 
     def start(self) -> str:
@@ -266,8 +302,12 @@ class EngineActor:
     def log_path(self) -> str:
         return self.server.log_path
 
-    def note_weights(self, model_path: str, weight_version: int) -> None:
-        self.server.note_weights(model_path, weight_version)
+    def note_weights(self, model_uri: str, weight_version: int) -> None:
+        self.server.note_weights(require_uri(model_uri, f"{self.server.name} weights"), weight_version)
+
+    def load_weights(self, uri: str, weight_version: int, flush_cache: bool = False) -> None:
+        self.server.load_weights(require_uri(uri, f"{self.server.name} weights"), weight_version,
+                                 flush_cache=flush_cache)
 
     def restart(self) -> str:
         return self.server.restart()
@@ -326,11 +366,17 @@ class EngineFleet:
 
         return ray.get(self.actors[i].restart.remote())
 
-    def note_weights(self, model_path: str, weight_version: int) -> None:
+    def note_weights(self, model_uri: str, weight_version: int) -> None:
         """Tell every actor the weights the engines now serve (call after each weight update)."""
         import ray
 
-        ray.get([a.note_weights.remote(model_path, weight_version) for a in self.actors])
+        ray.get([a.note_weights.remote(model_uri, weight_version) for a in self.actors])
+
+    def load_weights(self, uri: str, weight_version: int, flush_cache: bool = False) -> None:
+        """Every engine copies the snapshot at `uri` to its own node and loads it (blocking)."""
+        import ray
+
+        ray.get([a.load_weights.remote(uri, weight_version, flush_cache) for a in self.actors])
 
     def shutdown(self) -> None:
         import ray

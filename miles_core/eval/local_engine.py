@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -21,7 +19,8 @@ from miles_core.eval.evaluate import evaluate_all
 from miles_core.eval.modes import Outcome, record_failure, skip_reason
 from miles_core.eval.pinning import EvalSkip, check_health, pin, verify_versions
 from miles_core.eval.results import record_evals
-from miles_core.eval.snapshots import SnapshotLayout, local_snapshot
+from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.node_local import localize
 from miles_core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -35,8 +34,6 @@ class SnapshotEvaluator:
         self.cfg, self.store, self.layout = cfg, store, layout
         self.datasets, self.sampling, self.metrics, self.mode = datasets, sampling, metrics, mode
         self.server = None
-        self._scratch = tempfile.mkdtemp(prefix="miles-eval-")
-        self._loaded_dir: str | None = None
 
     def __enter__(self) -> "SnapshotEvaluator":
         return self
@@ -48,7 +45,6 @@ class SnapshotEvaluator:
         if self.server is not None:
             self.server.stop()
             self.server = None
-        shutil.rmtree(self._scratch, ignore_errors=True)
 
     def evaluate(self, step: int, version: int | None, *, latest_step: int | None = None,
                  datasets: list[EvalDataset] | None = None) -> Outcome:
@@ -79,16 +75,8 @@ class SnapshotEvaluator:
         return Outcome(step, metrics)
 
     def _fetch(self, step: int) -> str:
-        """A local directory of the snapshot; downloads replace the previous one."""
-        uri = self.layout.uri(step)
-        if uri.startswith("file://"):
-            return uri[len("file://"):]
-        dest = f"{self._scratch}/step_{step:08d}"
-        path = local_snapshot(uri, dest)
-        if self._loaded_dir and self._loaded_dir != dest:
-            shutil.rmtree(self._loaded_dir, ignore_errors=True)
-        self._loaded_dir = dest
-        return path
+        """A local directory of the snapshot on this node (the node cache keeps the last few)."""
+        return localize(self.layout.uri(step), "snapshots")  # the layout saw its marker already
 
     def _ensure_engine(self, path: str, version: int) -> bool:
         """Start the engine on this snapshot unless one runs; True when it was just started."""

@@ -22,8 +22,6 @@ import asyncio
 import concurrent.futures
 import inspect
 import logging
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,9 +29,9 @@ from typing import Any, Callable, Sequence
 
 from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.evaluate import EvalAborted, evaluate_all
-from miles_core.eval.pinning import EvalSkip, check_health, pin, verify_versions
+from miles_core.eval.pinning import EvalSkip, check_health, pin, pin_by, verify_versions
 from miles_core.eval.results import record_evals, record_skip, write_request
-from miles_core.eval.snapshots import local_snapshot
+from miles_core.node_local import localize
 from miles_core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -172,8 +170,10 @@ class SharedEngines:
 class DedicatedEngines:
     mode = "dedicated"
 
-    def __init__(self, ctx: EvalContext, loop: EventLoopThread, engine_urls: Sequence[str]):
-        self.ctx, self.loop, self.urls = ctx, loop, list(engine_urls)
+    def __init__(self, ctx: EvalContext, loop: EventLoopThread, engine_urls: Sequence[str], load=None):
+        """`load(uri, version, flush_cache)`: the engines' own loading (EngineFleet.load_weights);
+        without it the engines are this node's and load a copy made here."""
+        self.ctx, self.loop, self.urls, self.load = ctx, loop, list(engine_urls), load
         self._one_at_a_time: asyncio.Lock | None = None
 
     def start(self, job: EvalJob) -> concurrent.futures.Future:
@@ -184,12 +184,13 @@ class DedicatedEngines:
             self._one_at_a_time = asyncio.Lock()
         async with self._one_at_a_time:
             t0 = time.monotonic()
-            scratch = tempfile.mkdtemp(prefix="miles-eval-snapshot-")
             try:
                 version = job.version if job.version is not None else job.step + 1
-                path = await asyncio.to_thread(local_snapshot, job.snapshot_uri, scratch)
                 async with _client(self.urls, self.ctx.request_timeout_seconds) as client:
-                    await pin(client, path, version)
+                    if self.load is not None:
+                        await pin_by(self.load, client, job.snapshot_uri, version)
+                    else:
+                        await pin(client, await asyncio.to_thread(localize, job.snapshot_uri, "snapshots"), version)
                     evals = await evaluate_all(client, self.ctx.datasets, self.ctx.sampling)
                 for ev in evals:
                     if ev.weight_versions:
@@ -197,8 +198,6 @@ class DedicatedEngines:
                 return _record(self.ctx, job, evals, self.mode, version, t0)
             except Exception as e:  # noqa: BLE001 - an eval never crashes training
                 return record_failure(self.ctx, job, e)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
 
 
 class SnapshotTasks:

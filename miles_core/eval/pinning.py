@@ -50,6 +50,22 @@ async def pin(client: PinnableClient, model_path: str, version: int) -> None:
     verify_versions(got, version)
 
 
+async def pin_by(load, client: PinnableClient, uri: str, version: int) -> None:
+    """Like `pin`, with `load(uri, version)` doing the loading (each engine's actor copies the
+    snapshot to its own node: EngineFleet.load_weights); raise EvalSkip(pin_violation|unhealthy)."""
+    import asyncio
+
+    from miles_core.engines.client import EngineControlError
+
+    await check_health(client)
+    try:
+        await asyncio.to_thread(load, uri, version, True)
+        got = await client.get_weight_version()
+    except (EngineControlError, RuntimeError) as e:
+        raise EvalSkip(f"could not load {uri} on the eval engines: {e}", "unhealthy") from e
+    verify_versions(got, version)
+
+
 def verify_versions(got: dict[str, int | None], version: int) -> None:
     bad = {u: v for u, v in got.items() if v != version}
     if bad:

@@ -320,8 +320,10 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
                 initial_model = materialize_initial_model(cfg)
             fleet = start_dedicated_engines(cfg, initial_model)
             owned.append(fleet.shutdown)
-            dedicated_engine_urls = fleet.urls()
-        mode = DedicatedEngines(ctx, loop, dedicated_engine_urls)
+            # each engine copies the snapshot to its own node (they may not share the driver's disk)
+            mode = DedicatedEngines(ctx, loop, fleet.urls(), load=fleet.load_weights)
+        else:
+            mode = DedicatedEngines(ctx, loop, dedicated_engine_urls)
     else:
         mode = SnapshotTasks(ctx)
     sched = EvalScheduler(

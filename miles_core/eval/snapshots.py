@@ -134,24 +134,3 @@ def retire_snapshots(layout: SnapshotLayout, keep: int, pending: set[int], *,
         except Exception as e:  # noqa: BLE001 - retirement is housekeeping; never fail training for it
             log.warning("could not retire snapshot %s: %s", layout.uri(step), e)
     return deleted
-
-
-def local_snapshot(uri: str, scratch_dir: str) -> str:
-    """A local directory holding the snapshot at `uri` (engines load from a filesystem path).
-
-    file:// snapshots are used in place; others are downloaded into `scratch_dir` (which the
-    caller removes).
-    """
-    uri = normalize_uri(uri)
-    if uri.startswith("file://"):
-        return uri[len("file://"):]
-    import os
-
-    src = Store(uri)
-    os.makedirs(scratch_dir, exist_ok=True)
-    for key in src.list(""):
-        dest = os.path.join(scratch_dir, key)
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        with open(dest, "wb") as f:
-            f.write(src.get_bytes(key))
-    return scratch_dir

@@ -5,8 +5,11 @@ every rank (collectives need all of them). Roles inside a call:
 - every rank trains on its data-parallel shard and takes part in checkpoint saves (barriers);
 - exporting weights (engine pushes, eval snapshots, --save-hf) is sourced by global rank 0; the
   other ranks of DP rank 0 (rank 0's TP peers) take part in gathering the TP shards;
-- only rank 0 talks to the engines: `--weight-transport disk` (a snapshot in the run root that every
-  engine loads) or `distributed` (SGLang's weight-update group, NCCL on GPU and gloo on CPU).
+- only rank 0 talks to the engines: `--weight-transport store` (a snapshot in the run root that each
+  engine's actor copies to its own node and loads) or `distributed` (SGLang's weight-update group,
+  NCCL on GPU and gloo on CPU).
+Inputs arrive as URIs and are copied to this node (miles_core.node_local); nothing handed out is a
+local path.
 Methods block until done. Weight pushes talk to the engines over HTTP from a private event loop
 kept for the actor's lifetime (the engine client's connections belong to that loop).
 """
@@ -30,7 +33,7 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class TrainerWorker:
-    def __init__(self, cfg, hf_dir: str, rank: int, world_size: int, master: tuple[str, int],
+    def __init__(self, cfg, hf_uri: str, rank: int, world_size: int, master: tuple[str, int],
                  engine_urls: list[str], engine_actors: list | None = None):
         import torch
 
@@ -39,12 +42,14 @@ class TrainerWorker:
                            "LOCAL_RANK": str(rank % cfg.train.actor_num_gpus_per_node)})
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
+        from miles_core.node_local import localize, require_uri
         from miles_core.storage import Store
         from miles_core.train.checkpoint import CheckpointManager
         from miles_core.train.trainer import Trainer
 
         self.cfg, self.rank = cfg, rank
-        self.trainer = Trainer(cfg.train, hf_dir, seed=cfg.run.seed)
+        self.trainer = Trainer(cfg.train, localize(require_uri(hf_uri, "--hf-checkpoint"), "models"),
+                               seed=cfg.run.seed)
         self.run_store = Store(cfg.run_uri)
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = self.transport = None
@@ -74,12 +79,14 @@ class TrainerWorker:
                 engine_tp_size=e.rollout_num_gpus_per_engine if e.engine_backend == "sglang" else 1,
                 engine_generations=lambda: ray.get([a.restart_count.remote() for a in engine_actors]),
                 restart_engine=lambda i: ray.get(engine_actors[i].restart.remote()))
-        from miles_core.weights.sync import DiskWeightTransport
+        import ray
+
+        from miles_core.weights.sync import StoreWeightTransport
 
         # Weights staged for the engines live under weights/ (only the newest is kept); eval
         # snapshots under snapshots/ are exported at the eval cadence by the eval scheduler.
-        return DiskWeightTransport(self.trainer, self.run_store, prefix="weights",
-                                   cache_dir=os.path.join(local_cache(self.cfg), "weights"))
+        return StoreWeightTransport(self.trainer, self.run_store, prefix="weights",
+                                    loaders=[_loader(ray, a) for a in engine_actors] or None)
 
     def train_step(self, step: int, groups: list) -> dict:
         return self.trainer.train_step(step, groups)
@@ -94,7 +101,7 @@ class TrainerWorker:
             self._drop_staged_except(self.transport.key)
         from miles_core.metrics import names as N
 
-        return {"version": result.version, "model_path": self.transport.local_path,
+        return {"version": result.version, "model_uri": getattr(self.transport, "uri", None),
                 N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.WEIGHT_EXPORT_SECONDS: result.export_seconds,
                 N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
@@ -143,11 +150,6 @@ class TrainerWorker:
                 log.warning("could not delete staged weights %s: %s", key, e)
 
 
-def local_cache(cfg) -> str:
-    """This node's cache directory of the run (beside a file:// run root, else under ~/.cache)."""
-    from miles_core.storage import Store
-
-    local = Store(cfg.run_uri).local_path("")
-    if local:
-        return os.path.join(local, ".local")
-    return os.path.join(os.path.expanduser("~/.cache/miles"), cfg.run.run_id)
+def _loader(ray, engine_actor):
+    """Engine i's loading, done by its actor on its node (`EngineActor.load_weights`)."""
+    return lambda uri, version: ray.get(engine_actor.load_weights.remote(uri, version))

@@ -2,15 +2,13 @@
 
 `export_snapshot(trainer, store, step)` writes model.safetensors, config.json and tokenizer files,
 then `.complete` last (readers never trust a directory without it, DESIGN §3).
-`fetch_snapshot(store, key, cache_dir)` gives engines a local path: the directory itself on a
-file:// store, else a download into `cache_dir` (engines load from local disk).
+Engines get the snapshot's URI and copy it to their own node (`miles_core.node_local.localize`).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import tempfile
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,26 +59,3 @@ def complete_snapshots(store: Store, prefix: str = "snapshots") -> list[int]:
         if len(parts) == 2 and parts[1] == MARKER and (m := _STEP.match(parts[0])):
             steps.append(int(m.group(1)))
     return sorted(steps)
-
-
-def fetch_snapshot(store: Store, key: str, cache_dir: str | None = None) -> str:
-    """A local directory holding the complete snapshot at `key`."""
-    if not store.exists(f"{key}/{MARKER}"):
-        raise SnapshotError(f"{store.uri(key)} has no {MARKER} marker; the snapshot is incomplete")
-    local = store.local_path(key)
-    if local is not None:
-        return local
-    out = os.path.join(cache_dir or tempfile.gettempdir(), "miles-snapshots", *key.split("/"))
-    if os.path.exists(os.path.join(out, MARKER)):
-        return out
-    os.makedirs(out, exist_ok=True)
-    for k in store.list(key):
-        name = k[len(key):].strip("/")
-        if "/" in name or name == MARKER:
-            continue
-        tmp = os.path.join(out, f".{name}.part")
-        with open(tmp, "wb") as f:
-            f.write(store.get_bytes(k))
-        os.replace(tmp, os.path.join(out, name))
-    open(os.path.join(out, MARKER), "wb").close()
-    return out

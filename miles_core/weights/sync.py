@@ -2,11 +2,12 @@
 
 `WeightSync.push(step)` does, in this order:
   1. version += 1;
-  2. export the snapshot (disk transport) -- before the pause, since it reads only the trainer,
+  2. export the snapshot (store transport) -- before the pause, since it reads only the trainer,
      so engines stay paused for the reload alone;
   3. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
   4. flush the cache unless in_place;
-  5. load the weights on every engine: `update_weights_from_disk(path, version)` (disk), or the
+  5. load the weights on every engine: each copies the snapshot to its node and
+     `update_weights_from_disk(local path, version)` (store), or the
      bucketed broadcast of `DistributedWeightTransport` (NCCL on GPU, gloo on CPU), setting the
      weight version without aborting;
   6. resume every engine;
@@ -28,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 from miles_core.storage import Store
-from miles_core.weights.snapshot import export_snapshot, fetch_snapshot
+from miles_core.node_local import localize
+from miles_core.weights.snapshot import MARKER, export_snapshot
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("retract", "in_place")
@@ -64,21 +66,32 @@ class PushResult:
     total_seconds: float
 
 
-class DiskWeightTransport:
-    """Snapshot to storage, then every engine loads it from a local path."""
+class StoreWeightTransport:
+    """`--weight-transport store`: the snapshot goes to the run root, each engine copies it to its
+    own node and loads it (DESIGN §15: nothing local crosses a node).
 
-    def __init__(self, trainer, store: Store, *, prefix: str = "snapshots", cache_dir: str | None = None):
-        self.trainer, self.store, self.prefix, self.cache_dir = trainer, store, prefix, cache_dir
-        self.local_path: str | None = None
+    `loaders[i](uri, version)` loads on engine i from its node (the engine's Ray actor:
+    `EngineActor.load_weights`). Without loaders the engines are this node's (tests, benchmarks):
+    the snapshot is copied here once and every engine loads that local path.
+    """
+
+    def __init__(self, trainer, store: Store, *, prefix: str = "snapshots",
+                 loaders: Sequence[Callable[[str, int], None]] | None = None):
+        self.trainer, self.store, self.prefix, self.loaders = trainer, store, prefix, loaders
         self.key: str | None = None
+        self.uri: str | None = None
 
     def prepare(self, step: int) -> str:
         self.key = export_snapshot(self.trainer, self.store, step, prefix=self.prefix)
-        self.local_path = fetch_snapshot(self.store, self.key, self.cache_dir)
-        return self.store.uri(self.key)
+        self.uri = self.store.uri(self.key)
+        return self.uri
 
     async def load(self, engines: Sequence[EngineControl], version: int) -> None:
-        await asyncio.gather(*(e.update_weights_from_disk(self.local_path, version, flush_cache=False,
+        if self.loaders is not None:
+            await asyncio.gather(*(asyncio.to_thread(load, self.uri, version) for load in self.loaders))
+            return
+        path = await asyncio.to_thread(localize, self.uri, "weights", required=MARKER)
+        await asyncio.gather(*(e.update_weights_from_disk(path, version, flush_cache=False,
                                                           abort_all_requests=False) for e in engines))
 
 

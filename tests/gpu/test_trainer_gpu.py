@@ -46,7 +46,7 @@ def _weights(group, out):
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_ddp_over_nccl_matches_one_rank_and_checkpoint_resumes(tmp_path):
-    hf = materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))
+    hf = "file://" + materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))
     ckpt = f"file://{tmp_path}/ckpt"
     b0, b1 = make_groups(n_groups=4, seed=0), make_groups(n_groups=4, seed=1)
     one = TrainerGroup(_cfg(tmp_path, 1, save=ckpt), hf, [])
@@ -77,7 +77,7 @@ def test_one_gpu_rank_trains_and_its_checkpoint_resumes(tmp_path):
     """Megatron DDP + the ChainedOptimizer on one GPU: a step moves the weights, and a fresh rank
     restored from the checkpoint (optimizer `state_dict()` as safetensors + JSON) makes the same
     next step."""
-    hf = materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))
+    hf = "file://" + materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))
     ckpt = f"file://{tmp_path}/ckpt"
     b0, b1 = make_groups(n_groups=4, seed=0), make_groups(n_groups=4, seed=1)
     first = TrainerGroup(_cfg(tmp_path, 1, save=ckpt), hf, [])

@@ -43,15 +43,6 @@ def test_sglang_command_from_config():
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-fleet")
     return (materialize_checkpoint("builtin:tiny-gpt", 1, str(root / "v1")),
@@ -64,7 +55,8 @@ def test_fleet_restarts_a_killed_engine(ray_local, ckpts):
     the actor restarts the process (restart count 1, new pid, same URL, the noted weights and version),
     and the other engine is untouched."""
     v1, v2 = ckpts
-    spec = EngineLaunchSpec("cpu", v1, weight_version=1, startup_timeout_seconds=120, health_interval_seconds=0.2)
+    spec = EngineLaunchSpec("cpu", f"file://{v1}", weight_version=1, startup_timeout_seconds=120,
+                            health_interval_seconds=0.2)
     with EngineFleet(spec, 2, num_cpus_per_engine=0.5) as fleet:
         urls = fleet.urls()
         pids = fleet.pids()
@@ -74,7 +66,7 @@ def test_fleet_restarts_a_killed_engine(ray_local, ckpts):
             async with EngineClient(urls) as c:
                 assert all((await c.health_all()).values())
                 await c.update_weights_from_disk(v2, 2)
-                fleet.note_weights(v2, 2)
+                fleet.note_weights(f"file://{v2}", 2)
                 await c.pause_generation("in_place")
                 tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 4}, url=urls[0]))
                          for _ in range(3)]

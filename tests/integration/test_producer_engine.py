@@ -137,15 +137,13 @@ def test_sync_driver_batch_path(tmp_path, engine):
     assert not set(b0.group_ids) & set(b1.group_ids)
 
 
-def test_rollout_manager_as_a_ray_actor(tmp_path, engine):
+def test_rollout_manager_as_a_ray_actor(tmp_path, engine, ray_local):
     """The actor wrapper the driver uses: built remotely from the config, async methods called
     with .remote(), a DrainedBatch comes back across processes, the state is JSON-able."""
     import ray
 
-    from miles_core.cluster import ensure_ray
     from miles_core.rollout.manager import rollout_manager_actor
 
-    ensure_ray(num_cpus=2)
     actor = rollout_manager_actor(num_cpus=0).remote(config(tmp_path), engine_urls=[engine.url], rows=ROWS)
     try:
         ray.get(actor.set_version.remote(1))

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_core.cluster import TrainerGroup, ensure_ray
+from miles_core.cluster import TrainerGroup
 from miles_core.config import parse_flags
 from miles_core.models.builtin import materialize_checkpoint
 from tests.unit.test_train import make_groups
@@ -29,8 +29,8 @@ PARAM_ATOL, LOGP_ATOL, LOSS_RTOL = 2e-5, 1e-4, 1e-5
 
 
 @pytest.fixture(scope="module", autouse=True)
-def ray_up():
-    ensure_ray()
+def ray_up(ray_local):
+    return None
 
 
 def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, extra: tuple = ()):
@@ -52,7 +52,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_gpt(tmp_path_factory):
-    return materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path_factory.mktemp("tiny-gpt")))
+    return "file://" + materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path_factory.mktemp("tiny-gpt")))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def tiny_llama16(tmp_path_factory):
     torch.manual_seed(3)
     out = str(tmp_path_factory.mktemp("llama16"))
     LlamaForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
-    return out
+    return f"file://{out}"
 
 
 def test_data_parallel_matches_one_rank_and_checkpoints_resume_at_any_dp_size(tmp_path, tiny_gpt):

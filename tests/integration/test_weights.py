@@ -22,8 +22,9 @@ from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.samples import Sample
 from miles_core.storage import Store
 from miles_core.train.trainer import Trainer
-from miles_core.weights.snapshot import MARKER, SnapshotError, complete_snapshots, fetch_snapshot
-from miles_core.weights.sync import DiskWeightTransport, EngineControl, WeightSync, WeightSyncError
+from miles_core.node_local import localize
+from miles_core.weights.snapshot import MARKER, complete_snapshots
+from miles_core.weights.sync import StoreWeightTransport, EngineControl, WeightSync, WeightSyncError
 from tests.unit.test_train import make_groups
 
 torch.set_num_threads(1)
@@ -66,7 +67,7 @@ class FakeEngine:
 def _sync(trainer, store, engines, log, mode="retract", tmp=None):
     async def publish(v):
         log.append(("rollout", "publish", v))
-    return WeightSync(engines, DiskWeightTransport(trainer, store, cache_dir=tmp), publish, mode)
+    return WeightSync(engines, StoreWeightTransport(trainer, store), publish, mode)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -95,12 +96,13 @@ def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode)
     assert complete_snapshots(store) == [10, 11]
 
 
-def test_snapshot_fetch_requires_marker_and_downloads_for_object_stores(trainer, storage_root, tmp_path):
+def test_snapshot_fetch_requires_marker_and_downloads_for_object_stores(trainer, storage_root, tmp_path, monkeypatch):
     """Without `.complete` a snapshot is not fetched; on S3 it lands in the local cache dir."""
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path))
     store = Store(storage_root)
     store.put_bytes("snapshots/step_00000003/model.safetensors", b"partial")
-    with pytest.raises(SnapshotError, match="incomplete"):
-        fetch_snapshot(store, "snapshots/step_00000003", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match=r"\.complete"):
+        localize(store.uri("snapshots/step_00000003"), "weights", required=MARKER)
     from miles_core.weights.snapshot import export_snapshot
 
     written = []
@@ -108,11 +110,11 @@ def test_snapshot_fetch_requires_marker_and_downloads_for_object_stores(trainer,
     store.put_bytes = lambda k, data: (written.append(k), put(k, data))[1]
     key = export_snapshot(trainer, store, 4)
     assert written[-1] == f"{key}/{MARKER}" and len(written) > 3  # the marker is written last
-    local = fetch_snapshot(store, key, str(tmp_path))
+    local = localize(store.uri(key), "weights", required=MARKER)
     if store.protocol == "file":
         assert local == store.local_path(key)
     else:
-        assert local.startswith(str(tmp_path))
+        assert local.startswith(str(tmp_path))  # this node's cache ($MILES_CACHE_DIR)
     assert {"model.safetensors", "config.json", "tokenizer.json", MARKER} <= set(os.listdir(local))
     assert complete_snapshots(store) == [4]
 
@@ -152,7 +154,7 @@ def test_cpu_engine_serves_the_pushed_weights(trainer, tmp_path):
         try:
             async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
                 published = []
-                sync = WeightSync([client], DiskWeightTransport(trainer, Store(str(tmp_path))), published.append)
+                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))), published.append)
                 await sync.push(1)
                 versions = await client.get_weight_version()
                 res = await client.generate([1, 2, 3, 4, SEP_ID], {"max_new_tokens": 5, "temperature": 1.0})
@@ -171,7 +173,7 @@ def test_failed_export_does_not_burn_a_version(trainer, tmp_path):
     """An export that fails before any engine is paused leaves engines untouched and the version unused."""
     log = []
 
-    class Broken(DiskWeightTransport):
+    class Broken(StoreWeightTransport):
         def prepare(self, step):
             raise OSError("disk full")
 

@@ -229,57 +229,52 @@ async def _version(url: str) -> str | None:
 
 
 @pytest.mark.slow  # Ray start-up plus two engine actors and their restarts: about a minute on two busy cores
-def test_fleet_wiring_restart_and_generations(trainer):
+def test_fleet_wiring_restart_and_generations(trainer, ray_local):
     """The wiring the driver uses: `EngineFleet.restart_counts` as the generations and `EngineFleet.restart`
     as the restarter. A push lands on both actors' engines; `fleet.restart(0)` restarts engine 0 (new pid,
     same URL, count 1, its launch weights) and the next push forms the group again and lands; an engine
     killed mid-push is back (monitor or restart) and the retry lands."""
-    import ray
-
     from miles_core.engines.launcher import EngineFleet
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        spec = EngineLaunchSpec("cpu", trainer.hf_dir, startup_timeout_seconds=120, health_interval_seconds=0.5)
-        with EngineFleet(spec, 2, num_cpus_per_engine=0.5) as fleet:
-            urls = fleet.urls()
-            assert len(fleet.actor_handles()) == 2
+    spec = EngineLaunchSpec("cpu", f"file://{trainer.hf_dir}", startup_timeout_seconds=120,
+                            health_interval_seconds=0.5)
+    with EngineFleet(spec, 2, num_cpus_per_engine=0.5) as fleet:
+        urls = fleet.urls()
+        assert len(fleet.actor_handles()) == 2
 
-            def make(cls=DistributedWeightTransport, **kw):
-                return cls(trainer.hf_state_dict, urls, master_address="127.0.0.1", backend="gloo",
-                           bucket_bytes=BUCKET, timeout_seconds=6.0, engine_generations=fleet.restart_counts,
-                           restart_engine=fleet.restart, **kw)
+        def make(cls=DistributedWeightTransport, **kw):
+            return cls(trainer.hf_state_dict, urls, master_address="127.0.0.1", backend="gloo",
+                       bucket_bytes=BUCKET, timeout_seconds=6.0, engine_generations=fleet.restart_counts,
+                       restart_engine=fleet.restart, **kw)
 
-            class Servers:  # what FailingMidPush needs: the pid of each engine
-                def __init__(self, i):
-                    self.i = i
+        class Servers:  # what FailingMidPush needs: the pid of each engine
+            def __init__(self, i):
+                self.i = i
 
-                def pid(self):
-                    return fleet.pids()[self.i]
+            def pid(self):
+                return fleet.pids()[self.i]
 
-            tp = make(FailingMidPush, servers=[Servers(0), Servers(1)], victim=1, sig=signal.SIGKILL, at=10**9)
-            proxies = [type("E", (), {"url": u})() for u in urls]
-            try:
-                trainer.train_step(7, make_groups())
-                res, versions, outs = asyncio.run(push(tp, proxies, 8))
-                assert set(versions.values()) == {"1"} and tp.history[-1]["formed"] == 1
-                assert_serves_trainer_weights(trainer, outs)
+        tp = make(FailingMidPush, servers=[Servers(0), Servers(1)], victim=1, sig=signal.SIGKILL, at=10**9)
+        proxies = [type("E", (), {"url": u})() for u in urls]
+        try:
+            trainer.train_step(7, make_groups())
+            res, versions, outs = asyncio.run(push(tp, proxies, 8))
+            assert set(versions.values()) == {"1"} and tp.history[-1]["formed"] == 1
+            assert_serves_trainer_weights(trainer, outs)
 
-                pid0 = fleet.pids()[0]
-                assert fleet.restart(0) == urls[0]
-                assert fleet.restart_counts()[0] == 1 and fleet.pids()[0] != pid0
-                assert asyncio.run(_version(urls[0])) == "0"
-                trainer.train_step(9, make_groups())
-                res, versions, outs = asyncio.run(push(tp, proxies, 10, version_before=1))
-                assert set(versions.values()) == {"2"} and tp.history[-1]["formed"] == 1
-                assert_serves_trainer_weights(trainer, outs)
+            pid0 = fleet.pids()[0]
+            assert fleet.restart(0) == urls[0]
+            assert fleet.restart_counts()[0] == 1 and fleet.pids()[0] != pid0
+            assert asyncio.run(_version(urls[0])) == "0"
+            trainer.train_step(9, make_groups())
+            res, versions, outs = asyncio.run(push(tp, proxies, 10, version_before=1))
+            assert set(versions.values()) == {"2"} and tp.history[-1]["formed"] == 1
+            assert_serves_trainer_weights(trainer, outs)
 
-                tp.at, tp.count = tp.count + 2, tp.count  # kill engine 1 before the 2nd bucket of the next push
-                res, versions, outs = asyncio.run(push(tp, proxies, 11, version_before=2))
-                assert set(versions.values()) == {"3"} and tp.history[-1]["attempts"] == 2
-                assert fleet.restart_counts()[1] >= 1
-                assert_serves_trainer_weights(trainer, outs)
-            finally:
-                asyncio.run(tp.close())
-    finally:
-        ray.shutdown()
+            tp.at, tp.count = tp.count + 2, tp.count  # kill engine 1 before the 2nd bucket of the next push
+            res, versions, outs = asyncio.run(push(tp, proxies, 11, version_before=2))
+            assert set(versions.values()) == {"3"} and tp.history[-1]["attempts"] == 2
+            assert fleet.restart_counts()[1] >= 1
+            assert_serves_trainer_weights(trainer, outs)
+        finally:
+            asyncio.run(tp.close())

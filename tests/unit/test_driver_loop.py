@@ -213,7 +213,7 @@ def pusher(interval: int, fleet=None):
     log: list = []
     versions = iter(range(2, 100))
     trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": next(versions),
-                                                                     "model_path": f"mem://w/{step}",
+                                                                     "model_uri": f"mem://w/{step}",
                                                                      "perf/weight_update_seconds": 0.2})
     rollout = FakeHandle(log, "rollout")
     box = [1]

@@ -306,7 +306,7 @@ def test_snapshots_on_object_storage_are_fetched_to_a_local_dir(tmp_path):
     (engines load from a filesystem path); an unmarked directory is not complete."""
     import uuid
 
-    from miles_core.eval.snapshots import local_snapshot
+    from miles_core.node_local import localize
 
     root = f"memory://eval-{uuid.uuid4().hex[:8]}/snapshots"
     store = Store(root)
@@ -316,5 +316,5 @@ def test_snapshots_on_object_storage_are_fetched_to_a_local_dir(tmp_path):
     store.put_bytes("step_00000006/config.json", b"{}")
     layout = SnapshotLayout(root, "export")
     assert layout.scan() == ([4], [6])
-    local = local_snapshot(layout.uri(4), str(tmp_path / "dl"))
-    assert sorted(os.listdir(local)) == [".complete", "config.json", "model.safetensors"]
+    local = localize(layout.uri(4), "snapshots", required=".complete")
+    assert sorted(os.listdir(local)) == [".complete", ".miles-complete", "config.json", "model.safetensors"]
