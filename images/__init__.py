@@ -2,8 +2,8 @@
 
 - `cpu_image`: Python 3.11 + torch (CPU wheel) + the pinned dependency set + this project.
   Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.
-- `gpu_image`: a CUDA base image + SGLang + megatron-core + this project. Runs `train`
-  (engines and trainer) and GPU evals.
+- `gpu_image`: a CUDA base image + the same pinned set (requirements.lock, but SGLang's CUDA
+  torch) + SGLang + this project. Runs `train` (engines and trainer) and GPU evals.
 
 Tasks take their image from `task_image("cpu" | "gpu")`:
 - by default the ImageSpec itself: `pyflyte run --remote` / `pyflyte register` build and push it
@@ -25,25 +25,21 @@ from flytekit import ImageSpec
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = os.environ.get("MILES_IMAGE_REGISTRY", "ghcr.io/miles-flyte")
 
-# Direct dependencies shared by both images (versions as in pyproject.toml; torch differs per image).
-_COMMON = [
-    "megatron-core==0.16.1",
-    "transformers==5.24.0",
-    "safetensors==0.8.0",
-    "tokenizers==0.23.3",
-    "ray[default]==2.60.0",
-    "flytekit==1.16.31",
-    "flytekitplugins-ray==1.16.31",
-    "kubernetes==37.0.1",
-    "python-dateutil==2.9.0.post0",
-    "pyarrow==26.0.1",
-    "fsspec==2026.9.0",
-    "s3fs==2026.9.0",
-    "aiohttp==3.14.5",
-    "numpy==2.4.6",
-    "rich==15.0.0",
-    "plotly==7.1.0",
-]
+LOCK = PROJECT_ROOT / "requirements.lock"
+# Pins the GPU image takes from SGLang instead of the lock: its CUDA build of torch.
+GPU_OWN = ("torch",)
+GPU_EXTRAS = ["sglang[all]==0.5.23"]  # pyproject.toml's `gpu` extra
+
+
+def gpu_packages() -> list[str]:
+    """requirements.lock (the one pinned set) without the CPU torch, plus the GPU extras."""
+    pins = []
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line and line.split("==", 1)[0].split("[", 1)[0].lower() not in GPU_OWN:
+            pins.append(line)
+    return [*pins, *GPU_EXTRAS]
+
 
 cpu_image = ImageSpec(
     name="miles-flyte-cpu",
@@ -61,8 +57,8 @@ gpu_image = ImageSpec(
     base_image="nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04",
     python_version="3.11",
     apt_packages=["git", "build-essential", "libnuma1"],
-    # sglang pins its own CUDA torch; megatron-core follows it.
-    packages=["sglang[all]==0.5.23", *_COMMON],
+    # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch.
+    packages=gpu_packages(),
     env={"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"},
 )
 

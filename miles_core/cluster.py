@@ -21,14 +21,23 @@ from miles_core.driver.handles import RayActorHandle
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
-    """Start a local Ray instance unless one is connected (the Flyte Ray task connects its own)."""
+    """Connect to Ray unless connected (the Flyte Ray task connects its own): the cluster named by
+    RAY_ADDRESS when set, else a new local instance."""
     import ray
 
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(log_to_driver=True, configure_logging=False, namespace="miles")
+        return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
              configure_logging=False, namespace="miles")
+
+
+def custom_resource(name: str) -> dict[str, float]:
+    """A sliver of custom resource `name` (pins an actor to nodes offering it; many fit on one)."""
+    return {name: 0.001} if name else {}
 
 
 class TrainerPlacementError(RuntimeError):
@@ -69,7 +78,8 @@ class TrainerGroup:
         t = cfg.train
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
         gpus = 1 if cfg.engine.engine_backend == "sglang" else 0
-        bundle = {"CPU": cfg.run.num_cpus_trainer, **({"GPU": gpus} if gpus else {})}
+        bundle = {"CPU": cfg.run.num_cpus_trainer, **({"GPU": gpus} if gpus else {}),
+                  **custom_resource(cfg.engine.trainer_custom_resource)}
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=placement_timeout_seconds)
@@ -141,7 +151,8 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     from miles_core.rollout.manager import rollout_manager_actor
 
     fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
-                        num_cpus_per_engine=cfg.run.num_cpus_per_engine).start()
+                        num_cpus_per_engine=cfg.run.num_cpus_per_engine,
+                        resources=custom_resource(cfg.engine.engine_custom_resource)).start()
     stack.callback(fleet.shutdown)
     trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actor_handles())
     stack.callback(trainer.shutdown)

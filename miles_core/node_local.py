@@ -51,10 +51,16 @@ def localize(uri: str, kind: str = "models", *, required: str | None = None) -> 
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
     dest = os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])
-    if not os.path.exists(os.path.join(dest, MARKER)):
-        _download(Store(uri), dest, required)
-    os.utime(dest)  # last use, for pruning
-    prune(kind, keep_also=dest)
+    for attempt in range(3):  # the node cache may be cleaned underneath a copy: copy again
+        try:
+            if not os.path.exists(os.path.join(dest, MARKER)):
+                _download(Store(uri), dest, required)
+            os.utime(dest)  # last use, for pruning
+            prune(kind, keep_also=dest)
+            return dest
+        except FileNotFoundError:  # also: the source lacks `required` (then every attempt says so)
+            if attempt == 2:
+                raise
     return dest
 
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import List, Optional
 
 import pyarrow as pa
-from flytekit import Deck, Resources, StructuredDataset, task
+from flytekit import Deck, Resources, StructuredDataset, dynamic, map_task, task
 
 from images import task_image
 from miles_core.storage import normalize_uri
+from tasks.failures import recoverable_infrastructure
 from tasks.inputs import on_cluster, run_config
 from tasks.types import EvalJob, EvalPoint
 
@@ -37,6 +38,31 @@ def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
     follow_snapshots(cfg, start_grace_seconds=300.0 if on_cluster() else 0.0)
 
 
+def eval_resources(engine) -> dict:
+    """`with_overrides` arguments of an eval task for the run's `EngineSection`: an SGLang engine
+    needs its GPUs (--rollout-num-gpus-per-engine); the CPU engine needs none."""
+    if engine.engine_backend != "sglang":
+        return {"requests": Resources(cpu="4", mem="16Gi")}
+    gpus = str(max(1, engine.rollout_num_gpus_per_engine))
+    return {"requests": Resources(cpu="4", mem="16Gi", gpu=gpus), "limits": Resources(gpu=gpus)}
+
+
+@dynamic(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="1Gi"))
+def eval_follower_sized(flags: str, run_id: str, storage_root: str) -> None:
+    """`eval_follower` with the resources the run's engine backend needs (a GPU for SGLang)."""
+    cfg = run_config(flags, run_id, storage_root)
+    eval_follower(flags=flags, run_id=run_id, storage_root=storage_root).with_overrides(**eval_resources(cfg.engine))
+
+
+@dynamic(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="1Gi"))
+def evaluate_jobs(run_uri: str, jobs: List[EvalJob], concurrency: int) -> List[EvalPoint]:
+    """`eval_snapshot` over `jobs` (map_task), sized for the run's engine backend (a GPU for SGLang)."""
+    from miles_core.eval.backfill import run_config_of
+
+    sized = eval_resources(run_config_of(normalize_uri(run_uri)).engine)
+    return map_task(eval_snapshot, concurrency=concurrency)(job=jobs).with_overrides(**sized)
+
+
 @task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
 def plan_backfill(run_uri: str, steps: Optional[List[int]], datasets: Optional[List[str]], n_samples: int,
                   temperature: float, max_response_len: int) -> List[EvalJob]:
@@ -55,8 +81,9 @@ def eval_snapshot(job: EvalJob) -> EvalPoint:
     """Evaluate one snapshot on one dataset; writes eval/step_{k}/{dataset}.json in the run root."""
     from miles_core.eval.backfill import evaluate_snapshot
 
-    metrics = evaluate_snapshot(job.run_uri, job.step, job.dataset, job.dataset_uri, n_samples=job.n_samples,
-                                temperature=job.temperature, max_response_len=job.max_response_len or None)
+    with recoverable_infrastructure():  # its retry re-evaluates the snapshot
+        metrics = evaluate_snapshot(job.run_uri, job.step, job.dataset, job.dataset_uri, n_samples=job.n_samples,
+                                    temperature=job.temperature, max_response_len=job.max_response_len or None)
     return EvalPoint(job.step, job.dataset, {k: float(v) for k, v in metrics.items()})
 
 

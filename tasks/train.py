@@ -15,6 +15,7 @@ from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from images import task_image
 from miles_core.run_root import read_status
 from miles_core.storage import Store
+from tasks.failures import recoverable_infrastructure
 from tasks.inputs import run_config
 from tasks.types import TrainOutcome
 
@@ -46,13 +47,15 @@ def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> Tra
     driver until --num-rollout (or segment_steps / --deadline-seconds), checkpoint, exit.
 
     Resumes from the run's latest complete checkpoint when there is one, so a retry after a lost
-    node, or the next scheduled segment, continues the same lineage.
+    node, or the next scheduled segment, continues the same lineage. Infrastructure failures are
+    recoverable (tasks.failures), so `retries` fire; on a finished run it returns at once.
     """
     cfg = run_config(flags, run_id, storage_root, segment_steps)  # bad flags fail here, before any import
     from miles_core.driver import run_training  # pulls in torch and megatron: import on use
 
-    run_training(cfg)
-    status = read_status(Store(cfg.run_uri))
+    with recoverable_infrastructure():
+        run_training(cfg)
+        status = read_status(Store(cfg.run_uri))
     if status is None:
         return TrainOutcome(cfg.run_uri, "unknown", -1, 0)
     return TrainOutcome(cfg.run_uri, status.state, status.last_step, status.segment)

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import List, Optional
 
-from flytekit import LaunchPlan, StructuredDataset, map_task, workflow
+from flytekit import LaunchPlan, StructuredDataset, workflow
 
-from tasks.eval import backfill_table, eval_snapshot, plan_backfill
+from tasks.eval import backfill_table, evaluate_jobs, plan_backfill
 
 DEFAULT_RUN_URI = ".miles/runs/default"  # the embedded default's run root (relative to the working directory)
 EVAL_CONCURRENCY = 4
@@ -35,7 +35,7 @@ def eval_backfill(run_uri: str = DEFAULT_RUN_URI, steps: Optional[List[int]] = N
     """
     jobs = plan_backfill(run_uri=run_uri, steps=steps, datasets=datasets, n_samples=n_samples,
                          temperature=temperature, max_response_len=max_response_len)
-    points = map_task(eval_snapshot, concurrency=EVAL_CONCURRENCY)(job=jobs)
+    points = evaluate_jobs(run_uri=run_uri, jobs=jobs, concurrency=EVAL_CONCURRENCY)
     return backfill_table(run_uri=run_uri, points=points)
 
 

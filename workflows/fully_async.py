@@ -17,7 +17,7 @@ from flytekit import workflow
 from flytekit.types.file import HTMLPage
 
 from tasks.data import data_fingerprint, prepare_data
-from tasks.eval import eval_follower
+from tasks.eval import eval_follower_sized
 from tasks.report import report
 from tasks.train import train
 
@@ -34,7 +34,7 @@ def fully_async_rl(flags: str = "", run_id: str = "", storage_root: str = "", se
     fingerprint = data_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root)
     data = prepare_data(flags=flags, run_id=run_id, storage_root=storage_root, fingerprint=fingerprint)
     outcome = train(flags=flags, run_id=run_id, storage_root=storage_root, segment_steps=segment_steps)
-    follower = eval_follower(flags=flags, run_id=run_id, storage_root=storage_root)
+    follower = eval_follower_sized(flags=flags, run_id=run_id, storage_root=storage_root)
     data >> outcome
     data >> follower
     page = report(outcome=outcome)

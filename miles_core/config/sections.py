@@ -44,6 +44,8 @@ class RunSection:
     progress: bool = opt(True, "Show a progress bar (step, reward, staleness, tokens/s) on local runs.")
     num_cpus_per_engine: float = opt(1.0, "Ray CPUs reserved by each engine actor.")
     num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by each trainer rank actor (on a machine without GPUs also its torch threads).")
+    lease_ttl_seconds: float = opt(60.0, "One writer per run root: the write lease expires this long after its holder's last renewal (a crashed writer's run is taken over then); the holder stops writing at 3/4 of it without a renewal.")
+    lease_renew_seconds: Optional[float] = opt(None, "How often the lease holder renews its lease; default --lease-ttl-seconds / 4, at most a third of it.")
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,10 @@ class EngineSection:
     engine_max_running_requests: int = opt(512, "Requests an engine batches at once (continuous batching).")
     sglang_mem_fraction_static: float = opt(0.8, "SGLang --mem-fraction-static.")
     sglang_extra_args: str = opt("", "Extra arguments appended to `python -m sglang.launch_server`.")
-    weight_transport: str = opt("disk", "How weights reach the engines: disk (safetensors snapshot + update_weights_from_disk) or distributed (SGLang's /init_weights_update_group + /update_weights_from_distributed broadcast: NCCL on GPU, gloo on CPU).", choices=("disk", "distributed"))
+    weight_transport: str = opt("store", "How weights reach the engines: store (a snapshot in the run root that each engine copies to its own node and loads with update_weights_from_disk) or distributed (SGLang's /init_weights_update_group + /update_weights_from_distributed broadcast: NCCL on GPU, gloo on CPU).", choices=("store", "distributed"))
     update_weight_buffer_size: int = opt(512 << 20, "Bytes per bucket of the distributed weight push (one /update_weights_from_distributed call and broadcast per bucket).")
+    engine_custom_resource: str = opt("", "Ray custom resource every engine actor requests (a sliver of one unit): pins engines to the nodes that offer it, e.g. a GPU node group.")
+    trainer_custom_resource: str = opt("", "Ray custom resource every trainer rank requests (a sliver of one unit): pins the trainer to the nodes that offer it.")
     engine_bind_host: str = opt("127.0.0.1", "Address engine servers bind. Set 0.0.0.0 on a multi-node cluster; engine URLs then use the node's IP.")
     engine_startup_timeout_seconds: float = opt(900.0, "How long an engine (or its restart) may take to answer /health.")
 

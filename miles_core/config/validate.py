@@ -81,6 +81,7 @@ def _ranges(cfg: RunConfig) -> list[str]:
     at_least(e.n_samples_per_eval_prompt, 1, "--n-samples-per-eval-prompt")
     if run.deadline_seconds is not None and run.deadline_seconds <= 0:
         p.append(f"--deadline-seconds={run.deadline_seconds} must be > 0 (omit it for no deadline).")
+    p.extend(_lease_timings(run))
     if not 0 < r.rollout_top_p <= 1:
         p.append(f"--rollout-top-p={r.rollout_top_p} must be in (0, 1].")
     if t.lr <= 0:
@@ -97,6 +98,16 @@ def _ranges(cfg: RunConfig) -> list[str]:
     if not 0 <= t.tis_clip_low < t.tis_clip:
         p.append(f"--tis-clip-low={t.tis_clip_low} and --tis-clip={t.tis_clip} need 0 <= low < high.")
     return p
+
+
+def _lease_timings(run) -> list[str]:
+    from miles_core.lease import check_timings
+
+    try:
+        check_timings(run.lease_ttl_seconds, run.lease_renew_seconds)
+    except ValueError as e:
+        return [f"--lease-ttl-seconds={run.lease_ttl_seconds} / --lease-renew-seconds={run.lease_renew_seconds}: {e}."]
+    return []
 
 
 def _parallel_rules(cfg: RunConfig) -> list[str]:

@@ -5,6 +5,13 @@
 Resumes from the latest complete checkpoint when there is one (trainer, data-source cursor,
 started-groups count, buffer consumption, weight version), so a retry after a lost node and the
 next scheduled segment continue the same lineage with no group trained twice or lost.
+
+Before anything is written or started (DESIGN §15):
+- finished is final: when STATUS.json says `finished` at step >= --num-rollout - 1 the segment
+  returns that outcome at once: no write, no Ray, no actor (raise --num-rollout to continue);
+- one writer: the run root's lease (miles_core.lease) is acquired, or LeaseHeld names the holder.
+  Every step's commits check it (driver.fenced) and it is released on exit, failed or not, so a
+  retry takes over at once; a killed writer's lease is taken over when it expires.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig, validate
+from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, Progress, Roles, TrainerRole, WeightPusher,
                                      batch_source)
@@ -28,26 +36,52 @@ class TrainResult:
     first_step: int
     last_step: int | None
     steps_run: int
-    weight_version: int
+    weight_version: int  # -1 when nothing ran (a finished run)
     seconds: float
 
 
 def run_training(cfg: RunConfig) -> TrainResult:
-    from miles_core import run_root
+    from miles_core.lease import Lease
     from miles_core.storage import Store
 
     validate(cfg)
     store = Store(cfg.run_uri)
+    done = _finished(cfg, store)
+    if done is not None:
+        return done
+    lease = Lease.acquire(store, ttl_seconds=cfg.run.lease_ttl_seconds, renew_seconds=cfg.run.lease_renew_seconds)
+    with lease:
+        done = _finished(cfg, store)  # another writer may have finished it while we waited for the lease
+        return done if done is not None else _train(cfg, store, lease)
+
+
+def _finished(cfg: RunConfig, store) -> TrainResult | None:
+    """The outcome of a run that already reached --num-rollout, else None."""
+    from miles_core import run_root
+
+    status = run_root.read_status(store)
+    if status is None or status.state != run_root.FINISHED or status.last_step < cfg.run.num_rollout - 1:
+        return None
+    log.info("run %s finished at step %d: nothing to train (raise --num-rollout to continue it)", cfg.run_uri,
+             status.last_step)
+    return TrainResult(cfg.run_uri, run_root.FINISHED, status.last_step + 1, status.last_step, 0, -1, 0.0)
+
+
+def _train(cfg: RunConfig, store, lease) -> TrainResult:
+    from miles_core import run_root
+
     segment = run_root.next_segment(store)
     run_root.write_config(store, cfg, segment)
     run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)
     try:
-        result, version = _run_segment(cfg, store, segment)
+        result, version = _run_segment(cfg, store, segment, lease)
     except BaseException as e:
-        status = run_root.read_status(store)
-        run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
-                              segment=segment, message=f"{type(e).__name__}: {e}"[:2000])
+        if lease.held:  # a writer that lost the lease writes nothing more
+            status = run_root.read_status(store)
+            run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
+                                  segment=segment, message=f"{type(e).__name__}: {e}"[:2000])
         raise
+    lease.check()
     state = run_root.FINISHED if result.last_step == cfg.run.num_rollout - 1 else run_root.SEGMENT_DONE
     run_root.write_status(store, state, last_step=-1 if result.last_step is None else result.last_step,
                           segment=segment)
@@ -55,7 +89,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
                        version, result.seconds)
 
 
-def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
+def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult, int]:
     from miles_core import run_root
     from miles_core.cluster import ensure_ray, materialize_initial_model, start_cluster
     from miles_core.data import prepare_dataset, stored_dataset_info
@@ -85,10 +119,12 @@ def _run_segment(cfg: RunConfig, store, segment: int) -> tuple[LoopResult, int]:
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
             trainer=TrainerRole(trainer),
-            weights=WeightPusher(trainer, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
-            checkpoints=Checkpointer(
+            weights=Fenced(WeightPusher(trainer, rollout, fleet, cfg.rollout.update_weights_interval, version_box),
+                           lease.check, "push"),
+            checkpoints=Fenced(Checkpointer(
                 trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
                 on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
+                lease.check, "save"),
             evals=evals, metrics=MetricsLog(sink), progress=progress,
             deadline=Deadline(cfg.run.deadline_seconds))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])

@@ -320,12 +320,12 @@ class EngineFleet:
     """N engine actors. `with EngineFleet(spec, n) as fleet: fleet.urls()`; all methods block."""
 
     def __init__(self, spec: EngineLaunchSpec, num_engines: int, *, num_cpus_per_engine: float = 1.0,
-                 name_prefix: str = "engine"):
+                 name_prefix: str = "engine", resources: dict[str, float] | None = None):
         import ray
 
         gpus = spec.tp_size if spec.backend == "sglang" else 0
         actor_cls = ray.remote(EngineActor).options(num_cpus=num_cpus_per_engine, num_gpus=gpus,
-                                                    max_concurrency=8)
+                                                    max_concurrency=8, resources=resources or None)
         self.spec = spec
         self.actors = [actor_cls.remote(spec, f"{name_prefix}-{i}") for i in range(num_engines)]
         self._urls: list[str] = []

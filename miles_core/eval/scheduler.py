@@ -347,7 +347,10 @@ def start_dedicated_engines(cfg, initial_model_path: str):
     spec = launch_spec(cfg, initial_model_path)
     per_engine = max(1, cfg.engine.rollout_num_gpus_per_engine) if cfg.engine.engine_backend == "sglang" else 1
     n = max(1, cfg.eval.eval_num_gpus // per_engine)
-    return EngineFleet(spec, n, num_cpus_per_engine=cfg.run.num_cpus_per_engine, name_prefix="eval-engine").start()
+    from miles_core.cluster import custom_resource
+
+    return EngineFleet(spec, n, num_cpus_per_engine=cfg.run.num_cpus_per_engine, name_prefix="eval-engine",
+                       resources=custom_resource(cfg.engine.engine_custom_resource)).start()
 
 
 def launch_spec(cfg, model_path: str, weight_version: int = 0):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import time
 
 import torch
@@ -63,6 +62,9 @@ class Trainer:
         self.cfg = train
         self.loss_cfg = LossConfig.from_section(train)
         self.hf_dir = hf_dir
+        # config.json, tokenizer files...: read once, so exports never need the local copy again
+        # (a node cache may be cleaned under a running trainer)
+        self.aux_files = non_weight_files(hf_dir)
         self.hf_config = hf_convert.read_hf_config(hf_dir)
         self.spec = ModelSpec.from_hf_config(self.hf_config)
         self.cuda = torch.cuda.is_available()
@@ -194,7 +196,9 @@ class Trainer:
         """HF checkpoint of the current weights: model.safetensors, config.json, tokenizer files."""
         os.makedirs(out_dir, exist_ok=True)
         save_file(self.hf_state_dict(), os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-        copy_non_weight_files(self.hf_dir, out_dir)
+        for name, data in self.aux_files.items():
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(data)
         return out_dir
 
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
@@ -231,12 +235,15 @@ class Trainer:
         random.setstate(_python_rng(meta["python_random"]))
 
 
-def copy_non_weight_files(src_dir: str, out_dir: str) -> None:
-    """config.json, generation config and tokenizer files of the source checkpoint."""
+def non_weight_files(src_dir: str) -> dict[str, bytes]:
+    """config.json, generation config and tokenizer files of the source checkpoint, by name."""
+    out = {}
     for name in sorted(os.listdir(src_dir)):
         path = os.path.join(src_dir, name)
         if os.path.isfile(path) and not name.endswith(WEIGHT_FILES) and not name.startswith("."):
-            shutil.copyfile(path, os.path.join(out_dir, name))
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
 
 
 def _loss_mask(s: Sample) -> list[int]:

@@ -7,7 +7,6 @@ Engines get the snapshot's URI and copy it to their own node (`miles_core.node_l
 
 from __future__ import annotations
 
-import os
 import re
 
 from concurrent.futures import ThreadPoolExecutor
@@ -34,17 +33,12 @@ def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshot
     its key. `.complete` is written last."""
     key = snapshot_key(step, prefix) if key is None else key.strip("/")
     marker = f"{key}/{MARKER}" if key else MARKER
-    src = trainer.hf_dir
-    extra = [name for name in sorted(os.listdir(src)) if os.path.isfile(os.path.join(src, name))
-             and not name.endswith((".safetensors", ".bin", ".pt", ".pth", ".index.json")) and not name.startswith(".")]
-
     def copy(name: str) -> None:
-        with open(os.path.join(src, name), "rb") as f:
-            store.put_bytes(f"{key}/{name}" if key else name, f.read())
+        store.put_bytes(f"{key}/{name}" if key else name, trainer.aux_files[name])
 
     # The small files (config, tokenizer) commit in parallel with the weights: each put is fsynced.
     with ThreadPoolExecutor(max_workers=4) as pool:
-        small = [pool.submit(copy, name) for name in extra]
+        small = [pool.submit(copy, name) for name in trainer.aux_files]
         put_tensors(store, f"{key}/model.safetensors" if key else "model.safetensors", trainer.hf_state_dict(dtype))
         for f in small:
             f.result()

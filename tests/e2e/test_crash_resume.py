@@ -31,8 +31,9 @@ SCRIPT = ("import sys; from miles_core.config import parse_flags; from miles_cor
 
 
 def _flags(storage: Path) -> list[str]:
+    # The killed run's lease is taken over when it expires: a 10 s TTL keeps the resume from waiting a minute.
     return ["--storage-root", str(storage), "--run-id", "crash", "--num-rollout", "24", "--save-interval", "4",
-            "--eval-prompt-data", "--eval-interval", "none", "--no-progress"]
+            "--eval-prompt-data", "--eval-interval", "none", "--no-progress", "--lease-ttl-seconds", "10"]
 
 
 def _kill_everything_under(ray_tmp: str, proc: subprocess.Popen) -> None:

@@ -140,10 +140,10 @@ def test_workflow_compiles_with_no_inputs():
     nodes = {n.id: n for n in spec.template.nodes}
     assert len(nodes) == 5
     by_task = {n.task_node.reference_id.name.rsplit(".", 1)[-1]: n for n in nodes.values() if n.task_node}
-    # train and eval_follower share no data; both wait only for prepare_data
-    assert by_task["train"].upstream_node_ids == by_task["eval_follower"].upstream_node_ids
+    # train and the (sized) eval follower share no data; both wait only for prepare_data
+    assert by_task["train"].upstream_node_ids == by_task["eval_follower_sized"].upstream_node_ids
     assert by_task["prepare_data"].id in by_task["train"].upstream_node_ids
-    assert by_task["eval_follower"].id in by_task["report"].upstream_node_ids
+    assert by_task["eval_follower_sized"].id in by_task["report"].upstream_node_ids
 
 
 # ----------------------------------------------------------------------------- inputs -> config

@@ -1,0 +1,53 @@
+"""An S3-only run survives its node caches being deleted mid-run (DESIGN §15).
+
+The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir. Once the
+engines serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of
+its checkpoint: what it read config and tokenizer files from at every export) every second while
+the run trains and checkpoints. The trainer keeps what it needs in memory and every role re-fetches
+from the run root, so the run finishes all its steps.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from pathlib import Path
+
+import pytest
+
+from miles_core.storage import Store
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, tmp_path):
+    cache = tmp_path / "node-cache"
+    storage = f"s3://{s3_bucket}/cache-{uuid.uuid4().hex[:8]}"
+    stop, deletions = threading.Event(), []
+
+    def clean():
+        while not stop.wait(1.0):
+            if (cache / "weights").exists() and (cache / "models").exists():
+                shutil.rmtree(cache / "models", ignore_errors=True)
+                deletions.append(1)
+
+    cleaner = threading.Thread(target=clean, daemon=True)
+    env = {**__import__("os").environ, **seaweed.env(), "MILES_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
+    flags = "--num-rollout 25 --run-id cache --save-interval 10 --eval-interval none --eval-prompt-data"
+    cmd = [str(Path(sys.executable).with_name("pyflyte")), "run", "workflows/fully_async.py", "fully_async_rl",
+           "--flags", flags, "--storage_root", storage]
+    cleaner.start()
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        stop.set()
+        cleaner.join()
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    status = Store(f"{storage}/runs/cache").get_json("STATUS.json")
+    assert status["state"] == "finished" and status["last_step"] == 24, status
+    assert deletions, "the cache was never there to delete"

@@ -1,0 +1,67 @@
+"""The one place that decides what crosses a node (miles_core.node_local).
+
+Pins: a local path handed to a role is refused with an error naming it; file:// URIs are used in
+place; object-store URIs are copied into this node's cache, trusted only with their marker,
+re-fetched after the cache is deleted, and pruned to the newest copies per kind; a source without
+its required marker is refused.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+
+import pytest
+
+from miles_core import node_local
+from miles_core.node_local import HandoffError, localize, require_uri
+from miles_core.storage import Store
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _snapshot(name: str) -> str:
+    store = Store(f"memory://node-local-{uuid.uuid4().hex[:8]}/{name}")
+    store.put_bytes("config.json", b"{}")
+    store.put_bytes("sub/tokenizer.json", b"tok")
+    store.put_bytes(".complete", b"")
+    return store.uri()
+
+
+def test_local_paths_are_refused_by_name():
+    with pytest.raises(HandoffError, match="engine-0 model='/tmp/x' is a local path"):
+        require_uri("/tmp/x", "engine-0 model")
+    assert require_uri("s3://b/k", "x") == "s3://b/k"
+
+
+def test_file_uris_are_used_in_place(tmp_path, cache):
+    (tmp_path / "m").mkdir()
+    assert localize(f"file://{tmp_path}/m") == str(tmp_path / "m")
+    with pytest.raises(FileNotFoundError):
+        localize(f"file://{tmp_path}/missing")
+    assert not cache.exists()
+
+
+def test_object_store_copies_are_cached_healed_and_pruned(cache, monkeypatch):
+    uri = _snapshot("a")
+    path = localize(uri, "weights", required=".complete")
+    assert path.startswith(str(cache)) and open(os.path.join(path, "sub", "tokenizer.json")).read() == "tok"
+    assert localize(uri, "weights") == path  # cached
+    shutil.rmtree(cache)  # the node cache cleaned under a running role
+    assert localize(uri, "weights") == path and os.path.exists(os.path.join(path, "config.json"))
+    monkeypatch.setitem(node_local.KEEP, "weights", 2)
+    for name in "bcd":
+        localize(_snapshot(name), "weights")
+    assert len(os.listdir(cache / "weights")) == 2
+
+
+def test_a_source_without_its_marker_is_refused(cache):
+    store = Store(f"memory://node-local-{uuid.uuid4().hex[:8]}/partial")
+    store.put_bytes("model.safetensors", b"half")
+    with pytest.raises(FileNotFoundError, match=r"\.complete"):
+        localize(store.uri(), "weights", required=".complete")
