@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 
-from miles_core.storage import TMP_MARK, ObjectNotFound, Store
+from miles_core.storage import TMP_MARK, ObjectNotFound, Store, fsynced_temp
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,7 @@ class MemoryObject(LockedObject):
 class FileObject(LockedObject):
     def create(self, data: bytes) -> str | None:
         path = self.store.path(self.key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        tmp = fsynced_temp(path, data)
         try:
             os.link(tmp, path)
         except FileExistsError:

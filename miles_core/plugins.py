@@ -23,9 +23,9 @@ PLUGIN_SLOTS: dict[str, str] = {
     "--dynamic-sampling-filter-path": "a function (group) -> (keep: bool, reason: str)",
     "--rollout-sample-filter-path": "a function (groups) -> None that sets sample.loss_mask entries to 0 (mark only)",
     "--custom-async-data-buffer-path": "a class built as Class(config, unused_samples_handler) with put/get/get_metrics",
-    "--rollout-function-path": "a function (config, step, data_source) -> list[groups]",
-    "--rollout-all-samples-process-path": "a function (samples) -> None",
 }
+# (--rollout-function-path and --rollout-all-samples-process-path are miles flags this project does
+# not implement: validation refuses them as "not supported" and nothing loads them.)
 
 
 def load_plugin(path: str, flag: str, required_methods: tuple[str, ...] = ()) -> Any:

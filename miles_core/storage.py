@@ -66,6 +66,17 @@ def validate_name(name: str, what: str = "name") -> str:
     return name
 
 
+def fsynced_temp(path: str, data: bytes) -> str:
+    """`data` in a fresh, fsynced temporary file beside `path` (its parents created); its name."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return tmp
+
+
 def normalize_uri(uri: str) -> str:
     """A local path becomes an absolute file:// URI; URIs with a scheme pass through."""
     if "://" in uri:
@@ -168,13 +179,7 @@ class Store:
         path = self.path(key)
         if self.protocol == "file":
             def write():
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, path)
+                os.replace(fsynced_temp(path, data), path)
             self._retry(f"put {key}", write)
         else:
             self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))

@@ -9,7 +9,9 @@ from __future__ import annotations
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.plugins import PluginError, load_plugin
 
-# Features the fully async driver cannot honour, with the flag that turns each on.
+# Features the fully async driver cannot honour, with the flag that turns each on (DESIGN §11).
+# The sync drivers of this project do not implement them either: under every driver they are
+# refused with "not supported" (DESIGN §18), never accepted and ignored.
 FULLY_ASYNC_EXCLUDES = {
     "colocate": "--colocate",
     "partial_rollout": "--partial-rollout",
@@ -27,7 +29,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems = _types(cfg)
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    for check in (_ranges, _parallel_rules, _driver_rules, _loss_rules, _save_eval_rules, _names, _plugins):
+    for check in (_ranges, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules, _names,
+                  _plugins):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -137,9 +140,6 @@ def _driver_rules(cfg: RunConfig) -> list[str]:
     if run.fully_async and run.one_step_off:
         p.append("--fully-async and --one-step-off are different drivers; pick one (--no-fully-async for one-step-off).")
     if run.fully_async:
-        for name, flag in FULLY_ASYNC_EXCLUDES.items():
-            if getattr(run, name):
-                p.append(f"--fully-async excludes {flag}: drop {flag} or use the sync driver (--no-fully-async).")
         if r.pause_generation_mode == "abort":
             p.append("--fully-async excludes --pause-generation-mode=abort (it would throw away in-flight work); "
                      "use retract or in_place.")
@@ -157,16 +157,31 @@ def _driver_rules(cfg: RunConfig) -> list[str]:
     return p
 
 
+def _unsupported(cfg: RunConfig) -> list[str]:
+    """Flags miles users know that this project does not implement: refused by name, under every
+    driver. Under --fully-async the message keeps naming the driver (DESIGN §11's matrix)."""
+    run = cfg.run
+    p = []
+    for name, flag in FULLY_ASYNC_EXCLUDES.items():
+        if not getattr(run, name):
+            continue
+        if run.fully_async:
+            p.append(f"--fully-async excludes {flag}, and {flag} is not supported by the sync drivers either: "
+                     f"drop {flag}.")
+        else:
+            p.append(f"{flag} is not supported: the {cfg.driver} driver does not implement it; drop {flag}.")
+    if cfg.train.advantage_estimator == "ppo":
+        p.append("--advantage-estimator=ppo is not supported: the trainer has no critic (value model); "
+                 "use --advantage-estimator=grpo.")
+    return p
+
+
 def _loss_rules(cfg: RunConfig) -> list[str]:
-    t, run = cfg.train, cfg.run
+    t = cfg.train
     p = []
     if t.use_rollout_logprobs and t.use_tis:
         p.append("--use-rollout-logprobs excludes --use-tis (TIS reweights against the rollout log-probs "
                  "itself); pass --no-use-rollout-logprobs with --use-tis, or drop --use-tis.")
-    is_async = run.fully_async or run.one_step_off
-    if t.advantage_estimator == "ppo" and is_async and not (t.use_tis or t.use_rollout_logprobs or t.use_decoupled_loss):
-        p.append("--advantage-estimator=ppo (critic) under an async driver needs an off-policy correction: "
-                 "set --use-tis, --use-rollout-logprobs or --use-decoupled-loss.")
     if t.advantage_estimator == "grpo" and cfg.rollout.n_samples_per_prompt < 2:
         p.append("--advantage-estimator=grpo needs --n-samples-per-prompt >= 2 (a group of one has no baseline).")
     if t.use_kl_loss and t.kl_loss_coef <= 0:
@@ -230,13 +245,12 @@ def _names(cfg: RunConfig) -> list[str]:
 
 
 def _plugins(cfg: RunConfig) -> list[str]:
+    """Every plugin path the run will call resolves now (the refused hook paths are not loaded)."""
     slots = [
         (cfg.rollout.custom_rm_path, "--custom-rm-path", ()),
         (cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", ()),
         (cfg.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path", ()),
         (cfg.buffer.custom_async_data_buffer_path, "--custom-async-data-buffer-path", ("put", "get", "get_metrics")),
-        (cfg.run.rollout_function_path, "--rollout-function-path", ()),
-        (cfg.run.rollout_all_samples_process_path, "--rollout-all-samples-process-path", ()),
     ]
     p = []
     for path, flag, methods in slots:

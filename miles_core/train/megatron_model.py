@@ -7,7 +7,8 @@
 - gpt2: LayerNorm, gelu (tanh approximation, HF's `gelu_new`), biases everywhere, learned absolute
   positions (`position_embedding_type="learned_absolute"`, DESIGN §10), tied embeddings.
 On CPU the model is built with `use_cpu_initialization=True` in fp32 behind the CPU shim; on GPU
-in bf16 wrapped in Megatron DDP with Megatron's distributed optimizer (`build_gpu_training`).
+in bf16 wrapped in Megatron DDP with Megatron's mixed-precision (not distributed) optimizer
+(`build_gpu_training`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,15 @@
 `flatten(tree)` splits a tree of dicts/lists/tuples whose leaves are tensors, numbers, strings,
 bools, None or torch dtypes into (tensors by path, a JSON skeleton); `unflatten` rebuilds it
 exactly, including int and dtype dict keys (Megatron's distributed optimizer keys its buffers by
-index and dtype) and tuples (AdamW's betas).
+index and dtype) and tuples (AdamW's betas). Tensor names are the dotted path, made unique when
+two paths collide (a string key containing a dot); the skeleton records each tensor's name.
+
+The trees it must hold (megatron-core 0.16.1, docs/training.md): torch AdamW's `state_dict()`
+(int-keyed `state`, `param_groups` with tuple betas and None leaves) and the `state_dict()` of the
+`ChainedOptimizer` that `get_megatron_optimizer` returns: with one inner optimizer, that inner
+optimizer's dict, e.g. `Float16OptimizerWithFloat16Params`' {"optimizer": AdamW state,
+"fp32_from_fp16_params": [[fp32 main params] per group], "grad_scaler": {...} with fp16 only};
+with several, a list of those. Never the `ChainedOptimizer.state` ProxyDict (not a dict: refused).
 """
 
 from __future__ import annotations
@@ -32,11 +40,16 @@ def _dec_key(k: list):
 
 
 def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
+    """(tensors by unique name, JSON-able skeleton). Tensors are detached CPU copies on GPU; on CPU
+    they may alias the live state, so write them before the next step. Raises StateTreeError on a
+    leaf or key it cannot store without pickle (naming its path)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(x, path):
         if isinstance(x, torch.Tensor):
-            key = path or "."
+            key, n = path or ".", 1
+            while key in tensors:  # "a.b" as one key and as a path: keep both
+                key, n = f"{path or '.'}#{n}", n + 1
             tensors[key] = x.detach().cpu().contiguous()
             return {"t": "tensor", "k": key}
         if isinstance(x, torch.dtype):
@@ -56,6 +69,7 @@ def flatten(tree: Any, prefix: str = "") -> tuple[dict[str, torch.Tensor], Any]:
 
 
 def unflatten(tensors: dict[str, torch.Tensor], skeleton: Any) -> Any:
+    """The tree `flatten` split, rebuilt from its tensors and (JSON round-tripped) skeleton."""
     t = skeleton["t"]
     if t == "tensor":
         return tensors[skeleton["k"]]

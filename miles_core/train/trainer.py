@@ -209,7 +209,7 @@ class Trainer:
         holds everything, and a checkpoint resumes at any DP size.
         """
         model = hf_convert.megatron_state(unwrap(self.model))
-        opt_tensors, opt_skeleton = flatten(self.optimizer.state_dict())
+        opt_tensors, opt_skeleton = optimizer_state(self.optimizer)
         rng = {"torch_cpu": torch.get_rng_state()}
         if self.cuda:
             rng["torch_cuda"] = torch.cuda.get_rng_state()
@@ -228,11 +228,39 @@ class Trainer:
         with torch.no_grad():
             for k, v in own.items():
                 v.copy_(tensors["model"][k])
-        self.optimizer.load_state_dict(unflatten(tensors["optimizer"], meta["optimizer"]))
+        load_optimizer_state(self.optimizer, tensors["optimizer"], meta["optimizer"])
         if self.cuda:
             torch.cuda.set_rng_state(tensors["rng"]["torch_cuda"])
         torch.set_rng_state(tensors["rng"]["torch_cpu"])
         random.setstate(_python_rng(meta["python_random"]))
+
+
+def optimizer_state(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, JSON skeleton) of `optimizer.state_dict()`: torch AdamW on CPU; on GPU the
+    `ChainedOptimizer` of megatron-core 0.16.1, whose `state_dict()` with one inner
+    `Float16OptimizerWithFloat16Params` is {"optimizer": AdamW state, "fp32_from_fp16_params":
+    fp32 main params per group} (plus "grad_scaler" under fp16; a list of such dicts with several
+    inner optimizers). Replicated over DP, so it resumes at any DP size.
+
+    Megatron's distributed (ZeRO-1) optimizer is refused: its `state_dict()` leaves the parameter
+    state (main params, Adam moments) out (megatron/core/optimizer/distrib_optimizer.py,
+    `DistributedOptimizer.state_dict`), so a checkpoint of it would silently lose them."""
+    inner = getattr(optimizer, "chained_optimizers", None)
+    if inner is not None:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        if any(isinstance(o, DistributedOptimizer) for o in inner):
+            raise TrainError("checkpointing Megatron's distributed optimizer is not supported: its state_dict() "
+                             "omits the parameter state; build_gpu_training uses use_distributed_optimizer=False")
+    return flatten(optimizer.state_dict())
+
+
+def load_optimizer_state(optimizer, tensors: dict[str, torch.Tensor], skeleton: dict) -> None:
+    """Inverse of `optimizer_state`. Megatron's `load_state_dict` matches param groups by
+    (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), loads the AdamW moments (moved to the
+    parameters' device) and copies the saved fp32 main params into the live ones; the bf16 model
+    params come from the model part of the checkpoint."""
+    optimizer.load_state_dict(unflatten(tensors, skeleton))
 
 
 def non_weight_files(src_dir: str) -> dict[str, bytes]:

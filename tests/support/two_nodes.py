@@ -18,10 +18,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 RAY = str(Path(sys.executable).with_name("ray"))
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: its code and .venv must stay visible on both nodes
 PRIVATE_DIRS = ("/tmp", os.path.expanduser("~/.cache"))
 
 
@@ -46,6 +48,7 @@ class TwoNodeCluster:
         self.head_temp = f"/tmp/ray-head-{self.port}"
         self.head_cpus, self.engine_cpus = head_cpus, engine_cpus
         self.worker: subprocess.Popen | None = None
+        self.stash: str | None = None
 
     def start(self) -> "TwoNodeCluster":
         """Start both nodes; on failure whatever started is stopped before the error propagates."""
@@ -60,7 +63,7 @@ class TwoNodeCluster:
         self._run([RAY, "start", "--head", f"--port={self.port}", "--node-ip-address=127.0.0.1",
                    f"--num-cpus={self.head_cpus}", "--resources", json.dumps({"head_node": 1}),
                    f"--temp-dir={self.head_temp}", "--include-dashboard=false", "--disable-usage-stats"])
-        mounts = " && ".join(f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in PRIVATE_DIRS)
+        mounts = self._private_mounts()
         worker = (f"{mounts} && exec {RAY} start --address={self.address} --node-ip-address=127.0.0.1 "
                   f"--num-cpus={self.engine_cpus} --resources='{json.dumps({'engine_node': 1})}' "
                   f"--temp-dir=/tmp/ray-engine-{self.port} --disable-usage-stats --block")
@@ -68,6 +71,17 @@ class TwoNodeCluster:
                                        env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                        start_new_session=True)
         self._wait_for_engine_node()
+
+    def _private_mounts(self) -> str:
+        """Shell commands: a tmpfs over each private dir; the checkout (code and venv) stays visible
+        even when it lives under one of them (a CI clone in /tmp): it is bind-mounted aside first and
+        back afterwards."""
+        keep = [str(ROOT)] if any(str(ROOT).startswith(d.rstrip("/") + "/") for d in PRIVATE_DIRS) else []
+        self.stash = tempfile.mkdtemp(prefix="miles-keep-", dir="/var/tmp") if keep else None
+        cmds = [f"mount --bind {k} {self.stash}" for k in keep]
+        cmds += [f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in PRIVATE_DIRS]
+        cmds += [f"mkdir -p {k} && mount --bind {self.stash} {k}" for k in keep]
+        return " && ".join(cmds)
 
     def _wait_for_engine_node(self, timeout: float = 120.0) -> None:
         probe = f"import ray; ray.init(address='{self.address}'); print(ray.cluster_resources().get('engine_node', 0))"
@@ -97,6 +111,8 @@ class TwoNodeCluster:
                 self.worker.wait(10)
         self._kill_own_processes()  # not `ray stop`: that would stop every Ray on the machine
         shutil.rmtree(self.head_temp, ignore_errors=True)
+        if self.stash:
+            os.rmdir(self.stash)  # an empty mount point here: the bind mounts lived in the other namespace
 
     def _kill_own_processes(self) -> None:
         """SIGKILL every process of this cluster: their command lines name its GCS address or temp dir."""

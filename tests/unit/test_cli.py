@@ -59,12 +59,12 @@ def test_main_validate_conflict(capsys):
 def test_main_validate_round_trips_flags(capsys):
     """Pins: the printed JSON is the resolved config of the flags given.
     Guards: flags parsed but dropped before printing."""
-    argv = ["--rollout-batch-size", "8", "--no-fully-async", "--colocate", "--seed", "3"]
+    argv = ["--rollout-batch-size", "8", "--no-fully-async", "--one-step-off", "--seed", "3"]
     assert main(["validate", *argv]) == 0
     out = capsys.readouterr().out
     cfg = config_from_json(out)
     assert cfg == parse_flags(argv)
-    assert cfg.rollout.rollout_batch_size == 8 and cfg.run.colocate and cfg.run.seed == 3
+    assert cfg.rollout.rollout_batch_size == 8 and cfg.run.one_step_off and cfg.run.seed == 3
     assert json.loads(out)["rollout"]["rollout_batch_size"] == 8
 
 
