@@ -9,7 +9,7 @@ the step it finishes (stop token, max_new_tokens, the model's position limit, or
 requests are compacted into slots 0..B-1 so decode reads the cache without a gather.
 
 Log-probs: each returned log-prob is `log_softmax(logits)[token]` of the *unmodified* logits
-(temperature 1, before top-k/top-p), whatever the sampling temperature. This is what the RL trainer
+(temperature 1, before penalties and top-k/top-p), whatever the sampling parameters. This is what the RL trainer
 recomputes at temperature 1 (SGLang returns the same with SGLANG_RETURN_ORIGINAL_LOGPROB=1, which the
 launcher sets).
 
@@ -29,35 +29,97 @@ import torch
 from miles_core.engines.model import CausalLM
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams.max_new_tokens default
+
+
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 16
+    """The sampling parameters RL rollouts send to SGLang, with SGLang's names, defaults and ranges
+    (`sglang/srt/sampling/sampling_params.py`). Penalties apply to output tokens only, as SGLang's
+    penalizers do: repetition (multiplicative: a positive logit is divided by it, a negative one
+    multiplied), frequency (subtracted once per occurrence), presence (subtracted once).
+    `min_new_tokens` masks EOS and the stop tokens until that many tokens exist, and no stop (token or
+    string) ends a request before then. `stop` strings are matched on the decoded output (the text is
+    cut before the match unless `no_stop_trim`). `sampling_seed` gives the request its own generator,
+    so its samples do not depend on what else is in the batch. `skip_special_tokens` and
+    `spaces_between_special_tokens` only shape `text`."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    sampling_seed: int | None = None
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+
+    KNOWN = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+             "min_new_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "sampling_seed",
+             "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "n", "min_p")
 
     @staticmethod
     def from_json(d: dict | None) -> "SamplingParams":
-        d = d or {}
-        unknown_ok = {"stop", "skip_special_tokens", "no_stop_trim", "min_new_tokens", "frequency_penalty",
-                      "presence_penalty", "repetition_penalty", "sampling_seed", "spaces_between_special_tokens"}
-        known = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
-        bad = set(d) - known - unknown_ok
+        """Parse a /generate `sampling_params` object; ValueError names what SGLang would refuse. A null
+        value means the default (SGLang's `__post_init__`)."""
+        d = {k: v for k, v in (d or {}).items() if v is not None}
+        bad = set(d) - set(SamplingParams.KNOWN)
         if bad:
-            raise ValueError(f"sampling_params: unsupported keys {sorted(bad)}; supported: {sorted(known)}")
+            raise ValueError(f"sampling_params: unsupported keys {sorted(bad)}; supported: {list(SamplingParams.KNOWN)}")
+        if d.get("n", 1) != 1 or d.get("min_p", 0.0) != 0.0:
+            raise ValueError("sampling_params: the CPU engine supports n=1 and min_p=0 only")
+        stop = d.get("stop", ())
+        seed = d.get("sampling_seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ValueError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
         p = SamplingParams(
-            max_new_tokens=int(d.get("max_new_tokens", 16) if d.get("max_new_tokens") is not None else 16),
+            max_new_tokens=int(d.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
             temperature=float(d.get("temperature", 1.0)),
             top_p=float(d.get("top_p", 1.0)),
             top_k=int(d.get("top_k", -1)),
-            stop_token_ids=tuple(int(t) for t in (d.get("stop_token_ids") or ())),
+            stop=(stop,) if isinstance(stop, str) else tuple(str(x) for x in stop),
+            stop_token_ids=tuple(int(t) for t in d.get("stop_token_ids", ())),
             ignore_eos=bool(d.get("ignore_eos", False)),
+            min_new_tokens=int(d.get("min_new_tokens", 0)),
+            repetition_penalty=float(d.get("repetition_penalty", 1.0)),
+            frequency_penalty=float(d.get("frequency_penalty", 0.0)),
+            presence_penalty=float(d.get("presence_penalty", 0.0)),
+            sampling_seed=seed,
+            no_stop_trim=bool(d.get("no_stop_trim", False)),
+            skip_special_tokens=bool(d.get("skip_special_tokens", True)),
         )
-        if p.max_new_tokens < 0 or p.temperature < 0 or not 0 < p.top_p <= 1:
-            raise ValueError(f"sampling_params: need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got {d}")
+        p.verify()
         return p
+
+    def verify(self) -> None:
+        """SGLang's `SamplingParams.verify` ranges (messages as SGLang words them)."""
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens}.")
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+                or self.min_new_tokens > 0)
 
 
 @dataclass
@@ -69,6 +131,7 @@ class Request:
     cached: int = 0  # tokens whose K/V sit in the cache (0 when waiting)
     finish: dict | None = None
     created: float = field(default_factory=time.monotonic)
+    gen: torch.Generator | None = None  # its own generator when it carries a sampling_seed
 
 
 @dataclass
@@ -84,7 +147,9 @@ class TokenEvent:
 
 class BatchEngine:
     def __init__(self, model: CausalLM, weight_version: int = 0, max_running: int = 512,
-                 max_total_tokens: int = 4096, seed: int = 0):
+                 max_total_tokens: int = 4096, seed: int = 0, eos_token_ids=None, decode=None):
+        """`eos_token_ids`: the model's EOS ids (config.json and generation_config.json; default the
+        spec's). `decode(ids) -> str`: the tokenizer, needed for `stop` strings."""
         self.model = model
         self.version = weight_version
         self.max_running = max_running
@@ -95,7 +160,8 @@ class BatchEngine:
         self.paused = False
         self.gen = torch.Generator().manual_seed(seed)
         self.cache = model.new_cache(min(max_running, 64), min(self.max_len, 64))
-        self._eos = set(model.spec.eos_token_ids)
+        self._eos = set(model.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.decode = decode
 
     # ---- requests -----------------------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -107,6 +173,8 @@ class BatchEngine:
             raise ValueError(f"input_ids out of range [0, {vocab})")
         if len(req.input_ids) >= self.max_len:
             raise ValueError(f"prompt of {len(req.input_ids)} tokens leaves no room: the model holds {self.max_len} positions")
+        if req.params.stop and self.decode is None:
+            raise ValueError("stop strings need a tokenizer (tokenizer.json in the model dir); use stop_token_ids")
 
     def add(self, req: Request) -> list[TokenEvent]:
         """Queue a request; one that cannot run at all finishes at once (returned as events)."""
@@ -115,6 +183,8 @@ class BatchEngine:
         self.check(req)
         if req.params.max_new_tokens == 0:
             return [TokenEvent(req.rid, None, None, self.version, {"type": "length", "length": 0})]
+        if req.params.sampling_seed is not None and req.gen is None:
+            req.gen = torch.Generator().manual_seed(req.params.sampling_seed % 2**63)
         self.requests[req.rid] = req
         self.waiting.append(req)
         return []
@@ -203,25 +273,67 @@ class BatchEngine:
         return admitted
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[TokenEvent]:
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = torch.log_softmax(logits, dim=-1)  # of the unmodified logits: what the trainer recomputes
+        biased = self._penalize(reqs, logits)
         temps = [r.params.temperature for r in reqs]
         if all(t == 0 for t in temps):
-            tokens = logits.argmax(-1)
+            tokens = biased.argmax(-1)
         else:
-            tokens = _sample_rows(logits, reqs, temps, self.gen)
+            tokens = _sample_rows(biased, reqs, temps, self.gen)
         picked = logprobs.gather(1, tokens[:, None])[:, 0].tolist()
         events = []
         for r, tok, lp in zip(reqs, tokens.tolist(), picked):
             r.output_ids.append(tok)
-            p = r.params
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
-                r.finish = {"type": "stop", "matched": tok}
-            elif len(r.output_ids) >= p.max_new_tokens:
-                r.finish = {"type": "length", "length": p.max_new_tokens}
-            elif len(r.input_ids) + len(r.output_ids) >= self.max_len:
-                r.finish = {"type": "length", "length": len(r.output_ids)}
+            r.finish = self._finish(r, tok)
             events.append(TokenEvent(r.rid, tok, lp, self.version, None))
         return events
+
+    def _penalize(self, reqs: list[Request], logits: torch.Tensor) -> torch.Tensor:
+        """The logits sampling reads: SGLang's penalizers over each request's output tokens."""
+        if not any(r.params.penalized for r in reqs):
+            return logits
+        out = logits.clone()
+        vocab = logits.shape[-1]
+        for i, r in enumerate(reqs):
+            p = r.params
+            if not p.penalized:
+                continue
+            if r.output_ids:
+                counts = torch.bincount(torch.tensor(r.output_ids), minlength=vocab)[:vocab].to(out.dtype)
+                seen = counts > 0
+                if p.repetition_penalty != 1.0:
+                    row = out[i]
+                    scaled = torch.where(row < 0, row * p.repetition_penalty, row / p.repetition_penalty)
+                    out[i] = torch.where(seen, scaled, row)
+                out[i] -= p.frequency_penalty * counts + p.presence_penalty * seen.to(out.dtype)
+            if len(r.output_ids) < p.min_new_tokens:
+                stops = [t for t in {*p.stop_token_ids, *self._eos} if 0 <= t < vocab]
+                out[i, stops] = float("-inf")
+        return out
+
+    def _finish(self, r: Request, tok: int) -> dict | None:
+        """SGLang's finish check after `tok` was appended: no stop before min_new_tokens; then a stop
+        token or EOS (unless ignore_eos), a stop string, max_new_tokens, the position limit."""
+        p, n = r.params, len(r.output_ids)
+        if n >= p.min_new_tokens:
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self._eos):
+                return {"type": "stop", "matched": tok}
+            matched = self._stop_string(r)
+            if matched is not None:
+                return {"type": "stop", "matched": matched}
+        if n >= p.max_new_tokens:
+            return {"type": "length", "length": p.max_new_tokens}
+        if len(r.input_ids) + n >= self.max_len:
+            return {"type": "length", "length": n}
+        return None
+
+    def _stop_string(self, r: Request) -> str | None:
+        """The first `stop` string that the decoded tail of the output now contains."""
+        if not r.params.stop:
+            return None
+        longest = max(len(s) for s in r.params.stop)
+        tail = self.decode(r.output_ids[-(longest + 4):])
+        return next((s for s in r.params.stop if s and s in tail), None)
 
     def _reap(self, finished: list[Request]) -> list[TokenEvent]:
         """Remove finished requests from the batch (compacting slots) and the queue; emit finishes."""
@@ -279,6 +391,9 @@ def _sample_rows(logits: torch.Tensor, reqs: list[Request], temps: list[float], 
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
     tokens = torch.multinomial(probs, 1, generator=gen)[:, 0]
+    for i, r in enumerate(reqs):  # a seeded request draws from its own generator
+        if r.gen is not None and temps[i] > 0:
+            tokens[i] = torch.multinomial(probs[i:i + 1], 1, generator=r.gen)[0, 0]
     if greedy.any():
         tokens = torch.where(greedy, logits.argmax(-1), tokens)
     return tokens

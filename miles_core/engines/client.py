@@ -10,24 +10,34 @@ Failure rules (DESIGN §9):
   `finish_reason == "abort"` and the tokens streamed so far; it does not raise. Only a connection
   that was refused (the request never left) is tried on another engine.
 - a 4xx answer to `/generate` is a bug in the request: `EngineRequestError`.
-- control calls (`/health`, `/model_info`, `/get_weight_version`, pause/continue, `/flush_cache`,
-  `/update_weights_from_disk`, `/abort_request`) are idempotent and retried on connection errors,
-  timeouts and 5xx; when retries run out, `EngineControlError` names the engine and the endpoint
-  (`EngineUnavailableError`, a subclass, when the engine never answered: connection error, timeout
-  or 5xx). A 4xx answer is final and not retried.
+- control calls (`/model_info`, pause/continue, `/flush_cache`, `/abort_request`) are idempotent and
+  retried on connection errors, timeouts and 5xx; when retries run out, `EngineControlError` names the
+  engine and the endpoint (`EngineUnavailableError`, a subclass, when the engine never answered:
+  connection error, timeout or 5xx). A 4xx answer is final and not retried.
+- `/update_weights_from_disk` is retried only when the connection was refused (the request never
+  left): a load that timed out or lost its connection may still be running, and a second one would load
+  twice (SGLang serializes them); it raises `EngineUnavailableError` at once.
+- versions are read from `/model_info`'s `weight_version` (SGLang 0.5.23 answers `/get_weight_version`
+  with 404; `/get_model_info` is its deprecated alias, used only when `/model_info` is 404).
+- `health(url)` is a liveness probe that does not generate: `GET /model_info`. SGLang's `/health`
+  generates a token and answers 503 during a pause; `health_generate(url)` asks it, for a caller that
+  wants the model exercised (the launcher, at start).
 - the distributed weight-update calls (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/destroy_weights_update_group`; `miles_core.weights.distributed`) are never retried: the engine
   takes part in a collective, and a second request would wait forever for a peer. Each takes its own
   `timeout_seconds`.
 
 Per-token weight versions: with `stream=True` (the default) the client reads SGLang's SSE stream
-(`data: {json}` lines, then `data: [DONE]`). Each chunk carries the output so far and
-`meta_info.weight_version`; the tokens that are new in a chunk are attributed to that chunk's version,
-so a sample that straddles an in-place weight update carries both versions. SGLang's default streams
-cumulative `output_ids`; with `--incremental-streaming-output` they are per chunk; the client tells the
-two apart by `meta_info.completion_tokens` (always cumulative). Without streaming every token gets the
-version reported at the end. Versions are integers; an engine that reports a non-integer version
-(SGLang's "default" before the first update) is read as version 0.
+(`data: {json}` lines, then `data: [DONE]`). SGLang's default chunks are cumulative (`output_ids`,
+`text`, `meta_info.output_token_logprobs` hold the whole output so far); with
+`--incremental-streaming-output` (the launcher sets it; the CPU engine's default) they hold only what is
+new. The client tells the two apart by `meta_info.completion_tokens` (always cumulative). A token's
+version: from `meta_info.weight_versions` ([{version, start, end}] over the output tokens, SGLang 0.5.23,
+present once a request straddled an update) when the chunk has it; otherwise the chunk's
+`meta_info.weight_version`, which is the server's version when the chunk was assembled (so a token made
+just before an update but streamed after it would be credited to the new version; the spans are exact).
+Without streaming the spans (or the final version) apply. Versions are integers; an engine that
+reports a non-integer version (SGLang's "default" before the first update) is read as version 0.
 """
 
 from __future__ import annotations
@@ -112,9 +122,18 @@ class _Stream:
         self.output_ids.extend(int(t) for t in new_ids)
         self.logprobs.extend(float(e[0]) for e in new_lps)
         self.versions.extend([self.version if self.version is not None else 0] * len(new_ids))
+        self._apply_spans(meta.get("weight_versions"))
         self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
         if meta.get("finish_reason") is not None:
             self.finish = meta["finish_reason"]
+
+    def _apply_spans(self, spans: list | None) -> None:
+        """SGLang's exact per-token versions ([{version, start, end}], absolute token indices) override
+        the per-chunk attribution for the tokens they cover."""
+        for span in spans or ():
+            v = parse_version(span.get("version"))
+            for i in range(max(0, int(span["start"])), min(int(span["end"]), len(self.versions))):
+                self.versions[i] = v if v is not None else 0
 
 
 async def _sse_data(content: aiohttp.StreamReader):
@@ -273,8 +292,11 @@ class EngineClient:
 
     # ---- control ------------------------------------------------------------------------------
     async def _control(self, url: str, method: str, path: str, body: dict | None = None,
-                       retries: int | None = None, timeout_seconds: float | None = None) -> Any:
-        """One idempotent control call with retries; returns parsed JSON (or text, or None)."""
+                       retries: int | None = None, timeout_seconds: float | None = None,
+                       only_refused: bool = False) -> Any:
+        """One control call with retries; returns parsed JSON (or text, or None). `only_refused`: retry
+        only a refused connection (the request never left), never a timeout, a dropped connection or a
+        5xx (the engine may be doing it)."""
         retries = self.control_retries if retries is None else retries
         total = self.control_timeout_seconds if timeout_seconds is None else timeout_seconds
         timeout = aiohttp.ClientTimeout(total=total, sock_connect=min(self.connect_timeout_seconds, total))
@@ -296,18 +318,33 @@ class EngineClient:
                         break  # the engine said no; asking again will not change that
             except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as e:
                 last = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                if only_refused and not isinstance(e, aiohttp.ClientConnectorError):
+                    break
+            if only_refused and not answered and last.startswith("HTTP 5"):
+                break
         error = EngineControlError if answered else EngineUnavailableError
         raise error(f"{method} {url}{path} failed: {last}")
 
-    async def _all(self, method: str, path: str, body: dict | None = None, retries: int | None = None) -> dict:
+    async def _all(self, method: str, path: str, body: dict | None = None, retries: int | None = None,
+                   only_refused: bool = False) -> dict:
         urls = self.urls
-        res = await asyncio.gather(*(self._control(u, method, path, body, retries) for u in urls))
+        res = await asyncio.gather(*(self._control(u, method, path, body, retries, only_refused=only_refused)
+                                     for u in urls))
         return dict(zip(urls, res))
 
     async def health(self, url: str, timeout_seconds: float = 5.0) -> bool:
-        """One probe, no retries: True when GET /health answers 200."""
+        """Liveness, one probe, no retries, no generation: True when GET /model_info answers 200 (it does
+        during a pause, unlike SGLang's /health)."""
+        return await self._probe(url, "/model_info", timeout_seconds)
+
+    async def health_generate(self, url: str, timeout_seconds: float = 30.0) -> bool:
+        """SGLang's /health: True when the engine generated (or was generating) within its health-check
+        timeout. False while generation is paused."""
+        return await self._probe(url, "/health", timeout_seconds)
+
+    async def _probe(self, url: str, path: str, timeout_seconds: float) -> bool:
         try:
-            async with self._sess().get(url.rstrip("/") + "/health",
+            async with self._sess().get(url.rstrip("/") + path,
                                         timeout=aiohttp.ClientTimeout(total=timeout_seconds)) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError):
@@ -318,14 +355,20 @@ class EngineClient:
         return dict(zip(urls, await asyncio.gather(*(self.health(u) for u in urls))))
 
     async def model_info(self, url: str) -> dict:
+        """GET /model_info (retried like every idempotent call); `/get_model_info` when it is 404."""
+        url = url.rstrip("/")
         try:
-            return await self._control(url.rstrip("/"), "GET", "/model_info", retries=0)
-        except EngineControlError:  # older SGLang only has /get_model_info
-            return await self._control(url.rstrip("/"), "GET", "/get_model_info")
+            return await self._control(url, "GET", "/model_info")
+        except EngineControlError as e:
+            if isinstance(e, EngineUnavailableError) or "HTTP 404" not in str(e):
+                raise
+            return await self._control(url, "GET", "/get_model_info")
 
     async def get_weight_version(self) -> dict[str, int | None]:
-        res = await self._all("GET", "/get_weight_version")
-        return {u: parse_version((r or {}).get("weight_version")) for u, r in res.items()}
+        """Each engine's served version: `/model_info`'s `weight_version`."""
+        urls = self.urls
+        infos = await asyncio.gather(*(self.model_info(u) for u in urls))
+        return {u: parse_version((r or {}).get("weight_version")) for u, r in zip(urls, infos)}
 
     async def pause_generation(self, mode: str) -> None:
         if mode not in ("retract", "in_place", "abort"):
@@ -340,10 +383,12 @@ class EngineClient:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = False,
                                        abort_all_requests: bool = False) -> None:
-        """Every engine loads `model_path` and reports `weight_version` from then on."""
+        """Every engine loads `model_path` and reports `weight_version` from then on. `flush_cache`: SGLang
+        flushes after loading and fails the call when requests are running (or waiting while not
+        paused); `WeightSync` sends false (see miles_core.weights.sync). Never re-sent after a timeout."""
         body = {"model_path": model_path, "weight_version": str(weight_version), "flush_cache": flush_cache,
                 "abort_all_requests": abort_all_requests}
-        res = await self._all("POST", "/update_weights_from_disk", body)
+        res = await self._all("POST", "/update_weights_from_disk", body, only_refused=True)
         bad = {u: r for u, r in res.items() if isinstance(r, dict) and r.get("success") is False}
         if bad:
             raise EngineControlError(f"update_weights_from_disk({model_path}) failed on {bad}")
@@ -376,6 +421,20 @@ class EngineClient:
             body["weight_version"] = str(weight_version)
         res = await asyncio.gather(*(self._control(u, "POST", "/update_weights_from_distributed", body, retries=0,
                                                    timeout_seconds=timeout_seconds) for u in self.urls))
+        return [self._success(r) for r in res]
+
+    async def begin_weight_update(self, *, timeout_seconds: float | None = None) -> list[dict]:
+        """SGLang 0.5.23: every engine opens the weight-update session that `update_weights_from_distributed`
+        must run in (400 when one is open already)."""
+        return await self._session_call("/begin_weight_update", {"selector": "all"}, timeout_seconds)
+
+    async def end_weight_update(self, *, timeout_seconds: float | None = None) -> list[dict]:
+        """Every engine closes its weight-update session (400 when none is open)."""
+        return await self._session_call("/end_weight_update", {}, timeout_seconds)
+
+    async def _session_call(self, path: str, body: dict, timeout_seconds: float | None) -> list[dict]:
+        res = await asyncio.gather(*(self._control(u, "POST", path, body, retries=0, timeout_seconds=timeout_seconds)
+                                     for u in self.urls))
         return [self._success(r) for r in res]
 
     async def destroy_weights_update_group(self, group_name: str, *,

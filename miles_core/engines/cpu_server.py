@@ -2,13 +2,34 @@
 
     python -m miles_core.engines.cpu_server --model-path DIR --host 127.0.0.1 --port P --weight-version N
 
-Endpoints, with SGLang's request/response shapes (docs/engines.md lists the fields):
-`POST /generate` (non-streaming and `"stream": true` SSE), `POST /pause_generation {mode}`,
-`POST /continue_generation`, `GET|POST /flush_cache`, `POST /update_weights_from_disk`,
-`GET /get_weight_version`, `GET /get_model_info` (and `/model_info`), `POST /abort_request {rid}`,
-`GET /health` (and `/health_generate`), and SGLang's distributed weight update over gloo:
-`POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
-`POST /destroy_weights_update_group` (miles_core.weights.distributed is the trainer's side).
+Endpoints, with SGLang 0.5.23's request/response shapes and rules (docs/engines.md cites the source;
+tests/unit/test_sglang_conformance.py pins them): `POST /generate` (non-streaming and `"stream": true`
+SSE), `POST /pause_generation {mode}`, `POST /continue_generation {}`, `GET|POST /flush_cache`,
+`POST /update_weights_from_disk`, `GET /model_info` (and the deprecated `/get_model_info`),
+`POST /abort_request {rid}`, `GET /health` (and `/health_generate`), and SGLang's distributed weight
+update over gloo: `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
+`POST /destroy_weights_update_group`, inside SGLang 0.5.23's session `POST /begin_weight_update` ..
+`POST /end_weight_update` (miles_core.weights.distributed is the trainer's side). Any other
+path answers 404 `{"detail": "Not Found"}`, as FastAPI does (`/get_weight_version` is gone in 0.5.23).
+
+SGLang's rules it enforces, so tests fail where SGLang would:
+- `/flush_cache` answers 400 "Flush cache failed." while a request runs (a pause `in_place` keeps them
+  running), or waits while generation is not paused; while paused, waiting (retracted) requests do not
+  count. A weight update's own `flush_cache` (default true) follows the same rule after the load, and a
+  refused flush fails the update call although the new weights (and version) are in place.
+- `/health` generates one token through the batching loop and answers 503 when nothing comes out within
+  `--health-check-timeout` (20 s): during a pause it cannot answer 200. `/model_info` answers always.
+- `/pause_generation` and `/continue_generation` need a JSON body; a bad body gets the 400 validation error.
+
+Faults: an exception in a batching step ends every request in flight with finish_reason abort and the
+error, `/health` answers 503, new requests get 503, and the process exits (code 1) after
+`--exit-after-fault-seconds` so its launcher restarts it (SGLang's server exits when its scheduler dies).
+`MILES_CPU_ENGINE_FAULT_ONCE=<marker path>` makes one step fail (test hook).
+
+Streaming: with `--incremental-streaming-output` (the default here; SGLang's flag) each chunk carries only
+the new `output_ids`, `text` and `meta_info.output_token_logprobs`; `completion_tokens` is cumulative.
+A request whose tokens span weight versions carries SGLang 0.5.23's `meta_info.weight_versions`
+([{version, start, end}] over the output tokens).
 
 Distributed weight update: the engine joins the group at `rank_offset` (it has one rank: TP 1) with
 SGLang's `init_custom_process_group` helper, in a thread of its own (the rendezvous blocks until every
@@ -51,33 +72,58 @@ from datetime import timedelta
 from aiohttp import web
 
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
-from miles_core.engines.model import CausalLM, ModelLoadError, read_safetensors, read_spec
+from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_safetensors, read_spec
 
 log = logging.getLogger("miles_core.engines.cpu_server")
+
+HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
+FAULT_ONCE_ENV = "MILES_CPU_ENGINE_FAULT_ONCE"  # test hook: a marker path; see CpuEngineServer._inject_fault
+FLUSH_REFUSED = "Flush cache failed.\n"  # SGLang 0.5.23's body when the scheduler refuses (empty message)
+FLUSH_DONE = ("Cache flushed.\nPlease check backend logs for more details. "
+              "(When there are running or waiting requests, the operation will not be performed.)\n")
+NO_SESSION = "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
+UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running "
+                      "or queued. Retract or finish them, then call /flush_cache.")
 
 
 class _Progress:
     """What a /generate handler has accumulated for its request."""
 
-    __slots__ = ("rid", "queue", "output_ids", "logprobs", "finish", "version")
+    __slots__ = ("rid", "queue", "output_ids", "logprobs", "versions", "finish", "version", "sent", "text",
+                 "sent_text", "detok")
 
-    def __init__(self, rid: str, version: int):
+    def __init__(self, rid: str, version: int, detok=None):
         self.rid, self.queue = rid, asyncio.Queue()
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.versions: list[int] = []  # the weight version of each output token
         self.finish: dict | None = None
         self.version = version
+        self.sent = 0  # tokens already streamed (incremental chunks start here)
+        self.text = ""  # decoded output so far (incremental detokenization)
+        self.sent_text = 0  # characters of `text` already streamed
+        self.detok = detok  # tokenizers.decoders.DecodeStream, or None without a tokenizer
 
 
 class CpuEngineServer:
     def __init__(self, model_path: str, weight_version: int = 0, max_running_requests: int = 512,
                  max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8,
-                 dist_timeout_seconds: float = 120.0):
+                 dist_timeout_seconds: float = 120.0, incremental_streaming_output: bool = True,
+                 health_check_timeout: float = 20.0):
         self.model_path = model_path
         self.stream_interval = stream_interval
+        self.incremental = incremental_streaming_output
+        self.health_check_timeout = health_check_timeout
         model, self.hf_tensors = _load_model(model_path)
-        self.engine = BatchEngine(model, weight_version, max_running_requests, max_total_tokens, seed)
         self.tokenizer = _load_tokenizer(model_path)
+        decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
+        self.engine = BatchEngine(model, weight_version, max_running_requests, max_total_tokens, seed,
+                                  eos_token_ids=read_eos_token_ids(model_path), decode=decode)
+        self.dead: str | None = None  # why the batching loop died (then /health answers 503)
+        self.update_session = False  # SGLang 0.5.23's weight-update session (begin/end_weight_update)
+        self.on_fatal = None  # called once when the loop dies (main() exits the process, as SGLang does)
+        self.last_output = time.monotonic()  # when the loop last produced any event (SGLang's last_receive_tstamp)
+        self._fault_marker = os.environ.get(FAULT_ONCE_ENV)
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Weight-update groups: joins, receives and destroys run here, one at a time, off the engine
         # thread and off the event loop (a rendezvous or a broadcast blocks until every rank takes part).
@@ -98,7 +144,7 @@ class CpuEngineServer:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_fastapi_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/pause_generation", self.pause_generation)
@@ -108,7 +154,8 @@ class CpuEngineServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
-        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/begin_weight_update", self.begin_weight_update)
+        r.add_post("/end_weight_update", self.end_weight_update)
         r.add_get("/get_model_info", self.model_info)
         r.add_get("/model_info", self.model_info)
         r.add_post("/abort_request", self.abort_request)
@@ -150,7 +197,35 @@ class CpuEngineServer:
             if self._stale:  # never step on a model that lacks received buckets
                 await self._rebuild(None)
             inbox, self._inbox = self._inbox, []
-            self._dispatch(await self._call(self._add_and_step, inbox))
+            try:
+                events = await self._call(self._add_and_step, inbox)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a fault in a step: the engine state cannot be trusted
+                self._die(f"{type(e).__name__}: {e}", inbox)
+                return
+            self._dispatch(events)
+
+    def _die(self, why: str, inbox: list[Request]) -> None:
+        """The batching loop failed: every request in flight ends with finish_reason abort and the
+        reason, `/health` answers 503 from now on, new requests are refused, and `on_fatal` runs (the
+        process then exits and its launcher restarts it, as SGLang's server exits when its scheduler dies)."""
+        log.error("the batching loop died: %s", why)
+        self.dead = why
+        message = f"The CPU engine's batching loop failed: {why}"
+        self._inbox = []
+        for rid in list(self.progress):
+            self._dispatch([TokenEvent(rid, None, None, self.engine.version, {"type": "abort", "message": message})])
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def _inject_fault(self) -> None:
+        """Test hook: with MILES_CPU_ENGINE_FAULT_ONCE=<path> set, the first step that decodes a request
+        raises once (the marker file records it, across restarts of the process)."""
+        if self._fault_marker and self.engine.running and not os.path.exists(self._fault_marker):
+            with open(self._fault_marker, "w") as f:
+                f.write(str(os.getpid()))
+            raise RuntimeError(f"fault injected by {FAULT_ONCE_ENV}")
 
     def _add_and_step(self, inbox: list[Request]) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -160,6 +235,7 @@ class CpuEngineServer:
             except ValueError as e:  # checked in the handler already; a rid clash is all that is left
                 events.append(TokenEvent(req.rid, None, None, self.engine.version,
                                          {"type": "abort", "message": str(e)}))
+        self._inject_fault()
         return events + self.engine.step()
 
     def _take_from_inbox(self, rid: str | None, message: str) -> list[TokenEvent]:
@@ -171,6 +247,8 @@ class CpuEngineServer:
                 for r in taken]
 
     def _dispatch(self, events: list[TokenEvent]) -> None:
+        if any(ev.token is not None or not ev.rid.startswith(HEALTH_CHECK_RID_PREFIX) for ev in events):
+            self.last_output = time.monotonic()  # a health probe's own abort is not output
         for ev in events:
             p = self.progress.get(ev.rid)
             if p is not None:
@@ -184,15 +262,15 @@ class CpuEngineServer:
             req, stream, want_logprob = self._parse_generate(body)
         except (ValueError, TypeError, KeyError) as e:
             return _error(400, f"bad /generate request: {e}")
-        if self._closing:
-            return _error(503, "server is shutting down")
+        if self._closing or self.dead:
+            return _error(503, "server is shutting down" if self._closing else f"the engine loop died: {self.dead}")
         try:
             self.engine.check(req)
         except ValueError as e:
             return _error(400, f"bad /generate request: {e}")
         if req.rid in self.progress:
             return _error(400, f"bad /generate request: rid {req.rid!r} is already in flight")
-        prog = _Progress(req.rid, self.engine.version)
+        prog = _Progress(req.rid, self.engine.version, self._detokenizer(req.params))
         self.progress[req.rid] = prog
         try:
             self._inbox.append(req)  # added to the engine by the loop, in one hop with the next step
@@ -200,8 +278,8 @@ class CpuEngineServer:
             if not stream:
                 while prog.finish is None:
                     for group in await _next_groups(prog.queue):
-                        _absorb(prog, group)
-                return web.json_response(self._body(req, prog, want_logprob, t0), dumps=_dumps)
+                        self._absorb(prog, group)
+                return web.json_response(self._body(req, prog, want_logprob, t0, delta=False), dumps=_dumps)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
             pending = 0  # tokens absorbed but not yet sent
@@ -210,13 +288,14 @@ class CpuEngineServer:
                     if pending and group[0].version != prog.version:  # a chunk never mixes versions
                         await self._send(resp, req, prog, want_logprob, t0)
                         pending = 0
-                    _absorb(prog, group)
+                    self._absorb(prog, group)
                     pending += sum(ev.token is not None for ev in group)
                     if prog.finish is None and pending >= self.stream_interval:
                         await self._send(resp, req, prog, want_logprob, t0)
                         pending = 0
             # the last chunk, [DONE] and the end of the chunked body leave in one write
-            await resp.write_eof(_sse(self._body(req, prog, want_logprob, t0)) + b"data: [DONE]\n\n")
+            await resp.write_eof(_sse(self._body(req, prog, want_logprob, t0, self.incremental))
+                                 + b"data: [DONE]\n\n")
             return resp
         finally:
             self.progress.pop(req.rid, None)
@@ -224,7 +303,26 @@ class CpuEngineServer:
                 asyncio.get_running_loop().create_task(self._abort_quietly(req.rid))
 
     async def _send(self, resp, req, prog, want_logprob, t0) -> None:
-        await resp.write(_sse(self._body(req, prog, want_logprob, t0)))
+        await resp.write(_sse(self._body(req, prog, want_logprob, t0, self.incremental)))
+
+    def _detokenizer(self, params: SamplingParams):
+        if self.tokenizer is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=params.skip_special_tokens)
+
+    def _absorb(self, prog: _Progress, group: list[TokenEvent]) -> None:
+        for ev in group:
+            if ev.token is not None:
+                prog.output_ids.append(ev.token)
+                prog.logprobs.append(ev.logprob)
+                prog.versions.append(ev.version)
+                if prog.detok is not None:
+                    prog.text += prog.detok.step(self.tokenizer, ev.token) or ""
+            if ev.finish is not None:
+                prog.finish = ev.finish
+            prog.version = ev.version
 
     def _parse_generate(self, body: dict) -> tuple[Request, bool, bool]:
         if not isinstance(body, dict):
@@ -242,20 +340,32 @@ class CpuEngineServer:
         params = SamplingParams.from_json(body.get("sampling_params"))
         return Request(rid, ids, params), bool(body.get("stream", False)), bool(body.get("return_logprob", False))
 
-    def _body(self, req: Request, prog: _Progress, want_logprob: bool, t0: float) -> dict:
+    def _body(self, req: Request, prog: _Progress, want_logprob: bool, t0: float, delta: bool) -> dict:
+        """One answer (or SSE chunk) in SGLang's shape. `delta`: SGLang's `--incremental-streaming-output`
+        chunk: `output_ids`, `text` and `meta_info.output_token_logprobs` carry only what is new since the
+        previous chunk; `completion_tokens` and `weight_versions` always cover the whole output."""
+        start = prog.sent if delta else 0
+        ids = prog.output_ids[start:]
+        text = _final_text(prog, req.params)
         meta = {
             "id": req.rid,
             "finish_reason": prog.finish,
             "prompt_tokens": len(req.input_ids),
+            "weight_version": str(prog.version),
             "completion_tokens": len(prog.output_ids),
             "cached_tokens": 0,
-            "weight_version": str(prog.version),
             "e2e_latency": time.monotonic() - t0,
         }
+        spans = _version_spans(prog.versions)
+        if len(spans) > 1:  # SGLang 0.5.23: per-token versions of a request that straddled an update
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if want_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(prog.logprobs, prog.output_ids)]
-        text = self.tokenizer.decode(prog.output_ids) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": list(prog.output_ids), "meta_info": meta}
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(prog.logprobs[start:], ids)]
+        out_text = text[prog.sent_text:] if delta else text
+        if delta:
+            prog.sent, prog.sent_text = len(prog.output_ids), max(prog.sent_text, len(text))
+        return {"text": out_text, "output_ids": list(ids), "meta_info": meta}
 
     async def _abort(self, rid: str | None, message: str) -> None:
         self._dispatch(self._take_from_inbox(rid, message))
@@ -269,51 +379,76 @@ class CpuEngineServer:
 
     # ---- control ------------------------------------------------------------------------------
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        mode = body.get("mode", "abort")
+        """SGLang's PauseGenerationReqInput: a JSON body is required; `mode` is abort (the default) |
+        retract | in_place. Requests that arrive while paused wait (SGLang holds them in its tokenizer
+        manager)."""
         try:
-            self._dispatch(await self._call(self.engine.pause, mode))
+            mode = _fields(await _json_body(request), {}, {"mode": (str, "abort")})["mode"]
+            if mode not in ("abort", "retract", "in_place"):
+                raise ValueError(f"mode: Input should be 'abort', 'retract' or 'in_place', got {mode!r}")
         except ValueError as e:
-            return _error(400, str(e))
+            return _validation_error(str(e))
+        self._dispatch(await self._call(self.engine.pause, mode))
         if mode == "abort":
             self._dispatch(self._take_from_inbox(None, "Aborted by pause_generation(mode=abort)"))
-        return web.json_response({"message": "Generation paused successfully."})
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            _fields(await _json_body(request), {}, {"torch_empty_cache": (bool, True)})
+        except ValueError as e:
+            return _validation_error(str(e))
         await self._call(self.engine.resume)
         self._wake.set()
-        return web.json_response({"message": "Generation continued successfully."})
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    def _can_flush(self) -> bool:
+        """SGLang 0.5.23's rule (Scheduler.flush_cache -> is_fully_idle(ignore_waiting=paused)): refused
+        while any request is running (in_place keeps them running), or waiting while not paused; while
+        paused, waiting requests (retracted ones, which hold no KV) do not count. Runs on the engine thread."""
+        waiting = bool(self.engine.waiting or self._inbox)
+        return not self.engine.running and not (waiting and not self.engine.paused)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        # No prefix cache to drop; like SGLang, refuse while requests hold cache (paused in place).
-        if self.engine.running:
-            return web.Response(status=400, text="Cache not flushed: there are running requests. "
-                                                 "Pause with mode=retract (or let them finish) first.")
-        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. "
-                                 "(When there are running or waiting requests, the operation will not be performed.)\n")
+        # The CPU engine has no prefix cache to drop; it answers as SGLang would.
+        if not await self._call(self._can_flush):
+            return web.Response(status=400, text=FLUSH_REFUSED)
+        return web.Response(text=FLUSH_DONE)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
-            return web.json_response({"success": False, "message": "model_path is required"}, status=400)
+        """SGLang's UpdateWeightFromDiskReqInput. The weights and the version change first; then, with
+        `flush_cache` (default true), the cache is flushed under the /flush_cache rule, and a refused
+        flush fails the call (400, success false) although the new weights are served (SGLang 0.5.23)."""
         try:
-            version = _parse_version(body.get("weight_version"))
+            body = _fields(await _json_body(request), {"model_path": str},
+                           {"weight_version": ((str, int, type(None)), None), "flush_cache": (bool, True),
+                            "abort_all_requests": (bool, False), "load_format": ((str, type(None)), None),
+                            "torch_empty_cache": (bool, False), "is_async": (bool, False),
+                            "keep_pause": (bool, False), "recapture_cuda_graph": (bool, False),
+                            "token_step": (int, 0)})
+            version = _parse_version(body["weight_version"])
         except ValueError as e:
-            return web.json_response({"success": False, "message": str(e)}, status=400)
-        if body.get("abort_all_requests", False):
+            return _validation_error(str(e))
+        path = body["model_path"]
+        if body["abort_all_requests"]:
             await self._abort(None, "Aborted by update_weights_from_disk")
         async with self._weights_lock:
             try:  # read the checkpoint off the engine thread, then swap it in between two steps
                 model, tensors = await asyncio.get_running_loop().run_in_executor(None, _load_model, path)
                 await self._call(self.engine.load_weights, model, version)
             except (ModelLoadError, ValueError, OSError) as e:
-                return web.json_response({"success": False, "message": f"Failed to load weights from {path}: {e}"},
-                                         status=400)
+                return web.json_response({"success": False, "message": f"Failed to load weights from {path}: {e}",
+                                          "num_paused_requests": 0}, status=400)
             self.model_path, self.hf_tensors, self._stale = path, tensors, False
         log.info("loaded weights from %s (weight version %s)", path, self.engine.version)
-        return web.json_response({"success": True, "message": "Succeeded to update model weights.",
-                                  "num_paused_requests": self.engine.num_requests})
+        paused = self.engine.num_requests
+        if body["flush_cache"] and not await self._call(self._can_flush):
+            return web.json_response({"success": False, "message": UPDATE_NOT_FLUSHED,
+                                      "num_paused_requests": paused}, status=400)
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": paused})
 
     # ---- distributed weight update (SGLang's protocol over gloo) ------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -357,6 +492,8 @@ class CpuEngineServer:
             version = _parse_version(body["weight_version"])
         except ValueError as e:
             return _validation_error(str(e))
+        if not self.update_session:  # checked first in SGLang's scheduler, before any receive
+            return _answer(False, NO_SESSION)
         name = body["group_name"]
         if name not in self.groups:
             return _unknown_group(name, self.groups)
@@ -398,10 +535,33 @@ class CpuEngineServer:
             log.info("received %d tensors (%.1f MiB) over %s in %.3fs, %s in %.3fs (weight version %s)", len(metas),
                      nbytes / 2**20, name, t1 - t0, "deferred the build" if self._stale else "built the model",
                      time.monotonic() - t1, self.engine.version)
+        if body["flush_cache"] and not await self._call(self._can_flush):
+            return _answer(False, UPDATE_NOT_FLUSHED)
         message = "Succeeded to update parameter online."
         if version is not None:
             message += f" Weight version updated to {version}."
         return _answer(True, message)
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23: open the session `/update_weights_from_distributed` runs in (one at a time)."""
+        try:
+            _fields(await _json_body(request), {}, {"selector": (str, "all")})
+        except ValueError as e:
+            return _validation_error(str(e))
+        if self.update_session:
+            return _answer(False, "a weight-update session is already open; call end_weight_update() first")
+        self.update_session = True
+        return _answer(True, "Success")
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            _fields(await _json_body(request), {}, {})
+        except ValueError as e:
+            return _validation_error(str(e))
+        if not self.update_session:
+            return _answer(False, "no weight-update session is open; call begin_weight_update() first")
+        self.update_session = False
+        return _answer(True, "Success")
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         try:
@@ -456,14 +616,16 @@ class CpuEngineServer:
         if pg is not None:
             dist.destroy_process_group(pg)
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.engine.version)})
-
     async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's /model_info (and the deprecated /get_model_info): `weight_version` is where a
+        client reads the served version (/get_weight_version answers 404 there)."""
+        spec = self.engine.model.spec
         return web.json_response({
-            "model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": str(self.engine.version),
-            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_path": self.model_path, "served_model_name": self.model_path, "tokenizer_path": self.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": str(self.engine.version),
+            "load_format": "safetensors", "reasoning_parser": None, "tool_call_parser": None,
+            "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": "gpt2" if spec.family == "gpt2" else "llama", "architectures": None,
         })
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -475,7 +637,29 @@ class CpuEngineServer:
         return web.Response(status=200)
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        """SGLang's /health and /health_generate: 503 while shutting down or when the loop died; otherwise
+        a one-token greedy request on input_ids [0] joins the queue, and the answer is 200 as soon as the
+        loop produces any output after the probe started (a busy engine answers through its running
+        requests), or 503 after `health_check_timeout` seconds (SGLANG_HEALTH_CHECK_TIMEOUT, 20). While
+        generation is paused nothing is produced: the probe waits the whole timeout and answers 503."""
+        if self._closing:
+            return web.Response(status=503)
+        if self.dead:
+            return web.json_response({"error": "the batching loop died", "message": self.dead}, status=503)
+        tic = time.monotonic()
+        rid = f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}"
+        self._inbox.append(Request(rid, [0], SamplingParams(max_new_tokens=1, temperature=0.0)))
+        self._wake.set()
+        try:
+            while time.monotonic() < tic + self.health_check_timeout and not self.dead:
+                await asyncio.sleep(0.01)
+                if self.last_output > tic:
+                    return web.Response(status=200)
+            log.error("Health check failed: no output from the engine loop for %.1f s", time.monotonic() - tic)
+            return web.Response(status=503)
+        finally:
+            if not self._closing and not self.dead:
+                await self._abort(rid, "health check done")
 
 
 async def _next_groups(queue: asyncio.Queue) -> list[list[TokenEvent]]:
@@ -492,14 +676,26 @@ async def _next_groups(queue: asyncio.Queue) -> list[list[TokenEvent]]:
     return groups
 
 
-def _absorb(prog: _Progress, group: list[TokenEvent]) -> None:
-    for ev in group:
-        if ev.token is not None:
-            prog.output_ids.append(ev.token)
-            prog.logprobs.append(ev.logprob)
-        if ev.finish is not None:
-            prog.finish = ev.finish
-        prog.version = ev.version
+def _final_text(prog: _Progress, params: SamplingParams) -> str:
+    """The decoded output; a request stopped by a stop string has its text cut before the match (SGLang
+    trims it unless `no_stop_trim`)."""
+    matched = (prog.finish or {}).get("matched")
+    if isinstance(matched, str) and matched and not params.no_stop_trim:
+        at = prog.text.rfind(matched)
+        if at >= 0:
+            return prog.text[:at]
+    return prog.text
+
+
+def _version_spans(versions: list[int]) -> list[dict]:
+    """SGLang's `meta_info.weight_versions`: [{version, start, end}] runs over the output tokens."""
+    spans: list[dict] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
 
 
 def _parse_version(v) -> int | None:
@@ -619,6 +815,30 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+@web.middleware
+async def _fastapi_errors(request: web.Request, handler):
+    """Unknown routes and methods answer as SGLang's FastAPI app does: 404 {"detail": "Not Found"} (e.g.
+    /get_weight_version, gone in SGLang 0.5.23) and 405 {"detail": "Method Not Allowed"}."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return web.json_response({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
+
+async def _json_body(request: web.Request) -> dict:
+    """A required JSON object body (FastAPI's `Body()`); ValueError (-> SGLang's 400 validation error)
+    when it is missing or not an object."""
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ValueError("Field required: the body must be a JSON object") from e
+    if not isinstance(body, dict):
+        raise ValueError("Input should be a valid dictionary or object")
+    return body
+
+
 async def _json_or_empty(request: web.Request) -> dict:
     if not request.can_read_body:
         return {}
@@ -662,6 +882,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads.")
     ap.add_argument("--dist-timeout-seconds", type=float, default=120.0,
                     help="Timeout of a weight-update group's rendezvous and of each of its broadcasts.")
+    ap.add_argument("--incremental-streaming-output", action=argparse.BooleanOptionalAction, default=True,
+                    help="Stream chunks that carry only the new tokens/text/log-probs (SGLang's flag); "
+                         "--no-incremental-streaming-output sends the whole output in every chunk.")
+    ap.add_argument("--health-check-timeout", type=float,
+                    default=float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20)),
+                    help="How long /health waits for engine output before answering 503 (SGLang's "
+                         "SGLANG_HEALTH_CHECK_TIMEOUT, default 20).")
+    ap.add_argument("--exit-after-fault-seconds", type=float,
+                    default=float(os.environ.get("MILES_CPU_ENGINE_EXIT_AFTER_FAULT_SECONDS", 1.0)),
+                    help="When the batching loop dies, exit (code 1) this long after aborting the requests "
+                         "in flight, as SGLang's server exits when its scheduler dies.")
     args = ap.parse_args(argv)
 
     import torch
@@ -669,30 +900,34 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.num_threads)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    async def run() -> None:
+    async def run() -> tuple[int, bool]:
         server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
-                                 args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds)
+                                 args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds,
+                                 args.incremental_streaming_output, args.health_check_timeout)
         runner = await serve(server, args.host, args.port)
         log.info("CPU engine serving %s on http://%s:%d (weight version %d)", args.model_path, args.host,
                  args.port, args.weight_version)
+        loop = asyncio.get_running_loop()
         stop = asyncio.Event()
+        server.on_fatal = lambda: loop.call_later(args.exit_after_fault_seconds, stop.set)
         import signal
 
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         watchdog = asyncio.create_task(_exit_with_parent(stop))
         await stop.wait()
         watchdog.cancel()
         await runner.cleanup()
-        return server.dist_busy
+        return server.dist_busy, server.dead is not None
 
-    if asyncio.run(run()):
+    busy, died = asyncio.run(run())
+    if busy or died:
         # A receive blocked in a collective (a peer died) ends only at the group's timeout, and the
-        # interpreter would wait for its thread: leave now, the process is being stopped.
-        log.warning("exiting with a weight-update group operation still blocked")
+        # interpreter would wait for its thread: leave now, the process is being stopped. A dead loop
+        # exits with code 1 so its launcher restarts it.
+        log.warning("exiting with %s", "the batching loop dead" if died else "a weight-update group operation blocked")
         logging.shutdown()
-        os._exit(0)
+        os._exit(1 if died else 0)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,28 @@
 
 `EngineFleet` starts N `EngineActor`s. Each actor owns one server process, either the CPU engine
 (`python -m miles_core.engines.cpu_server`) or SGLang (`python -m sglang.launch_server` with the
-model path, tensor-parallel size, memory fraction, host and port from the config, plus
-`--sglang-extra-args`). A monitor thread in the actor polls the process and `/health`; when the
-process exits or stops answering, the actor kills what is left and starts it again on the same port
+model path, tensor-parallel size, memory fraction, host and port from the config,
+`--disable-radix-cache --incremental-streaming-output` (see docs/engines.md: no KV shared across a
+weight update; increments, not the whole output, in every chunk), plus `--sglang-extra-args`).
+
+Start: the actor waits for `/health` to answer 200. SGLang's `/health` generates one token, so a 200
+proves the model serves.
+
+Watchdog: a monitor thread polls the process and a liveness probe that does not generate,
+`GET /model_info` (answered by SGLang's HTTP process from its own state). SGLang's `/health` cannot be
+the watchdog's probe: it queues a one-token request, which waits while generation is paused for a
+weight update and answers 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), so three failed probes would
+restart every engine paused for a slow load, and it adds a generate request every interval. So an
+engine paused for an update is never restarted (its /model_info answers). A dead scheduler ends
+SGLang's server process (the CPU engine's dead batching loop ends its process too), which the process
+poll sees. When the process exits or `/model_info` fails `health_failures_before_restart` times in a row
+(the HTTP server is gone or hung), the actor kills what is left and starts it again on the same port
 with the newest weights it was told about (`note_weights`), so the URL stays valid and a restarted
 engine does not serve stale weights. Requests that were in flight on the dead process are answered
 by `EngineClient` as aborted (their connection drops); the run goes on (DESIGN §9).
+
+`load_weights` sends `/update_weights_from_disk` once: never again after a timeout (a slow load may
+still be running, and a second would load twice).
 
 `restart()` (`EngineServer`, `EngineActor`; `EngineFleet.restart(i)`) does the same on demand and
 blocks until the engine is healthy: the distributed weight transport calls it for an engine that
@@ -93,7 +109,8 @@ def server_command(spec: EngineLaunchSpec, model_path: str, weight_version: int,
                 "--host", spec.bind_host, "--port", str(port), "--tp-size", str(spec.tp_size),
                 "--mem-fraction-static", str(spec.mem_fraction_static),
                 "--max-running-requests", str(spec.max_running_requests),
-                "--weight-version", str(weight_version), *shlex.split(spec.extra_args)]
+                "--weight-version", str(weight_version),
+                *[a for a in SGLANG_RL_ARGS if a not in shlex.split(spec.extra_args)], *shlex.split(spec.extra_args)]
     raise ValueError(f"--engine-backend={spec.backend!r}; expected one of cpu, sglang")
 
 
@@ -121,12 +138,25 @@ def _url_host(bind_host: str) -> str:
     return bind_host
 
 
-def _healthy(url: str, timeout: float = 5.0) -> bool:
+def _answers(url: str, path: str, timeout: float) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+        with urllib.request.urlopen(url + path, timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
+
+
+def _healthy(url: str, timeout: float = 5.0) -> bool:
+    """SGLang's /health: 200 once the engine generated a token (503 while starting or paused)."""
+    return _answers(url, "/health", timeout)
+
+
+def _alive(url: str, timeout: float = 5.0) -> bool:
+    """The watchdog's liveness probe: GET /model_info, which does not generate and answers during a pause."""
+    return _answers(url, "/model_info", timeout)
+
+
+SGLANG_RL_ARGS = ("--disable-radix-cache", "--incremental-streaming-output")
 
 
 class EngineServer:
@@ -248,8 +278,8 @@ class EngineServer:
             with self._lock:
                 judged = self.proc
                 exited = judged is None or judged.poll() is not None
-            if not exited:
-                failures = 0 if _healthy(self.url, timeout=10.0) else failures + 1
+            if not exited:  # liveness only: never /health, which fails during a pause (module doc)
+                failures = 0 if _alive(self.url, timeout=10.0) else failures + 1
                 if failures < self.spec.health_failures_before_restart:
                     continue
             if self._stop.is_set():
@@ -260,7 +290,7 @@ class EngineServer:
                     continue
                 code = judged.returncode if judged is not None else None
                 log.warning("%s: engine %s (exit code %s); restarting", self.name,
-                            "exited" if exited else "stopped answering /health", code)
+                            "exited" if exited else "stopped answering /model_info", code)
                 self._terminate()
                 try:
                     self._launch()

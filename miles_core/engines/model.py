@@ -81,6 +81,21 @@ def read_spec(model_dir: str) -> ModelSpec:
     return ModelSpec.from_config(cfg, path)
 
 
+def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:
+    """EOS ids as SGLang gathers them: config.json's `eos_token_id` plus generation_config.json's (an
+    int or a list in either), in that order, without repeats."""
+    ids = list(read_spec(model_dir).eos_token_ids)
+    try:
+        with open(os.path.join(model_dir, "generation_config.json")) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (FileNotFoundError, json.JSONDecodeError):
+        eos = None
+    for t in eos if isinstance(eos, list) else [eos] if eos is not None else []:
+        if int(t) not in ids:
+            ids.append(int(t))
+    return tuple(ids)
+
+
 def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
     from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 

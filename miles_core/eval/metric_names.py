@@ -12,7 +12,7 @@ SKIP_REASONS = (
     "export_failed",  # writing the snapshot failed
     "ckpt_missing",   # the snapshot/checkpoint to evaluate has no completion marker
     "crashed",        # the eval itself raised (engine died, reward raised, storage down)
-    "unhealthy",      # the eval engine did not come up or did not answer /health
+    "unhealthy",      # the eval engine did not come up or did not answer /model_info (liveness)
     "pin_violation",  # an eval engine reported a weight version other than the pinned snapshot's
 )
 

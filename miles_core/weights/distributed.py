@@ -9,9 +9,13 @@ world, then the trainer broadcasts the HF tensors bucket by bucket:
    backend} to every engine concurrently while the trainer joins as rank 0 on a fresh free port of
    `master_address`. World = 1 + sum of engine TP sizes; engine i's TP ranks start at
    rank_offset = 1 + i * engine_tp_size (SGLang adds its TP rank to the offset).
-2. per bucket of at most `bucket_bytes` (a larger tensor goes alone), `/update_weights_from_distributed`
+2. SGLang 0.5.23's weight-update session: `/end_weight_update` (best effort: closes one a failed push
+   left open), then `/begin_weight_update` {selector: "all"} on every engine; SGLang refuses
+   `/update_weights_from_distributed` outside a session (weight_updater.py).
+3. per bucket of at most `bucket_bytes` (a larger tensor goes alone), `/update_weights_from_distributed`
    {names, dtypes, shapes, group_name, flush_cache: false[, weight_version]} to every engine
    concurrently with `broadcast(src=0)` of the same tensors in the same order.
+4. `/end_weight_update` on every engine.
 
 The per-bucket version rule: SGLang sets `weight_version` after every successful call that carries
 one, so only the LAST bucket carries it (as a string, like `/update_weights_from_disk`). An engine
@@ -241,8 +245,11 @@ class DistributedWeightTransport:
                     record["formed"] += 1
                 parts = buckets(self.state, self.bucket_bytes)
                 record["buckets"] = [[n for n, _ in b] for b in parts]
+                await self._end_sessions(clients)  # one a failed push left open; none is fine
+                await self._each(clients, lambda c: c.begin_weight_update(timeout_seconds=self.timeout_seconds))
                 for k, bucket in enumerate(parts):
                     await self._send_bucket(clients, bucket, str(version) if k == len(parts) - 1 else None)
+                await self._each(clients, lambda c: c.end_weight_update(timeout_seconds=self.timeout_seconds))
             except _AttemptFailed as e:
                 self._drop_group()
                 record["failures"].append(e.failure.describe(self.engine_urls))
@@ -298,6 +305,17 @@ class DistributedWeightTransport:
             failure.trainer = f"broadcast: {sent}"
         if failure:
             raise _AttemptFailed(failure)
+
+    async def _each(self, clients: list[EngineClient], call) -> None:
+        """`call(client)` on every engine concurrently; _AttemptFailed naming those that failed."""
+        failure = self._failures(await asyncio.gather(*(call(c) for c in clients), return_exceptions=True))
+        if failure:
+            raise _AttemptFailed(failure)
+
+    async def _end_sessions(self, clients: list[EngineClient]) -> None:
+        """Best effort: close a weight-update session left open (an engine without one answers 400)."""
+        await asyncio.gather(*(c.end_weight_update(timeout_seconds=self.timeout_seconds) for c in clients),
+                             return_exceptions=True)
 
     # ---- recovery -------------------------------------------------------------------------------
     async def _restart_silent(self, failure: _Failure) -> None:

@@ -5,15 +5,25 @@
   2. export the snapshot (store transport) -- before the pause, since it reads only the trainer,
      so engines stay paused for the reload alone;
   3. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
-  4. flush the cache unless in_place;
-  5. load the weights on every engine: each copies the snapshot to its node and
-     `update_weights_from_disk(local path, version)` (store), or the
+  4. load the weights on every engine: each copies the snapshot to its node and
+     `update_weights_from_disk(local path, version, flush_cache=False)` (store), or the
      bucketed broadcast of `DistributedWeightTransport` (NCCL on GPU, gloo on CPU), setting the
      weight version without aborting;
-  6. resume every engine;
-  7. publish the version to the rollout side (a callback).
+  5. resume every engine;
+  6. publish the version to the rollout side (a callback).
 Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a
 failed push never leaves engines paused.
+
+No cache flush, in any mode (SGLang 0.5.23, docs/engines.md cites the source): SGLang refuses a flush
+while a request is running, so a pause `in_place` (which keeps them running) can never flush -- the
+update's own `flush_cache=True` would fail the call after the weights were loaded -- and SGLang
+before the paused-waiting exemption refused it while retracted requests wait too. What a flush would
+protect against is the radix (prefix) cache handing KV computed by the old weights to a request
+prefilled after the update (the shared prompt of a GRPO group); the launcher starts SGLang rollout
+engines with `--disable-radix-cache`, so no KV is shared between requests at all: a request prefilled
+after the update (new, waiting, or retracted and recomputed) sees only the new weights; a request
+kept `in_place` continues on its own KV, which is what in_place means, and its tokens carry their
+versions. The CPU engine has no prefix cache.
 
 `EngineControl` is the minimal engine surface this needs (SGLang's native API).
 `miles_core.engines.client.EngineClient` implements it over all its engines at once, for SGLang
@@ -40,7 +50,6 @@ PAUSE_MODES = ("retract", "in_place")
 class EngineControl(Protocol):
     async def pause_generation(self, mode: str) -> None: ...
     async def continue_generation(self) -> None: ...
-    async def flush_cache(self) -> None: ...
     async def update_weights_from_disk(self, model_path: str, weight_version: int, *, flush_cache: bool = False,
                                        abort_all_requests: bool = False) -> None: ...
 
@@ -128,8 +137,6 @@ class WeightSync:
         t1 = time.perf_counter()
         try:  # every engine is resumed whatever fails in between, so none stays paused
             await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-            if self.pause_mode != "in_place":
-                await asyncio.gather(*(e.flush_cache() for e in self.engines))
             await self.transport.load(self.engines, version)
         finally:
             await asyncio.gather(*(e.continue_generation() for e in self.engines))

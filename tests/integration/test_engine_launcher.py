@@ -26,8 +26,9 @@ PROMPT = [1, 2, 3, 4, 10]
 
 def test_sglang_command_from_config():
     """--engine-backend sglang launches `python -m sglang.launch_server` with model path, host, port,
-    tp size, memory fraction, max running requests, the weight version and --sglang-extra-args, and
-    asks SGLang for temperature-1 log-probs."""
+    tp size, memory fraction, max running requests, the weight version, --disable-radix-cache and
+    --incremental-streaming-output (once) and --sglang-extra-args, and asks SGLang for temperature-1
+    log-probs."""
     eng = EngineSection(engine_backend="sglang", rollout_num_gpus_per_engine=2, sglang_mem_fraction_static=0.7,
                         sglang_extra_args="--context-length 4096 --log-level warning")
     spec = EngineLaunchSpec.from_config(eng, "/ckpt/qwen", weight_version=3)
@@ -40,6 +41,11 @@ def test_sglang_command_from_config():
     assert pairs["--weight-version"] == "3" and pairs["--max-running-requests"] == "512"
     assert args[-4:] == ["--context-length", "4096", "--log-level", "warning"]
     assert server_env(spec)["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    # RL engines: no prefix cache across weight updates, incremental stream chunks (docs/engines.md)
+    assert "--disable-radix-cache" in args and "--incremental-streaming-output" in args
+    again = EngineLaunchSpec.from_config(EngineSection(engine_backend="sglang", sglang_extra_args="--disable-radix-cache"),
+                                         "/ckpt/qwen")
+    assert server_command(again, again.model_path, 0, 1).count("--disable-radix-cache") == 1
 
 
 @pytest.fixture(scope="module")

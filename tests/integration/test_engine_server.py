@@ -8,7 +8,10 @@ dispatch, its fallback when a connection is refused, and that a killed engine's 
 back as aborted (not as exceptions) while the launcher restarts the process. The distributed weight
 update endpoints (SGLang's shapes over gloo): their error answers, and a round trip with rank 0 in
 this test process (partial buckets merge, the version moves only when sent, the result equals a disk
-load of the same weights exactly).
+load of the same weights exactly; SGLang 0.5.23's begin/end_weight_update session is required). The
+launcher's watchdog never restarts an engine paused for an update (its probe, /model_info, answers
+during a pause; /health does not); a fault in a batching step aborts the requests in flight with the
+error, /health reports it, the process exits and the launcher restarts it.
 """
 
 from __future__ import annotations
@@ -121,8 +124,9 @@ def test_generate_shape_matches_sglang(gpt_engine):
 
 
 def test_stream_shape_matches_sglang(gpt_engine):
-    """"stream": true answers text/event-stream lines `data: {json}` with cumulative output_ids and
-    meta_info, then `data: [DONE]`; only the last JSON chunk has a finish_reason."""
+    """"stream": true answers text/event-stream lines `data: {json}` with incremental output_ids and
+    output_token_logprobs (SGLang's --incremental-streaming-output; completion_tokens cumulative), then
+    `data: [DONE]`; only the last JSON chunk has a finish_reason."""
     async def go():
         async with aiohttp.ClientSession() as s:
             body = {"input_ids": PROMPT, "rid": "shape-2", "return_logprob": True, "stream": True,
@@ -139,15 +143,17 @@ def test_stream_shape_matches_sglang(gpt_engine):
     for i, c in enumerate(chunks):
         last = i == len(chunks) - 1
         check_meta(c["meta_info"], "shape-2", final=last)
-        assert c["output_ids"][:len(prev)] == prev and len(c["output_ids"]) > len(prev) or last
-        assert c["meta_info"]["completion_tokens"] == len(c["output_ids"])
-        prev = c["output_ids"]
+        assert c["output_ids"] or last
+        assert len(c["meta_info"]["output_token_logprobs"]) == len(c["output_ids"])
+        prev = prev + c["output_ids"]
+        assert c["meta_info"]["completion_tokens"] == len(prev)
     assert len(prev) == 20 and len(chunks) >= 3  # --stream-interval 8: chunks at 8, 16 and the finish
 
 
 def test_control_endpoint_shapes(gpt_engine, ckpts):
-    """Control endpoints answer like SGLang: /health 200, /get_weight_version {weight_version: str},
-    /get_model_info and /model_info {model_path, is_generation, ...}, pause/continue {message},
+    """Control endpoints answer like SGLang 0.5.23: /health 200, /get_weight_version 404 (gone),
+    /get_model_info and /model_info {model_path, is_generation, weight_version, ...}, pause/continue
+    {message, status},
     /flush_cache 200 when idle, /abort_request 200, /update_weights_from_disk {success, message,
     num_paused_requests} and 400 with success false for a bad path."""
     async def go():
@@ -156,19 +162,20 @@ def test_control_endpoint_shapes(gpt_engine, ckpts):
             async with s.get(u + "/health") as r:
                 assert r.status == 200
             async with s.get(u + "/get_weight_version") as r:
-                assert await r.json() == {"weight_version": "1"}
+                assert r.status == 404 and await r.json() == {"detail": "Not Found"}
             for path in ("/get_model_info", "/model_info"):
                 async with s.get(u + path) as r:
                     info = await r.json()
                     assert info["is_generation"] is True and info["model_path"] == ckpts["gpt"]
+                    assert info["weight_version"] == "1"
             async with s.post(u + "/pause_generation", json={"mode": "retract"}) as r:
-                assert set(await r.json()) == {"message"}
+                assert set(await r.json()) == {"message", "status"}
             async with s.post(u + "/pause_generation", json={"mode": "sideways"}) as r:
                 assert r.status == 400
             async with s.post(u + "/flush_cache") as r:
                 assert r.status == 200
             async with s.post(u + "/continue_generation", json={}) as r:
-                assert set(await r.json()) == {"message"}
+                assert set(await r.json()) == {"message", "status"}
             async with s.post(u + "/abort_request", json={"rid": "nobody"}) as r:
                 assert r.status == 200
             body = {"model_path": ckpts["gpt"], "weight_version": "1", "flush_cache": True,
@@ -281,7 +288,8 @@ def test_pause_abort_mode_aborts_in_flight(gpt_engine):
 
 def test_retract_keeps_requests_and_flush_cache_works(llama_engines, ckpts):
     """pause(retract) -> flush_cache -> update -> continue: requests are re-queued, their cache is
-    recomputed, and they all finish at full length (none aborted)."""
+    recomputed, and they all finish at full length (none aborted). The flush is allowed: while paused,
+    SGLang 0.5.23 does not count waiting (retracted) requests."""
     url = llama_engines[1].url
 
     async def go():
@@ -420,9 +428,15 @@ def test_distributed_update_error_answers(gpt_engine):
                                ("/update_weights_from_distributed", {**good, "weight_version": [3]})]:
                 status, res = await _post(s, u, path, body)
                 assert _is_validation_error(status, res), (path, body, status, res)
+            status, res = await _post(s, u, "/update_weights_from_distributed", good)  # no session (SGLang 0.5.23)
+            assert (status, res["success"]) == (400, False) and "begin_weight_update()" in res["message"]
+            assert (await _post(s, u, "/begin_weight_update", {}))[0] == 200
+            assert (await _post(s, u, "/begin_weight_update", {}))[0] == 400  # one session at a time
             status, res = await _post(s, u, "/update_weights_from_distributed", good)
             assert status == 400 and res["success"] is False
             assert "Group nope not in" in res["message"] and "init_weights_update_group" in res["message"]
+            assert (await _post(s, u, "/end_weight_update", {}))[0] == 200
+            assert (await _post(s, u, "/end_weight_update", {}))[0] == 400
             status, res = await _post(s, u, "/destroy_weights_update_group", {"group_name": "nope"})
             assert (status, res) == (400, {"success": False, "message": "The group to be destroyed does not exist."})
             status, res = await _post(s, u, "/init_weights_update_group",
@@ -472,6 +486,7 @@ def test_distributed_update_round_trip(gpt_engine, ckpts):
             assert (status, res) == (200, {"success": True, "message": "Succeeded to initialize custom process group."})
             status, res = await _post(s, u, "/init_weights_update_group", init)
             assert status == 400 and res["success"] is False and "already exists" in res["message"]
+            assert (await _post(s, u, "/begin_weight_update", {}))[0] == 200  # SGLang 0.5.23's session
 
             for bad in ({"dtypes": ["float99"]}, {"shapes": [[-1]]}):  # refused before any broadcast
                 body = {"names": [names[0]], "dtypes": ["float32"], "shapes": [[1]], "group_name": "g", **bad}
@@ -498,6 +513,7 @@ def test_distributed_update_round_trip(gpt_engine, ckpts):
             pushed = await c.generate(PROMPT, greedy)
             await c.update_weights_from_disk(ckpts["gpt_other"], 7)
             loaded = await c.generate(PROMPT, greedy)
+            assert (await _post(s, u, "/end_weight_update", {}))[0] == 200
 
             status, res = await _post(s, u, "/destroy_weights_update_group", {"group_name": "g"})
             assert (status, res) == (200, {"success": True, "message": "Succeeded to destroy custom process group."})
@@ -517,3 +533,60 @@ def test_distributed_update_round_trip(gpt_engine, ckpts):
     assert max(abs(a - b) for a, b in zip(pushed.output_logprobs, before.output_logprobs)) > 1e-3
     assert (set(unversioned.token_versions), set(pushed.token_versions)) == ({1}, {7})
 
+
+
+# ---- the watchdog and the engine's own faults ----------------------------------------------------
+def test_watchdog_never_restarts_an_engine_paused_for_an_update(ckpts, monkeypatch):
+    """An engine paused (in_place, a request held) for much longer than the watchdog's patience is not
+    restarted: the watchdog probes /model_info, which answers during a pause. SGLang's /health (which
+    the CPU engine copies) answers 503 meanwhile, so a /health watchdog would have restarted it."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "1")
+    server = start(ckpts["gpt"], health_interval_seconds=0.2, health_failures_before_restart=3)
+    try:
+        async def go():
+            async with EngineClient([server.url]) as c, aiohttp.ClientSession() as s:
+                task = asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 20, "ignore_eos": True}))
+                await asyncio.sleep(0.2)
+                await c.pause_generation("in_place")
+                pid = server.pid()
+                async with s.get(server.url + "/health") as r:
+                    assert r.status == 503  # what SGLang's /health answers during a pause
+                await asyncio.sleep(3.0)  # 15 watchdog intervals
+                assert server.restarts == 0 and server.pid() == pid
+                assert await c.health(server.url)
+                await c.continue_generation()
+                return await task
+
+        res = run(go())
+        assert res.finish_reason == "length" and len(res.output_ids) == 20
+    finally:
+        server.stop()
+
+
+def test_engine_fault_aborts_in_flight_and_the_launcher_restarts_it(ckpts, tmp_path, monkeypatch):
+    """A batching step that raises (MILES_CPU_ENGINE_FAULT_ONCE) ends the requests in flight with
+    finish_reason abort and the error, /health answers 503, the process exits and the launcher restarts
+    it (same URL); the restarted engine serves."""
+    from miles_core.engines.cpu_server import FAULT_ONCE_ENV
+
+    marker = tmp_path / "fault"
+    monkeypatch.setenv(FAULT_ONCE_ENV, str(marker))
+    monkeypatch.setenv("MILES_CPU_ENGINE_EXIT_AFTER_FAULT_SECONDS", "3")
+    server = start(ckpts["gpt"], health_interval_seconds=0.2)
+    try:
+        async def go():
+            async with EngineClient([server.url]) as c, aiohttp.ClientSession() as s:
+                hit = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 10, "ignore_eos": True})
+                                             for _ in range(3)))
+                async with s.get(server.url + "/health") as r:
+                    dead = (r.status, await r.json())
+                await until(lambda: _restarted(server), timeout=60)
+                return hit, dead, await c.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True})
+
+        hit, dead, after = run(go())
+        assert marker.exists()
+        assert all(r.finish_reason == "abort" and "fault injected" in r.abort_message for r in hit)
+        assert dead[0] == 503 and "fault injected" in dead[1]["message"]
+        assert server.restarts == 1 and after.finish_reason == "length" and len(after.output_ids) == 4
+    finally:
+        server.stop()

@@ -123,7 +123,7 @@ class LyingEngine:
 
         app = web.Application()
         app.router.add_post("/update_weights_from_disk", ok)
-        app.router.add_get("/get_weight_version", version)
+        app.router.add_get("/model_info", version)  # SGLang 0.5.23 reports the version here only
         app.router.add_get("/health", health)
         asyncio.set_event_loop(self._loop)
         runner = web.AppRunner(app)

@@ -1,10 +1,13 @@
 """Weight sync (DESIGN §5.4) and snapshots, on file:// and a real S3 server.
 
-Pins: the engine-visible order pause -> flush (unless in_place) -> update_weights_from_disk with
-the new version -> continue, and publish strictly after the resume; versions count 1, 2, ...;
-abort mode is refused; a failed load still resumes the engines and publishes nothing; the snapshot
-is complete (`.complete` last) and, on S3, fetched to a local dir before engines load it; the real
-CPU engine server serves the trainer's weights after a push (its log-probs equal the trainer's).
+Pins: the engine-visible order pause -> update_weights_from_disk(flush_cache=False) with the new
+version -> continue (no flush in any mode: SGLang refuses one while requests run, docs/engines.md), and
+publish strictly after the resume; versions count 1, 2, ...; abort mode is refused; a failed load still
+resumes the engines and publishes nothing; the snapshot is complete (`.complete` last) and, on S3,
+fetched to a local dir before engines load it; the real CPU engine server serves the trainer's weights
+after a push (its log-probs equal the trainer's), also when the push comes in retract or in_place mode
+with requests running and waiting (none aborted; afterwards a request on the same prompt has the new
+weights' log-probs, and in retract mode so has every token made after the update).
 """
 
 from __future__ import annotations
@@ -51,9 +54,6 @@ class FakeEngine:
     async def continue_generation(self):
         self.log.append((self.name, "continue"))
 
-    async def flush_cache(self):
-        self.log.append((self.name, "flush"))
-
     async def update_weights_from_disk(self, model_path, weight_version, *, flush_cache=False,
                                        abort_all_requests=False):
         self.log.append((self.name, "update", weight_version, flush_cache, abort_all_requests))
@@ -72,7 +72,7 @@ def _sync(trainer, store, engines, log, mode="retract", tmp=None):
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode):
-    """Engines see pause, (flush), update(v), continue; publish(v) comes last; weights are the trainer's."""
+    """Engines see pause, update(v, flush_cache=False), continue; publish(v) comes last; weights are the trainer's."""
     log = []
     engines = [FakeEngine("e0", log), FakeEngine("e1", log)]
     assert all(isinstance(e, EngineControl) for e in engines)
@@ -83,7 +83,7 @@ def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode)
     assert (r1.version, r2.version) == (1, 2)
     for e in ("e0", "e1"):
         ops = [entry[1:] for entry in log if entry[0] == e]
-        one = [("pause", mode)] + ([("flush",)] if mode == "retract" else []) + [("update", 1, False, False), ("continue",)]
+        one = [("pause", mode), ("update", 1, False, False), ("continue",)]
         assert ops[:len(one)] == one
         assert ops[len(one):] == [o if o[0] != "update" else ("update", 2, False, False) for o in one]
     first_publish = log.index(("rollout", "publish", 1))
@@ -181,3 +181,51 @@ def test_failed_export_does_not_burn_a_version(trainer, tmp_path):
     with pytest.raises(OSError):
         asyncio.run(sync.push(1))
     assert log == [] and sync.version == 0
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_push_with_requests_running_and_waiting(trainer, tmp_path, mode):
+    """A push into the real CPU engine (2 slots) while 2 requests run (with output) and 2 wait: it
+    succeeds under SGLang's flush rule in both modes, no request is aborted, each one's versions go 0..1,
+    and afterwards a request on the same prompt has the new weights' log-probs (no KV of the old weights
+    reaches it). In retract mode every token made after the update has them too (its KV was recomputed)."""
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.cpu_server import CpuEngineServer, serve
+
+    prompt = [1, 2, 3, 4, SEP_ID]
+    params = {"max_new_tokens": 20, "ignore_eos": True}
+
+    async def main():
+        server = CpuEngineServer(trainer.hf_dir, max_running_requests=2)
+        port = _free_port()
+        runner = await serve(server, "127.0.0.1", port)
+        try:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+                tasks = [asyncio.create_task(client.generate(prompt, params)) for _ in range(4)]
+                eng = server.engine
+                while not (len(eng.running) == 2 and len(eng.waiting) == 2 and all(r.output_ids for r in eng.running)):
+                    await asyncio.sleep(0.001)
+                await client.pause_generation("in_place")  # hold that state until the push pauses in `mode`
+                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))), lambda v: None, mode)
+                await sync.push(1)
+                results = await asyncio.gather(*tasks)
+                fresh = await client.generate(prompt, params)
+                return results, fresh
+        finally:
+            await runner.cleanup()
+
+    results, fresh = asyncio.run(main())
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 20 for r in results)
+    assert sum(r.token_versions[0] == 0 and r.token_versions[-1] == 1 for r in results) == 2  # the running ones
+    assert all(r.token_versions == sorted(r.token_versions) for r in results)
+
+    def new_weights(res):
+        return trainer.logprobs([Sample("p", 0, 0, prompt, res.output_ids)])[0]
+
+    assert fresh.token_versions == [1] * 20
+    assert torch.allclose(torch.tensor(new_weights(fresh)), torch.tensor(fresh.output_logprobs), atol=1e-4)
+    if mode == "retract":
+        for r in results:
+            after = [i for i, v in enumerate(r.token_versions) if v == 1]
+            ours = new_weights(r)
+            assert max(abs(ours[i] - r.output_logprobs[i]) for i in after) < 1e-4

@@ -2,8 +2,9 @@
 
 Pins: per-token weight versions from streamed chunks, for SGLang's default cumulative chunks and for
 `--incremental-streaming-output` chunks; a finish_reason only from the chunk that carries it; versions
-that are not integers (SGLang's "default") read as 0; the client refuses an empty engine list and an
-unknown pause mode.
+that are not integers (SGLang's "default") read as 0; SGLang 0.5.23's `weight_versions` spans override
+the per-chunk version; the client refuses an empty engine list and an unknown pause mode; a weight
+load is never re-sent after a timeout; versions come from /model_info and health() does not generate.
 """
 
 from __future__ import annotations
@@ -111,3 +112,66 @@ def test_client_reads_long_sse_chunks_from_a_stub_server():
     assert res.finish_reason == "length" and len(res.output_ids) == n == len(res.output_logprobs)
     assert res.token_versions == [4] * 10 + [5] * (n - 10) and res.weight_version == 5
     assert cut.aborted and cut.output_ids == list(range(10)) and cut.token_versions == [4] * 10
+
+
+def test_weight_version_spans_override_chunk_versions():
+    """SGLang 0.5.23's meta_info.weight_versions ([{version, start, end}] over the output) is exact: a
+    token made before an update but streamed in a chunk assembled after it keeps the old version."""
+    st = _Stream()
+    st.absorb(chunk([4, 5], [-0.1, -0.2], "3"))
+    late = chunk([6, 7], [-0.3, -0.4], "4", completion=4)
+    late["meta_info"]["weight_versions"] = [{"version": "3", "start": 0, "end": 3},
+                                            {"version": "4", "start": 3, "end": 4}]
+    st.absorb(late)
+    assert st.versions == [3, 3, 3, 4] and st.version == 4
+
+
+def _stub(handler):
+    """Serve `handler` for every path on 127.0.0.1; returns (url, runner) inside a running loop."""
+    from aiohttp import web
+
+    async def start():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", runner
+
+    return start()
+
+
+def test_weight_load_is_never_resent_after_a_timeout_and_versions_come_from_model_info():
+    """/update_weights_from_disk that times out (a slow load) is sent once and raises
+    EngineUnavailableError; idempotent calls are retried. Versions come from /model_info (never
+    /get_weight_version), and health() probes /model_info, not /health."""
+    from aiohttp import web
+
+    from miles_core.engines.client import EngineUnavailableError
+
+    seen = []
+
+    async def handler(request):
+        seen.append(request.path)
+        if request.path == "/update_weights_from_disk":
+            await asyncio.sleep(1.0)
+        if request.path == "/pause_generation" and seen.count("/pause_generation") == 1:
+            return web.Response(status=503)
+        return web.json_response({"weight_version": "9", "message": "ok", "status": "ok"})
+
+    async def go():
+        url, runner = await _stub(handler)
+        try:
+            async with EngineClient([url], control_timeout_seconds=0.3, retry_backoff_seconds=0.01) as c:
+                with pytest.raises(EngineUnavailableError, match="update_weights_from_disk"):
+                    await c.update_weights_from_disk("/ckpt", 9)
+                await c.pause_generation("retract")  # a 503, then retried
+                return await c.get_weight_version(), await c.health(url), url
+        finally:
+            await runner.cleanup()
+
+    versions, alive, url = asyncio.run(go())
+    assert seen.count("/update_weights_from_disk") == 1 and seen.count("/pause_generation") == 2
+    assert versions == {url: 9} and alive
+    assert "/get_weight_version" not in seen and "/health" not in seen
