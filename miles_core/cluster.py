@@ -67,36 +67,42 @@ class TrainerGroup:
     """The trainer's ranks. `call(method, *args)` runs the method on every rank (arguments are put
     in the object store once and read by all ranks) and returns a `GroupFuture`."""
 
-    def __init__(self, cfg, hf_dir: str, engine_urls: list[str], engine_actors: list | None = None,
+    def __init__(self, cfg, hf_uri: str, engine_urls: list[str], engine_actors: list | None = None,
                  placement_timeout_seconds: float = 600.0):
         import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from miles_core.train.worker import TrainerWorker, rendezvous_address
 
         t = cfg.train
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
+        opts = self._place(cfg, placement_timeout_seconds)
+        where = ray.get(ray.remote(rendezvous_address).options(**opts[0]).remote())  # rank 0's node and port
+        worker = ray.remote(TrainerWorker)
+        self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_uri, r, self.world_size, where,
+                                                                           engine_urls, engine_actors)
+                       for r in range(self.world_size)]
+
+    def _place(self, cfg, timeout_seconds: float) -> list[dict]:
+        """One placement-group bundle per rank (a GPU each on GPU clusters); Ray options per rank."""
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         gpus = 1 if cfg.engine.engine_backend == "sglang" else 0
         bundle = {"CPU": cfg.run.num_cpus_trainer, **({"GPU": gpus} if gpus else {}),
                   **custom_resource(cfg.engine.trainer_custom_resource)}
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         try:
-            ray.get(self.pg.ready(), timeout=placement_timeout_seconds)
+            ray.get(self.pg.ready(), timeout=timeout_seconds)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.pg)
             raise TrainerPlacementError(
                 f"the trainer's {self.world_size} ranks ({bundle} each) could not be placed within "
-                f"{placement_timeout_seconds:.0f} s; the cluster has {ray.available_resources()} free. Lower "
+                f"{timeout_seconds:.0f} s; the cluster has {ray.available_resources()} free. Lower "
                 "--actor-num-gpus-per-node / --actor-num-nodes or --num-cpus-trainer, or add nodes.") from None
-        opts = [dict(num_cpus=cfg.run.num_cpus_trainer, num_gpus=gpus,
+        return [dict(num_cpus=cfg.run.num_cpus_trainer, num_gpus=gpus,
                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
                 for r in range(self.world_size)]
-        where = ray.get(ray.remote(rendezvous_address).options(**opts[0]).remote())
-        worker = ray.remote(TrainerWorker)
-        self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_dir, r, self.world_size, where,
-                                                                           engine_urls, engine_actors)
-                       for r in range(self.world_size)]
 
     def call(self, method: str, *args) -> GroupFuture:
         import ray

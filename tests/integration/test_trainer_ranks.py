@@ -159,3 +159,12 @@ def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_t
     finally:
         group.shutdown()
         fleet.shutdown()
+
+
+def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, tiny_gpt):
+    from miles_core.cluster import TrainerPlacementError
+
+    cfg = parse_flags(["--run-id", "big", "--storage-root", f"file://{tmp_path}", "--actor-num-gpus-per-node", "8",
+                       "--num-cpus-trainer", "1", "--save", "", "--save-interval", "none"])
+    with pytest.raises(TrainerPlacementError, match="8 ranks .* could not be placed within 2 s"):
+        TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=2)
