@@ -51,16 +51,19 @@ def localize(uri: str, kind: str = "models", *, required: str | None = None) -> 
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
     dest = os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])
-    for attempt in range(3):  # the node cache may be cleaned underneath a copy: copy again
+    for _ in range(2):  # the node cache may be cleaned underneath a copy: copy again
         try:
-            if not os.path.exists(os.path.join(dest, MARKER)):
-                _download(Store(uri), dest, required)
-            os.utime(dest)  # last use, for pruning
-            prune(kind, keep_also=dest)
-            return dest
-        except FileNotFoundError:  # also: the source lacks `required` (then every attempt says so)
-            if attempt == 2:
-                raise
+            return _cached(uri, dest, kind, required)
+        except FileNotFoundError:
+            pass
+    return _cached(uri, dest, kind, required)  # also: a source without `required` says so here
+
+
+def _cached(uri: str, dest: str, kind: str, required: str | None) -> str:
+    if not os.path.exists(os.path.join(dest, MARKER)):
+        _download(Store(uri), dest, required)
+    os.utime(dest)  # last use, for pruning
+    prune(kind, keep_also=dest)
     return dest
 
 

@@ -23,14 +23,9 @@ from miles_core.config import parse_flags
 from miles_core.models.builtin import materialize_checkpoint
 from tests.unit.test_train import make_groups
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
 
 PARAM_ATOL, LOGP_ATOL, LOSS_RTOL = 2e-5, 1e-4, 1e-5
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_up(ray_local):
-    return None
 
 
 def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, extra: tuple = ()):
