@@ -125,29 +125,11 @@ class TrainerGroup:
 
 
 def materialize_initial_model(cfg) -> str:
-    """The URI of the run's initial weights, which every role copies to its own node.
+    """The URI of the run's initial weights, which every role copies to its own node: created (a
+    builtin model) or imported (a GGUF) first when missing (`miles_core.models.source`)."""
+    from miles_core.models.source import ensure_model
 
-    --hf-checkpoint as given (a local directory becomes a file:// URI: one machine or a shared
-    filesystem); a builtin model is created once, into the run root's `model/initial/`.
-    """
-    import tempfile
-
-    from miles_core.models.builtin import materialize_checkpoint
-    from miles_core.storage import Store, normalize_uri
-
-    m = cfg.model
-    if not m.hf_checkpoint.startswith("builtin:"):
-        return normalize_uri(m.hf_checkpoint)
-    store = Store(cfg.run_uri).child("model/initial")
-    if not store.exists(".complete"):
-        with tempfile.TemporaryDirectory(prefix="miles-initial-") as tmp:
-            materialize_checkpoint(m.hf_checkpoint, cfg.run.seed, tmp, num_layers=m.tiny_num_layers,
-                                   hidden_size=m.tiny_hidden_size, num_heads=m.tiny_num_heads)
-            for name in sorted(os.listdir(tmp)):
-                with open(os.path.join(tmp, name), "rb") as f:
-                    store.put_bytes(name, f.read())
-        store.put_bytes(".complete", b"")
-    return store.uri()
+    return ensure_model(cfg)
 
 
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):

@@ -1,4 +1,4 @@
-"""fully_async_rl: prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
+"""fully_async_rl: import_model -> prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
 
     pyflyte run workflows/fully_async.py fully_async_rl                       # the embedded default (CPU)
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--rollout-batch-size 16"
@@ -18,6 +18,7 @@ from flytekit.types.file import HTMLPage
 
 from tasks.data import data_fingerprint, prepare_data
 from tasks.eval import eval_follower_sized
+from tasks.model import import_model, model_fingerprint
 from tasks.report import report
 from tasks.train import train
 
@@ -31,7 +32,10 @@ def fully_async_rl(flags: str = "", run_id: str = "", storage_root: str = "", se
     :param storage_root: object-storage prefix of runs, e.g. s3://bucket/miles ("" : --storage-root from flags, else ./.miles)
     :param segment_steps: train at most this many steps in this execution, then checkpoint and exit (0: to --num-rollout)
     """
+    model = import_model(flags=flags, run_id=run_id, storage_root=storage_root,
+                         fingerprint=model_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root))
     fingerprint = data_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root)
+    model >> fingerprint  # the tokenizer of text prompts comes from the imported model
     data = prepare_data(flags=flags, run_id=run_id, storage_root=storage_root, fingerprint=fingerprint)
     outcome = train(flags=flags, run_id=run_id, storage_root=storage_root, segment_steps=segment_steps)
     follower = eval_follower_sized(flags=flags, run_id=run_id, storage_root=storage_root)

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from miles_core.config.presets import PRESETS
+
 
 def opt(default, help: str, choices: tuple[str, ...] | None = None, **kw):
     meta = {"help": help}
@@ -33,6 +35,7 @@ class RunSection:
     segment_steps: Optional[int] = opt(None, "Run at most this many steps in this segment, then checkpoint and exit (scheduled continuation).")
     deadline_seconds: Optional[float] = opt(None, "Stop this segment cleanly after this many seconds (checkpoint first).")
     seed: int = opt(1, "Global seed (model init, data shuffling, sampling).")
+    preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
     fully_async: bool = opt(True, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer.")
     one_step_off: bool = opt(False, "One-step-off driver: generate batch k+1 while training on batch k.")
     colocate: bool = opt(False, "Not supported (refused): place engines and trainer on the same devices (time-shared).")
@@ -62,6 +65,8 @@ class DataSection:
     input_key: str = opt("prompt", "Dataset column holding the prompt (text, or a list of token ids).")
     label_key: str = opt("label", "Dataset column holding the label the reward compares against.")
     rollout_shuffle: bool = opt(True, "Shuffle prompts every epoch (seeded).")
+    apply_chat_template: bool = opt(False, "Render each prompt with the tokenizer's chat template, generation prompt appended: a string prompt becomes one user message, a list of {role, content} messages is used as it is.")
+    max_seq_len: Optional[int] = opt(None, "Longest prompt + response in tokens: prompts that leave no room for one response token are dropped at preparation (counted in the dataset's metadata and logged), and each response is capped at this minus its prompt length.")
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,7 @@ class TrainSection:
     use_rollout_logprobs: bool = opt(True, "Use the engine's log-probs as the PPO ratio denominator (exclusive with --use-tis).")
     use_decoupled_loss: bool = opt(False, "Decoupled PPO: proximal policy = trainer weights before the step, behaviour = rollout log-probs.")
     use_kl_loss: bool = opt(False, "KL penalty to the initial (reference) model.")
-    kl_loss_coef: float = opt(0.0, "Coefficient of the KL penalty.")
+    kl_loss_coef: float = opt(0.0, "Coefficient of the KL penalty (0 with --use-kl-loss: train/kl_loss is measured against the reference, as miles does, without entering the loss).")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
     actor_num_nodes: int = opt(1, "Nodes of the trainer (miles' name); ranks = --actor-num-nodes x --actor-num-gpus-per-node.")
     actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node: one GPU each, or one CPU rank process each on a machine without GPUs.")
@@ -131,6 +136,9 @@ class TrainSection:
     context_parallel_size: int = opt(1, "Megatron context parallel size (only 1 is supported).")
     balance_data: bool = opt(False, "Split each batch across data-parallel ranks by token count (longest first onto the lightest rank) instead of by sample count.")
     micro_batch_size: int = opt(256, "Samples per forward/backward micro-batch.")
+    global_batch_size: Optional[int] = opt(None, "Samples per optimizer step (miles' meaning): a rollout of rollout_batch_size x n_samples_per_prompt samples gives that / this optimizer steps, which must divide evenly. Default: one optimizer step per rollout.")
+    load: str = opt("", "Checkpoint location to start from (miles' --load). Empty or equal to --save: resume this run from its latest checkpoint. Another location: when this run has no checkpoint yet, its weights and optimizer state come from the latest checkpoint there (the step, data cursor and buffer belong to a run root and start fresh).")
+    ref_load: str = opt("", "Reference weights (miles' --ref-load): an HF directory/URI or a checkpoint location (a --save of an earlier run). The KL reference of --use-kl-loss, and the trainer's initial weights when there is no checkpoint to load. Default: --hf-checkpoint.")
     save: str = opt("auto", "Checkpoint location: 'auto' = {run root}/checkpoints, a URI, or '' to disable.")
     save_interval: Optional[int] = opt(50, "Save a checkpoint every N steps (and always at the last step).")
     save_hf: str = opt("", "Also save an HF checkpoint at each save into this directory ({step} placeholder allowed); enables eval reuse mode.")

@@ -62,6 +62,12 @@ class RunConfig:
         return r.rollout_batch_size
 
     @property
+    def optimizer_steps_per_rollout(self) -> int:
+        """miles: rollout_batch_size x n_samples_per_prompt / --global-batch-size (default 1)."""
+        gbs = self.train.global_batch_size
+        return 1 if not gbs else max(1, self.rollout.rollout_batch_size * self.rollout.n_samples_per_prompt // gbs)
+
+    @property
     def buffer_capacity_groups(self) -> int:
         return max(1, int(self.buffer.async_data_buffer_capacity_factor * self.rollout.rollout_batch_size))
 
@@ -157,18 +163,31 @@ def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = Tr
     unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
     if unknown:
         raise ConfigError("\n".join(_unknown_flag_message(a.split("=")[0]) for a in unknown))
-    ns = _build_parser().parse_args(argv)
-    values = vars(ns)
-    for name, v in list(values.items()):
-        s = _SPECS_BY_NAME[name]
-        if s.choices and s.optional and v == "none":
-            values[name] = None
-    cfg = replace_fields(base or RunConfig(), **values)
+    values = _parse_values(argv)
+    base = base or RunConfig()
+    if values.get("preset"):  # the preset first, then every flag given explicitly on top
+        from miles_core.config.presets import PresetError, preset_values
+
+        try:
+            base = replace_fields(base, **preset_values(values["preset"]))
+        except PresetError as e:
+            raise ConfigError(str(e)) from e
+    cfg = replace_fields(base, **values)
     if check:
         from miles_core.config.validate import validate
 
         validate(cfg)
     return cfg
+
+
+def _parse_values(argv: list[str]) -> dict[str, Any]:
+    """The fields the flags in `argv` set (only those given)."""
+    values = vars(_build_parser().parse_args(argv))
+    for name, v in list(values.items()):
+        s = _SPECS_BY_NAME[name]
+        if s.choices and s.optional and v == "none":
+            values[name] = None
+    return values
 
 
 def _known_flags() -> set[str]:
@@ -181,6 +200,10 @@ def _known_flags() -> set[str]:
 
 
 def _unknown_flag_message(flag: str) -> str:
+    from miles_core.config.miles_flags import not_supported_message
+
+    if refused := not_supported_message(flag):
+        return refused
     close = difflib.get_close_matches(flag, sorted(_known_flags()), n=1)
     hint = f" Did you mean {close[0]}?" if close else " See `miles validate --help` or docs/reference/flags.md."
     return f"unknown flag {flag}.{hint}"

@@ -29,8 +29,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems = _types(cfg)
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    for check in (_ranges, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules, _names,
-                  _plugins):
+    for check in (_ranges, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
+                  _batch_and_load_rules, _names, _plugins):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -184,8 +184,8 @@ def _loss_rules(cfg: RunConfig) -> list[str]:
                  "itself); pass --no-use-rollout-logprobs with --use-tis, or drop --use-tis.")
     if t.advantage_estimator == "grpo" and cfg.rollout.n_samples_per_prompt < 2:
         p.append("--advantage-estimator=grpo needs --n-samples-per-prompt >= 2 (a group of one has no baseline).")
-    if t.use_kl_loss and t.kl_loss_coef <= 0:
-        p.append("--use-kl-loss needs --kl-loss-coef > 0.")
+    if t.kl_loss_coef < 0:
+        p.append(f"--kl-loss-coef={t.kl_loss_coef} must be >= 0 (0 with --use-kl-loss: the KL is measured, not penalised).")
     return p
 
 
@@ -211,6 +211,26 @@ def _save_eval_rules(cfg: RunConfig) -> list[str]:
         p.append("--save-hf (reuse mode) and --eval-hf-dir (export mode) are exclusive; pick one.")
     if e.eval_mode == "dedicated" and e.eval_num_gpus < 1:
         p.append("--eval-mode=dedicated needs --eval-num-gpus >= 1.")
+    return p
+
+
+def _batch_and_load_rules(cfg: RunConfig) -> list[str]:
+    """miles' --global-batch-size, and what --hf-checkpoint may name."""
+    from miles_core.models.source import PACKAGED
+
+    t, r = cfg.train, cfg.rollout
+    p = []
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if t.global_batch_size is not None:
+        if t.global_batch_size < 1:
+            p.append(f"--global-batch-size={t.global_batch_size} must be >= 1 (samples per optimizer step).")
+        elif samples % t.global_batch_size:
+            p.append(f"--global-batch-size={t.global_batch_size} must divide --rollout-batch-size x "
+                     f"--n-samples-per-prompt = {samples} (a rollout gives that / it optimizer steps).")
+    m = cfg.model.hf_checkpoint
+    if m.startswith("import:") and m[len("import:"):] not in PACKAGED:
+        p.append(f"--hf-checkpoint={m!r}: unknown packaged model; known: "
+                 f"{', '.join('import:' + k for k in PACKAGED)} (or a path to a .gguf file).")
     return p
 
 

@@ -129,6 +129,12 @@ class CheckpointManager:
 
     def load(self, step: int, trainer) -> dict:
         """Restore `trainer` from step `step`; return the extras the caller saved."""
+        tensors, meta, extras = self.read(step)
+        trainer.load_checkpoint_state(tensors, meta)
+        return extras
+
+    def read(self, step: int) -> tuple[dict, dict, dict]:
+        """(tensors by part, trainer meta, extras) of this rank's files of step `step`."""
         d = step_dir(step)
         if not self.store.exists(f"{d}/{MARKER}"):
             raise CheckpointError(f"{self.store.uri(d)} has no {MARKER} marker; it is incomplete and not trusted")
@@ -143,8 +149,7 @@ class CheckpointManager:
                                   "was it saved with another --tensor-model-parallel-size?") from e
         except json.JSONDecodeError as e:
             raise CheckpointError(f"checkpoint {self.store.uri(d)} is unreadable: {e}") from e
-        trainer.load_checkpoint_state(tensors, meta)
-        return extras
+        return tensors, meta, extras
 
     def load_latest(self, trainer) -> tuple[int, dict] | None:
         step = self.latest()

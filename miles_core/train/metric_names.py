@@ -6,9 +6,11 @@ A light module (no torch), so the docs reference can read it cheaply.
 SAMPLES = "train/samples"
 TOKENS = "train/tokens"
 TRAIN_STEP_SECONDS = "perf/train_step_seconds"
+OPTIMIZER_STEPS = "train/optimizer_steps"
 
 TRAIN_STEP_METRICS: dict[str, str] = {
     SAMPLES: "Samples that entered the loss this step (failed, aborted and fully masked samples excluded).",
     TOKENS: "Response tokens that entered the loss this step (after the loss mask).",
+    OPTIMIZER_STEPS: "Optimizer steps taken on this rollout: rollout_batch_size x n_samples_per_prompt / --global-batch-size (train/grad_norm is their mean).",
     TRAIN_STEP_SECONDS: "Seconds of the trainer's forward, backward and optimizer step.",
 }

@@ -55,11 +55,12 @@ def trainable_samples(groups: list[Group], normalize_std: bool) -> list[tuple[Sa
 
 
 class Trainer:
-    def __init__(self, train, hf_dir: str, *, seed: int = 1):
+    def __init__(self, train, hf_dir: str, *, seed: int = 1, optimizer_steps: int = 1):
         if train.advantage_estimator != "grpo":
             raise TrainError(f"--advantage-estimator={train.advantage_estimator}: only grpo is implemented "
                              "(a critic is not); use --advantage-estimator grpo.")
         self.cfg = train
+        self.optimizer_steps = optimizer_steps  # per rollout (--global-batch-size)
         self.loss_cfg = LossConfig.from_section(train)
         self.hf_dir = hf_dir
         # config.json, tokenizer files...: read once, so exports never need the local copy again
@@ -109,10 +110,32 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """One optimizer step over `groups`; returns the train/* metrics (DESIGN §5.6)."""
+        """One rollout's training: `optimizer_steps` optimizer steps over `groups` in order
+        (--global-batch-size samples each); returns the train/* metrics (DESIGN §5.6)."""
         t0 = time.perf_counter()
         items = trainable_samples(groups, self.cfg.normalize_advantages_std)
         self.model.train()
+        sums: dict[str, float] = {}
+        total_tokens, grad_norms = 0.0, []
+        for batch in optimizer_batches(items, self.optimizer_steps):
+            batch_sums, batch_tokens, grad_norm = self._optimizer_step_on(batch)
+            for k, v in batch_sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+            total_tokens += batch_tokens
+            grad_norms.append(grad_norm)
+        if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
+            sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
+        metrics = finalize_metrics(sums, total_tokens) if items else {}
+        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
+        metrics[TM.SAMPLES] = float(len(items))
+        metrics[TM.TOKENS] = total_tokens
+        metrics[TM.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
+        return metrics
+
+    def _optimizer_step_on(self, items: list[tuple[Sample, float]]) -> tuple[dict[str, float], float, float]:
+        """One optimizer step over `items` (the whole global batch; this rank trains on its DP
+        shard): (this rank's metric sums, the batch's token count, grad norm)."""
         self._zero_grad()
         total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
         mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data,
@@ -125,14 +148,7 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
         grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
-        if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
-            sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
-        metrics = finalize_metrics(sums, total_tokens) if items else {}
-        metrics["train/grad_norm"] = grad_norm
-        metrics[TM.SAMPLES] = float(len(items))
-        metrics[TM.TOKENS] = total_tokens
-        metrics[TM.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
-        return metrics
+        return sums, total_tokens, grad_norm
 
     def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float):
         batch = _pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
@@ -218,21 +234,37 @@ class Trainer:
         return {"model": model, "optimizer": opt_tensors, "rng": rng}, meta
 
     def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
-        saved_tp = int(meta.get("tensor_model_parallel_size", 1))
-        if saved_tp != self.tp:
-            raise TrainError(f"checkpoint was saved with --tensor-model-parallel-size={saved_tp}; this trainer has "
-                             f"{self.tp}. Resuming at another TP size is not supported (the DP size may change).")
-        own = {k: v for k, v in unwrap(self.model).state_dict().items() if not k.endswith("_extra_state")}
-        if set(own) != set(tensors["model"]) or meta.get("spec") != self.spec.__dict__:
-            raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
-        with torch.no_grad():
-            for k, v in own.items():
-                v.copy_(tensors["model"][k])
+        self.load_model_state(tensors["model"], meta)
         load_optimizer_state(self.optimizer, tensors["optimizer"], meta["optimizer"])
         if self.cuda:
             torch.cuda.set_rng_state(tensors["rng"]["torch_cuda"])
         torch.set_rng_state(tensors["rng"]["torch_cpu"])
         random.setstate(_python_rng(meta["python_random"]))
+
+    def load_model_state(self, model: dict[str, torch.Tensor], meta: dict, *, reference: bool = False) -> None:
+        """This rank's Megatron weights from a checkpoint (`reference`: also into the KL reference)."""
+        saved_tp = int(meta.get("tensor_model_parallel_size", 1))
+        if saved_tp != self.tp:
+            raise TrainError(f"checkpoint was saved with --tensor-model-parallel-size={saved_tp}; this trainer has "
+                             f"{self.tp}. Resuming at another TP size is not supported (the DP size may change).")
+        own = {k: v for k, v in unwrap(self.model).state_dict().items() if not k.endswith("_extra_state")}
+        if set(own) != set(model) or meta.get("spec") != self.spec.__dict__:
+            raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
+        targets = [own] + ([unwrap(self.ref_model).state_dict()] if reference and self.ref_model is not None else [])
+        with torch.no_grad():
+            for target in targets:
+                for k in own:
+                    target[k].copy_(model[k])
+
+    def load_hf_weights(self, hf_dir: str) -> None:
+        """Initial weights (and the KL reference) from another HF directory of the same architecture."""
+        spec = ModelSpec.from_hf_config(hf_convert.read_hf_config(hf_dir))
+        if spec != self.spec:
+            raise TrainError(f"{hf_dir} holds another model ({spec}); --hf-checkpoint is {self.spec}")
+        hf_state = hf_convert.load_hf_state(hf_dir)
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                hf_convert.load_into_megatron(unwrap(model), self.spec, hf_state)
 
 
 def optimizer_state(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -271,6 +303,20 @@ def non_weight_files(src_dir: str) -> dict[str, bytes]:
         if os.path.isfile(path) and not name.endswith(WEIGHT_FILES) and not name.startswith("."):
             with open(path, "rb") as f:
                 out[name] = f.read()
+    return out
+
+
+def optimizer_batches(items: list, steps: int) -> list[list]:
+    """`items` in order, cut into `steps` global batches as equal as possible (miles: a rollout of
+    rollout_batch_size x n samples gives that / --global-batch-size optimizer steps). Samples
+    excluded from training leave their batch smaller; an empty rollout still yields one batch."""
+    steps = max(1, min(steps, len(items)))
+    size, extra = divmod(len(items), steps)
+    out, start = [], 0
+    for i in range(steps):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
     return out
 
 

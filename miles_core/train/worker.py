@@ -45,11 +45,13 @@ class TrainerWorker:
         from miles_core.node_local import localize, require_uri
         from miles_core.storage import Store
         from miles_core.train.checkpoint import CheckpointManager
+        from miles_core.train.initial_weights import apply_ref_load
         from miles_core.train.trainer import Trainer
 
         self.cfg, self.rank = cfg, rank
         self.trainer = Trainer(cfg.train, localize(require_uri(hf_uri, "--hf-checkpoint"), "models"),
-                               seed=cfg.run.seed)
+                               seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
+        apply_ref_load(self.trainer, cfg.train.ref_load)
         self.run_store = Store(cfg.run_uri)
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = self.transport = None
@@ -115,7 +117,14 @@ class TrainerWorker:
         return self.checkpoints.maybe_save(step, self.trainer, extras, last=True)
 
     def restore_latest(self) -> tuple[int, dict] | None:
-        return None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
+        """(step, extras) of this run's latest checkpoint, restored; else --load from elsewhere
+        (weights and optimizer only) and None: the run starts at step 0."""
+        from miles_core.train.initial_weights import apply_load
+
+        restored = None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
+        if restored is None:
+            apply_load(self.trainer, self.cfg.train.load, self.checkpoints.store)
+        return restored
 
     def export_hf(self, step: int, dest_uri: str) -> None:
         """Write the current weights as an HF directory at dest_uri (`.complete` last)."""

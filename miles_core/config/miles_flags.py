@@ -1,0 +1,35 @@
+"""miles / slime flags that miles-flyte does not implement, each refused by name with what to use
+instead (DESIGN §18: never accepted and ignored). A miles recipe's command line then fails with
+one line per such flag instead of a bare "unknown flag"."""
+
+NOT_SUPPORTED: dict[str, str] = {
+    "--rm-type": "set --custom-rm-path module:function (or use a dataset's built-in task reward)",
+    "--reward-key": "return the reward value from --custom-rm-path",
+    "--rollout-num-gpus": "use --rollout-num-engines x --rollout-num-gpus-per-engine",
+    "--sequence-parallel": "Megatron sequence parallelism is not wired into the trainer",
+    "--expert-model-parallel-size": "MoE models are not supported",
+    "--expert-tensor-parallel-size": "MoE models are not supported",
+    "--recompute-granularity": "activation recomputation is not wired into the trainer",
+    "--recompute-method": "activation recomputation is not wired into the trainer",
+    "--recompute-num-layers": "activation recomputation is not wired into the trainer",
+    "--use-dynamic-batch-size": "micro-batches are fixed-size: use --micro-batch-size (and --balance-data)",
+    "--max-tokens-per-gpu": "micro-batches are fixed-size: use --micro-batch-size",
+    "--kl-loss-type": "the KL term is the k3 (low_var_kl) estimator, always",
+    "--optimizer": "the optimizer is Adam(W) always",
+    "--lr-decay-style": "the learning rate is constant",
+    "--adam-beta1": "Adam betas are fixed at (0.9, 0.999)",
+    "--adam-beta2": "Adam betas are fixed at (0.9, 0.999)",
+    "--attention-dropout": "dropout is always 0 in RL training here",
+    "--hidden-dropout": "dropout is always 0 in RL training here",
+    "--accumulate-allreduce-grads-in-fp32": "gradients are always reduced in fp32",
+    "--attention-softmax-in-fp32": "the attention softmax is computed in fp32 on CPU and by the GPU kernels' own rule",
+    "--attention-backend": "the attention backend is chosen by the trainer (local on CPU, TE/flash on GPU)",
+    "--rollout-max-prompt-len": "use --max-seq-len (prompts that leave no room for a response are dropped)",
+    "--rollout-max-context-len": "use --max-seq-len",
+    "--num-steps-per-rollout": "use --global-batch-size (rollout samples / it = optimizer steps)",
+}
+
+
+def not_supported_message(flag: str) -> str | None:
+    hint = NOT_SUPPORTED.get(flag)
+    return None if hint is None else f"{flag} (a miles flag) is not supported by miles-flyte: {hint}."

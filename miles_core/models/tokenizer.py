@@ -1,0 +1,21 @@
+"""The tokenizer of a model URI: the digit tokenizer of the builtin models, else the HF
+tokenizer files of the directory (copied to this node first, like the weights)."""
+
+from __future__ import annotations
+
+import functools
+
+
+@functools.lru_cache(maxsize=4)
+def load_tokenizer(model: str):
+    """A transformers tokenizer for `model`: a `builtin:*` name, or an HF directory URI or path."""
+    if model.startswith("builtin:"):
+        from miles_core.models.builtin import digit_tokenizer
+
+        return digit_tokenizer()
+    from transformers import AutoTokenizer
+
+    from miles_core.node_local import localize
+
+    path = localize(model, "models") if "://" in model else model
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,37 @@
+"""import_model: bring the model --hf-checkpoint names into object storage once (DESIGN §18).
+
+A GGUF (a path or URI, or `import:NAME` for a packaged one) is converted into an HF safetensors
+directory with its tokenizer and chat template under {storage root}/models/; a builtin model or
+an HF directory needs nothing. Cached by `fingerprint` (model_fingerprint: the source's content
+hash and whether the import is in place), like prepare_data.
+"""
+
+from __future__ import annotations
+
+from flytekit import Resources, task
+
+from images import task_image
+from miles_core.models.source import MARKER, ensure_model, model_uri, needs_import
+from miles_core.storage import Store
+from tasks.inputs import run_config
+
+# Bump when import_model's output for the same inputs changes.
+IMPORT_MODEL_CACHE_VERSION = "1"
+
+
+@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
+def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
+    """Where the initial model lives and whether it is there: import_model's cache key."""
+    cfg = run_config(flags, run_id, storage_root)
+    if not needs_import(cfg.model.hf_checkpoint):
+        return "no-import"
+    uri = model_uri(cfg)
+    return f"{uri}:{'present' if Store(uri).exists(MARKER) else 'absent'}"
+
+
+@task(cache=True, cache_version=IMPORT_MODEL_CACHE_VERSION, container_image=task_image("cpu"),
+      requests=Resources(cpu="2", mem="6Gi"))
+def import_model(flags: str, run_id: str, storage_root: str, fingerprint: str) -> str:
+    """The URI of the run's initial HF directory, imported first when --hf-checkpoint is a GGUF."""
+    cfg = run_config(flags, run_id, storage_root)
+    return ensure_model(cfg) if needs_import(cfg.model.hf_checkpoint) else model_uri(cfg)
