@@ -3,6 +3,7 @@
     miles validate [FLAGS...]        resolved config as JSON (exit 0) or the problems (exit 2)
     miles buffer inspect RUN_URI     counts of the durable buffer as JSON
     miles report RUN_URI [-o FILE]   self-contained HTML report of a run
+    miles import-model SRC DEST_URI  import a GGUF file (or import:NAME) or an HF directory (DESIGN §18)
 """
 
 from __future__ import annotations
@@ -52,7 +53,29 @@ def _report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report}
+def _import_model(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: miles import-model SRC DEST_URI\n  SRC: a .gguf file (path or URI), import:NAME, "
+              "or a local HF directory with safetensors weights", file=sys.stderr)
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    import time
+
+    from miles_core.models.imports import import_model
+    from miles_core.models.source import import_source
+    from miles_core.storage import StorageError
+
+    started = time.time()
+    try:
+        uri = import_model(import_source(argv[0]), argv[1])
+    except (ValueError, OSError, StorageError) as e:  # ModelSourceError is a ValueError
+        print(f"miles import-model: {e}", file=sys.stderr)
+        return 2
+    print(uri)
+    print(f"miles import-model: done in {time.time() - started:.1f}s", file=sys.stderr)
+    return 0
+
+
+COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report, "import-model": _import_model}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,8 +12,18 @@ Normalized columns:
     task      string       task name (e.g. "reverse4"; "" when the source has none)
     metadata  string       JSON object (the source row's `metadata` field, "{}" when absent)
 
+Text prompts are tokenized with the run's tokenizer (`tokenizer_source(cfg)`: a builtin model's
+digit tokenizer, or the HF directory's files), loaded only when a text prompt is met. With
+`--apply-chat-template` a text prompt becomes one user message and a list of {role, content}
+messages is used as it is; both are rendered by the tokenizer's chat template with the generation
+prompt appended, so the model starts its answer right after the prompt ids. Without the flag, text
+is tokenized without special tokens and a message list is a row error. Token-id prompts are used
+as they are either way. `--max-seq-len` drops prompts that leave no room for one response token
+(counted as `dropped_too_long` in the hash file, and logged).
+
 The content hash covers the source bytes and everything that changes the normalized output
-(column keys, tokenizer identity, format version). When the run root already holds a dataset
+(column keys, tokenizer source, chat template flag, max_seq_len, format version; the last two only
+when set, so the hashes of datasets prepared before they existed stay valid). When the run root already holds a dataset
 with the same hash, nothing is re-read or re-tokenized. Bad rows raise `DatasetError` naming the
 file, the row and the field; every bad row is listed (up to 20), not just the first.
 """
@@ -23,13 +33,16 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 
 from miles_core.storage import Store, normalize_uri, validate_name
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = "1"
 MAX_REPORTED_ERRORS = 20
@@ -45,7 +58,8 @@ PROMPT_SCHEMA = pa.schema(
     metadata={b"miles.prompts_format": FORMAT_VERSION.encode()},
 )
 
-Tokenizer = Callable[[str], list[int]]
+# A prompt (text, or a list of {role, content} messages) -> token ids.
+Tokenizer = Callable[[Any], list[int]]
 
 
 class DatasetError(ValueError):
@@ -76,17 +90,20 @@ def hash_key(name: str) -> str:
 # ----------------------------------------------------------------------------- public API
 
 
-def prepare_dataset(data, store: Store, *, hf_checkpoint: str = "builtin:tiny-gpt",
-                    tokenizer: Tokenizer | None = None, name: str = "prompts") -> DatasetInfo:
+def prepare_dataset(data, store: Store, *, tokenizer_source: str = "builtin:tiny-gpt",
+                    tokenizer: Any = None, name: str = "prompts") -> DatasetInfo:
     """Normalize `data.prompt_data` (a DataSection, or a source string) into `store` (the run root).
 
-    `tokenizer` (text -> token ids) is used for text prompts; by default it is loaded lazily from
-    `hf_checkpoint` the first time a text prompt is met (token-id datasets never load it).
+    `tokenizer_source` is `models.source.tokenizer_source(cfg)` (a builtin model name or the
+    model's URI); its tokenizer is loaded the first time a text prompt is met (token-id datasets
+    never load it). `tokenizer` overrides it: a transformers tokenizer, or a plain callable
+    prompt -> ids. `data.apply_chat_template` and `data.max_seq_len` apply (see the module docstring).
     Returns without reading the source rows again when the stored content hash is unchanged.
     """
-    source, input_key, label_key = _source_and_keys(data)
+    settings = _settings(data)
+    source, input_key, label_key = settings.source, settings.input_key, settings.label_key
     raw = read_source_bytes(source)
-    content_hash = _content_hash(raw, source, input_key, label_key, hf_checkpoint)
+    content_hash = _content_hash(raw, settings, tokenizer_source)
     existing = stored_dataset_info(store, name)
     if existing is not None and existing.content_hash == content_hash and store.exists(data_key(name)):
         return existing
@@ -96,10 +113,9 @@ def prepare_dataset(data, store: Store, *, hf_checkpoint: str = "builtin:tiny-gp
             f"{existing.content_hash[:12]}); a run lineage keeps its dataset so no prompt is lost or repeated "
             f"across segments. Start a new --run-id for {source!r}, or restore the original dataset."
         )
-    tok = tokenizer or _LazyTokenizer(hf_checkpoint)
-    rows = list(_normalized_rows(source, raw, input_key, label_key, tok))
-    if not rows:
-        raise DatasetError(f"{source}: the dataset has no rows.")
+    tok = _prompt_tokenizer(tokenizer, tokenizer_source, settings)
+    rows = _normalized_rows(source, raw, input_key, label_key, tok)
+    rows, dropped = _drop_too_long(rows, settings.max_seq_len, source)
     table = pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
     sink = io.BytesIO()
     with pa.ipc.new_file(sink, PROMPT_SCHEMA) as writer:
@@ -107,15 +123,16 @@ def prepare_dataset(data, store: Store, *, hf_checkpoint: str = "builtin:tiny-gp
     store.put_bytes(data_key(name), sink.getvalue())
     meta = {"content_hash": content_hash, "num_rows": table.num_rows, "source": source,
             "format_version": FORMAT_VERSION, "input_key": input_key, "label_key": label_key,
-            "tokenizer": hf_checkpoint, "created_at": time.time()}
+            "tokenizer": tokenizer_source, "apply_chat_template": settings.apply_chat_template,
+            "max_seq_len": settings.max_seq_len, "dropped_too_long": dropped, "created_at": time.time()}
     store.put_json(hash_key(name), meta)  # the completion marker: written last
     return DatasetInfo(store.uri(data_key(name)), content_hash, table.num_rows, source)
 
 
-def dataset_fingerprint(data, *, hf_checkpoint: str = "builtin:tiny-gpt") -> str:
+def dataset_fingerprint(data, *, tokenizer_source: str = "builtin:tiny-gpt") -> str:
     """The content hash `prepare_dataset` would compute, without normalizing anything."""
-    source, input_key, label_key = _source_and_keys(data)
-    return _content_hash(read_source_bytes(source), source, input_key, label_key, hf_checkpoint)
+    settings = _settings(data)
+    return _content_hash(read_source_bytes(settings.source), settings, tokenizer_source)
 
 
 def stored_dataset_info(store: Store, name: str = "prompts") -> DatasetInfo | None:
@@ -239,7 +256,7 @@ def _read_table(source: str, raw: bytes, fmt: str) -> pa.Table:
 
 
 def _normalized_rows(source: str, raw: bytes, input_key: str, label_key: str,
-                     tokenizer: Tokenizer) -> Iterable[dict]:
+                     tokenizer: Tokenizer) -> list[dict]:
     errors: list[str] = []
     n_bad = 0
     out = []
@@ -315,20 +332,55 @@ def _prompt_ids(value: Any, field: str, tokenizer: Tokenizer) -> list[int]:
     if isinstance(value, str):
         if not value.strip():
             raise _RowError(field, "empty prompt.")
-        try:
-            ids = list(tokenizer(value))
-        except Exception as e:  # noqa: BLE001 - a tokenizer failure is a row error with its cause
-            raise _RowError(field, f"tokenizer failed: {type(e).__name__}: {e}") from e
-        if not ids:
-            raise _RowError(field, "tokenizes to no tokens.")
-        return _check_ids(ids, field)
+        return _tokenize(value, field, tokenizer)
     if isinstance(value, (list, tuple)):
         if not value:
             raise _RowError(field, "empty prompt (no token ids).")
         if all(isinstance(v, dict) for v in value):
-            raise _RowError(field, "chat messages are not supported; render them to text (or token ids) first.")
+            return _tokenize(_messages(value, field, tokenizer), field, tokenizer)
         return _check_ids(value, field)
     raise _RowError(field, f"expected text or a list of token ids, got {type(value).__name__}.")
+
+
+def _messages(value, field: str, tokenizer) -> list[dict]:
+    """A chat message list, checked: it needs --apply-chat-template and {role, content} strings."""
+    if not getattr(tokenizer, "apply_chat_template", False):  # the lazy loader's flag, or a chat tokenizer
+        raise _RowError(field, "a list of chat messages needs --apply-chat-template (the tokenizer's chat "
+                               "template renders them); or give the prompt as text or token ids.")
+    for j, m in enumerate(value):
+        if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise _RowError(field, f"message {j} needs string 'role' and 'content' (keys: {sorted(m)[:10]}).")
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _tokenize(prompt, field: str, tokenizer: Tokenizer) -> list[int]:
+    try:
+        ids = list(tokenizer(prompt))
+    except DatasetError:
+        raise  # the tokenizer itself is unusable (e.g. no chat template): not a row's fault
+    except Exception as e:  # noqa: BLE001 - a tokenizer failure is a row error with its cause
+        raise _RowError(field, f"tokenizer failed: {type(e).__name__}: {e}") from e
+    if not ids:
+        raise _RowError(field, "tokenizes to no tokens.")
+    return _check_ids(ids, field)
+
+
+def _drop_too_long(rows: list[dict], max_seq_len: int | None, source: str) -> tuple[list[dict], int]:
+    """Rows whose prompt leaves room for at least one response token under --max-seq-len."""
+    if not rows:
+        raise DatasetError(f"{source}: the dataset has no rows.")
+    if max_seq_len is None:
+        return rows, 0
+    kept = [r for r in rows if len(r["prompt"]) < max_seq_len]
+    dropped = len(rows) - len(kept)
+    if not kept:
+        longest = min(len(r["prompt"]) for r in rows)
+        raise DatasetError(f"{source}: all {len(rows)} prompts have >= --max-seq-len={max_seq_len} tokens "
+                           f"(the shortest has {longest}), leaving no room for a response; raise --max-seq-len.")
+    if dropped:
+        log.warning("%s: dropped %d of %d prompts with >= --max-seq-len=%d tokens (no room for a response).",
+                    source, dropped, len(rows), max_seq_len)
+    return kept, dropped
 
 
 def _check_ids(ids, field: str) -> list[int]:
@@ -346,41 +398,114 @@ def _check_ids(ids, field: str) -> list[int]:
 
 
 class _LazyTokenizer:
-    """Loads the model's tokenizer the first time a text prompt needs it."""
+    """Loads the run's tokenizer the first time a text (or chat) prompt needs it."""
 
-    def __init__(self, hf_checkpoint: str):
-        self.hf_checkpoint = hf_checkpoint
+    def __init__(self, tokenizer_source: str, apply_chat_template: bool = False):
+        self.tokenizer_source = tokenizer_source
+        self.apply_chat_template = apply_chat_template
         self._tok = None
 
-    def __call__(self, text: str) -> list[int]:
+    def __call__(self, prompt) -> list[int]:
         if self._tok is None:
-            self._tok = tokenizer_for(self.hf_checkpoint)
-        return self._tok(text)
+            self._tok = tokenizer_for(self.tokenizer_source, self.apply_chat_template)
+        return self._tok(prompt)
 
 
-def tokenizer_for(hf_checkpoint: str) -> Tokenizer:
-    """text -> token ids with the tokenizer of `--hf-checkpoint` (no special tokens added)."""
-    if hf_checkpoint.startswith("builtin:"):
-        from miles_core.models.builtin import digit_tokenizer
+def tokenizer_for(tokenizer_source: str, apply_chat_template: bool = False) -> Tokenizer:
+    """prompt -> token ids with the tokenizer of `tokenizer_source` (see the module docstring)."""
+    from miles_core.models.tokenizer import load_tokenizer
 
-        tok = digit_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(hf_checkpoint)
-    return lambda text: tok(text, add_special_tokens=False)["input_ids"]
+    return _hf_prompt_tokenizer(load_tokenizer(tokenizer_source), tokenizer_source, apply_chat_template)
 
 
-def _source_and_keys(data) -> tuple[str, str, str]:
+def _prompt_tokenizer(tokenizer, tokenizer_source: str, settings: "_Settings") -> Tokenizer:
+    """The lazy tokenizer of `tokenizer_source`, or an explicit `tokenizer` (a transformers tokenizer
+    is wrapped like a loaded one; a plain callable prompt -> ids is used as it is)."""
+    if tokenizer is None:
+        _check_text_builtin(settings.source, tokenizer_source)
+        return _LazyTokenizer(tokenizer_source, settings.apply_chat_template)
+    if hasattr(tokenizer, "apply_chat_template"):
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        return _hf_prompt_tokenizer(tokenizer, name, settings.apply_chat_template)
+    return tokenizer
+
+
+def _hf_prompt_tokenizer(tok, name: str, apply_chat_template: bool) -> Tokenizer:
+    if not apply_chat_template:
+        return _PlainTokenizer(tok)
+    if not getattr(tok, "chat_template", None):
+        raise DatasetError(f"--apply-chat-template is set but the tokenizer of {name!r} has no chat template "
+                           "(no chat_template in its tokenizer files); unset --apply-chat-template, or use a "
+                           "model whose tokenizer has one.")
+    return _ChatTokenizer(tok)
+
+
+class _PlainTokenizer:
+    """Text -> ids without special tokens; a message list is refused (it has no apply_chat_template)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, text) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+
+class _ChatTokenizer:
+    """Text (one user message) or messages -> the chat template's ids, generation prompt appended."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def apply_chat_template(self, prompt) -> list[int]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding; 4.x a list of ids
+            out = out["input_ids"]
+        if out and isinstance(out[0], (list, tuple)):
+            out = out[0]
+        return list(out)
+
+    __call__ = apply_chat_template
+
+
+@dataclass(frozen=True)
+class _Settings:
+    source: str
+    input_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = False
+    max_seq_len: int | None = None
+
+
+def _check_text_builtin(source: str, tokenizer_source: str) -> None:
+    from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS
+
+    if source in TEXT_BUILTIN_DATASETS and tokenizer_source.startswith("builtin:"):
+        raise DatasetError(f"--prompt-data={source!r} holds text prompts for a real (instruct) model; the digit "
+                           f"tokenizer of --hf-checkpoint={tokenizer_source!r} cannot encode them. Set "
+                           "--hf-checkpoint to an HF model directory (and --apply-chat-template).")
+
+
+def _settings(data) -> _Settings:
+    """The normalization settings of a DataSection (or a namespace like one), or of a bare source string."""
     if isinstance(data, str):
-        return data, "prompt", "label"
-    return data.prompt_data, data.input_key, data.label_key
+        return _Settings(data)
+    max_seq_len = getattr(data, "max_seq_len", None)
+    if max_seq_len is not None and max_seq_len < 2:
+        raise DatasetError(f"--max-seq-len={max_seq_len}: must be at least 2 (one prompt and one response token).")
+    return _Settings(data.prompt_data, data.input_key, data.label_key,
+                     bool(getattr(data, "apply_chat_template", False)), max_seq_len)
 
 
-def _content_hash(raw: bytes, source: str, input_key: str, label_key: str, tokenizer_id: str) -> str:
+def _content_hash(raw: bytes, settings: _Settings, tokenizer_id: str) -> str:
+    key = {"format": FORMAT_VERSION, "input_key": settings.input_key, "label_key": settings.label_key,
+           "tokenizer": tokenizer_id, "format_of": source_format(settings.source)}
+    if settings.apply_chat_template:  # only when set: default hashes stay those of older versions
+        key["apply_chat_template"] = True
+    if settings.max_seq_len is not None:
+        key["max_seq_len"] = settings.max_seq_len
     h = hashlib.sha256()
-    h.update(json.dumps({"format": FORMAT_VERSION, "input_key": input_key, "label_key": label_key,
-                         "tokenizer": tokenizer_id, "format_of": source_format(source)}, sort_keys=True).encode())
+    h.update(json.dumps(key, sort_keys=True).encode())
     h.update(b"\0")
     h.update(raw)
     return h.hexdigest()

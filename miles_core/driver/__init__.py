@@ -93,13 +93,14 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
     from miles_core import run_root
     from miles_core.cluster import ensure_ray, materialize_initial_model, start_cluster
     from miles_core.data import prepare_dataset, stored_dataset_info
+    from miles_core.models.source import tokenizer_source
     from miles_core.eval.scheduler import build_eval_scheduler
     from miles_core.metrics.names import RANDOM_POLICY_REWARD
     from miles_core.metrics.sink import MetricsSink
 
     ensure_ray()
     if stored_dataset_info(store) is None:
-        prepare_dataset(cfg.data, store, hf_checkpoint=cfg.model.hf_checkpoint)
+        prepare_dataset(cfg.data, store, tokenizer_source=tokenizer_source(cfg))
     initial_model = materialize_initial_model(cfg)
     with contextlib.ExitStack() as stack:
         fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)

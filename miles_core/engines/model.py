@@ -56,12 +56,14 @@ class ModelSpec:
             return ModelSpec("gpt2", cfg["vocab_size"], h, cfg["n_layer"], nh, nh, h // nh, cfg["n_positions"],
                              cfg.get("layer_norm_epsilon", 1e-5), 0.0, cfg.get("tie_word_embeddings", True), eos_ids)
         if mtype in ("llama", "qwen2", "mistral"):
-            rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-            rope_type = rope.get("rope_type", rope.get("type", "default"))
-            if rope_type != "default":
-                raise ModelLoadError(f"{source}: rope_type={rope_type!r} is not supported by the CPU engine "
-                                     "(only the default RoPE); serve this model with --engine-backend sglang.")
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            for field in ("rope_parameters", "rope_scaling"):  # transformers 5 form, then the legacy one
+                rope = cfg.get(field) or {}
+                for key in ("rope_type", "type"):  # `type`: the legacy spelling of rope_type
+                    if rope.get(key, "default") != "default":
+                        raise ModelLoadError(f"{source}: {field}.{key}={rope[key]!r} is not supported by the CPU "
+                                             "engine (only the default RoPE); serve this model with "
+                                             "--engine-backend sglang.")
+            theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
             h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
             return ModelSpec("llama", cfg["vocab_size"], h, cfg["num_hidden_layers"], nh,
                              cfg.get("num_key_value_heads") or nh, cfg.get("head_dim") or h // nh,

@@ -6,6 +6,9 @@ copy4: the same with the digits in order. Of the 10,000 digit strings, 500 drawn
 seed) are held out: `builtin:reverse4-heldout` is the eval split, never trained on. The split is
 i.i.d. on purpose: a structured split (e.g. every value ending in 07, 27, ...) tests compositional
 generalization instead, which this tiny model passes only intermittently.
+
+These digit datasets carry token ids of the digit vocabulary. `builtin:arith` (and its held-out
+split) is for a real instruct model and carries text prompts (miles_core.rollout.arith).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ from __future__ import annotations
 import random
 
 from miles_core.models.builtin import EOS_ID, SEP_ID
+from miles_core.rollout import arith
 
-BUILTIN_TASKS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
+DIGIT_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
+TEXT_BUILTIN_DATASETS = arith.DATASETS  # text prompts: tokenized at preparation, never by the digit tokenizer
+BUILTIN_TASKS = DIGIT_DATASETS + TEXT_BUILTIN_DATASETS
 
 
 HELDOUT_VALUES = frozenset(random.Random(20261130).sample(range(10_000), 500))
@@ -25,9 +31,12 @@ def _is_heldout(value: int) -> bool:
 
 
 def builtin_rows(name: str) -> list[dict]:
-    """Rows {prompt: [token ids], label: answer digits as a string, task: ...} of a builtin dataset."""
+    """Rows {prompt: [token ids], label: answer digits as a string, task: ...} of a builtin dataset
+    (arith: {prompt: text, label: the sum, task: "arith", metadata})."""
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown builtin dataset {name!r}; known: {', '.join(BUILTIN_TASKS)}")
+    if name in TEXT_BUILTIN_DATASETS:
+        return arith.arith_rows(name)
     heldout = name.endswith("-heldout")
     task = "copy4" if "copy4" in name else "reverse4"
     rows = []
@@ -50,8 +59,12 @@ def digits_reward(response_ids: list[int], label: str) -> float:
 
 def random_policy_reward(name: str, max_response_len: int, samples: int = 4000) -> float:
     """Mean reward of uniformly random tokens on builtin dataset `name` (generation stops at <eos>,
-    as on the engines): the level a learning run has to beat."""
+    as on the engines): the level a learning run has to beat. NaN for a dataset that is not a digit
+    task (arith: random tokens of a real vocabulary say nothing useful)."""
     from miles_core.models.builtin import DIGIT_VOCAB
+
+    if name not in DIGIT_DATASETS:
+        return float("nan")
 
     rng = random.Random(0)
     rows = builtin_rows(name)

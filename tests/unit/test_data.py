@@ -82,7 +82,7 @@ def test_text_prompts_use_the_given_tokenizer(tmp_path, store):
 
 def test_text_prompts_default_to_the_model_tokenizer(tmp_path, store):
     src = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "1 2 3 4 <sep>", "label": "4321"}])
-    prepare_dataset(src, store, hf_checkpoint="builtin:tiny-gpt")
+    prepare_dataset(src, store, tokenizer_source="builtin:tiny-gpt")
     assert load_prompts(store)[0]["prompt"] == [1, 2, 3, 4, 10]
 
 

@@ -1,0 +1,235 @@
+"""Importing a model source into the HF safetensors directory every role loads (DESIGN §18).
+
+Why: the engines and the trainer read one format only (config.json + safetensors + tokenizer
+files) and only the llama/qwen2 layouts with default RoPE. A source in another shape is turned
+into that format once, here, and checked against both readers, so a run never starts on a model
+that one role would read differently from the other (a silently ignored RoPE scaling, say).
+
+Sources:
+- a GGUF file (a local path, or a file:// / s3:// URI; remote files are copied to a temp file):
+  its tensors are dequantized to float32 by transformers, its tokenizer and chat template kept;
+- a local HF directory with safetensors weights: the weights are copied byte for byte, the
+  config normalised.
+Config normalisation: `quantization_config` is dropped (the weights are plain tensors now); a
+legacy `rope_scaling={"type": ...}` becomes `{"rope_type": ...}`; any RoPE type but `default`,
+and any architecture but llama/qwen2, is refused by name.
+
+The destination gets every file, then `miles_import.json` (source, its sha, what was converted,
+when), then the `.complete` marker last: a directory with the marker is whole, and importing into
+it again returns at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from datetime import datetime, timezone
+
+from miles_core.models.source import IMPORT_FORMAT_VERSION, MARKER, ModelSourceError, source_fingerprint
+from miles_core.storage import Store, normalize_uri
+
+RECORD = "miles_import.json"
+ARCHITECTURES = ("llama", "qwen2")
+HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
+
+
+class ModelImportError(ModelSourceError):
+    """A source that cannot be imported; the message names the source and the problem."""
+
+
+def import_model(src: str, dest_uri: str) -> str:
+    """Import `src` (a GGUF file or an HF safetensors directory) into `dest_uri`; return its URI."""
+    store = Store(dest_uri)
+    if store.exists(MARKER):
+        return store.uri()
+    started = time.time()
+    with _local_source(src) as path, tempfile.TemporaryDirectory(prefix="miles-import-") as out:
+        if os.path.isdir(path):
+            files, record = _from_hf_dir(path, out)
+        else:
+            files, record = _from_gguf(path, out)
+        record.update(source=src, source_sha=_fingerprint(path), format_version=IMPORT_FORMAT_VERSION,
+                      files=sorted(files), imported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                      seconds=round(time.time() - started, 1))
+        for name in sorted(files):
+            with open(files[name], "rb") as f:
+                store.put_bytes(name, f.read())
+    store.put_json(RECORD, record)
+    store.put_bytes(MARKER, b"")
+    return store.uri()
+
+
+# ------------------------------------------------------------------ sources
+
+
+@contextlib.contextmanager
+def _local_source(src: str):
+    """A local path holding `src`: the path itself, or a temp copy of a remote GGUF file."""
+    uri = normalize_uri(src)
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        if not os.path.exists(path):
+            raise ModelImportError(f"import {src!r}: no such file or directory ({path}).")
+        yield path
+        return
+    parent, name = uri.rsplit("/", 1)
+    if not name.lower().endswith(".gguf"):
+        raise ModelImportError(f"import {src!r}: a remote source must be a .gguf file; copy an HF "
+                               "directory to a local path first.")
+    store = Store(parent)
+    if not store.exists(name):
+        raise ModelImportError(f"import {src!r}: not found.")
+    with tempfile.TemporaryDirectory(prefix="miles-import-src-") as tmp:
+        path = os.path.join(tmp, name)
+        with open(path, "wb") as f:
+            f.write(store.get_bytes(name))
+        yield path
+
+
+def _fingerprint(path: str) -> str:
+    """source_fingerprint of a file; for a directory, of its files' fingerprints by name."""
+    if not os.path.isdir(path):
+        return source_fingerprint(path)
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        if os.path.isfile(os.path.join(path, name)) and not name.startswith("."):
+            h.update(f"{name}\0{source_fingerprint(os.path.join(path, name))}\0".encode())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------ HF directory
+
+
+def _from_hf_dir(src: str, out: str) -> tuple[dict[str, str], dict]:
+    """Files to publish (name -> local path) and the record of what changed."""
+    from miles_core.models.safetensors_dir import MissingWeights, safetensors_files
+
+    try:
+        weights = safetensors_files(src)
+    except MissingWeights as e:
+        others = sorted(n for n in os.listdir(src) if n.endswith(OTHER_WEIGHTS))
+        found = f" (found {', '.join(others)}: convert them to safetensors first)" if others else ""
+        raise ModelImportError(f"import {src!r}: {e}{found}.") from e
+    cfg = _read_config(src)
+    cfg, changes = normalize_config(cfg, src)
+    _write_json(os.path.join(out, "config.json"), cfg)
+    files = {"config.json": os.path.join(out, "config.json")}
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not name.startswith(".") and not name.endswith(OTHER_WEIGHTS) \
+                and name not in files and (name in weights or not name.endswith(".safetensors")):
+            files[name] = path
+    return files, {"kind": "hf-directory", "architecture": cfg["model_type"], "converted": changes}
+
+
+def _read_config(src: str) -> dict:
+    path = os.path.join(src, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ModelImportError(f"import {src!r}: no config.json; not an HF model directory.") from e
+    except json.JSONDecodeError as e:
+        raise ModelImportError(f"import {src!r}: config.json is not valid JSON ({e}).") from e
+
+
+# ------------------------------------------------------------------ GGUF
+
+
+def gguf_info(path: str) -> tuple[str, list[str]]:
+    """The GGUF file's architecture and the types of its tensors (without loading them)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # noqa: BLE001 - gguf raises ValueError/struct.error/... on bad files
+        raise ModelImportError(f"import {path!r}: not a readable GGUF file ({type(e).__name__}: {e}).") from e
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise ModelImportError(f"import {path!r}: the GGUF file has no general.architecture.")
+    arch = bytes(field.parts[field.data[0]]).decode()
+    return arch, sorted({t.tensor_type.name for t in reader.tensors})
+
+
+def _from_gguf(path: str, out: str) -> tuple[dict[str, str], dict]:
+    arch, types = gguf_info(path)
+    if arch not in ARCHITECTURES:
+        raise ModelImportError(f"import {path!r}: GGUF architecture {arch!r} is not supported; "
+                               f"supported: {', '.join(ARCHITECTURES)}.")
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(path)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    cfg, changes = normalize_config(json.loads(model.config.to_json_string(use_diff=False)), path)
+    cfg["architectures"] = [HF_CLASSES[cfg["model_type"]]]
+    state = model.state_dict()
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained does
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    model.generation_config.save_pretrained(out)
+    del model, state
+    _write_json(os.path.join(out, "config.json"), cfg)
+    files = {n: os.path.join(out, n) for n in sorted(os.listdir(out))}
+    converted = [f"dequantized GGUF tensors ({', '.join(types)}) to float32"] + changes
+    return files, {"kind": "gguf", "architecture": arch, "converted": converted,
+                   "chat_template": "chat_template.jinja" in files}
+
+
+# ------------------------------------------------------------------ config
+
+
+def normalize_config(cfg: dict, source: str) -> tuple[dict, list[str]]:
+    """`cfg` as both readers take it, and what was changed; refuses what they cannot serve."""
+    cfg, changes = dict(cfg), []
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
+        if cfg.pop(key, None) is not None and key == "quantization_config":
+            changes.append("dropped quantization_config")
+    mtype = cfg.get("model_type")
+    if mtype not in ARCHITECTURES:
+        raise ModelImportError(f"import {source!r}: model_type={mtype!r} is not supported; "
+                               f"supported: {', '.join(ARCHITECTURES)}.")
+    for field in ("rope_parameters", "rope_scaling"):
+        rope = cfg.get(field)
+        if not isinstance(rope, dict):
+            continue
+        for key in ("rope_type", "type"):
+            if key in rope and rope[key] != "default":
+                raise ModelImportError(f"import {source!r}: {field}.{key}={rope[key]!r} is not supported "
+                                       "(only default RoPE).")
+        if "type" in rope:
+            cfg[field] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": rope["type"]}
+            changes.append(f"{field}.type -> {field}.rope_type")
+    _check_readers(cfg, source)
+    return cfg, changes
+
+
+def _check_readers(cfg: dict, source: str) -> None:
+    """Both the CPU engine and the trainer must read the config; their refusal, named."""
+    from miles_core.engines.model import ModelLoadError
+    from miles_core.engines.model import ModelSpec as EngineSpec
+    from miles_core.train.megatron_model import ModelSpec as TrainSpec
+    from miles_core.train.megatron_model import UnsupportedModel
+
+    try:
+        EngineSpec.from_config(cfg, source)
+        TrainSpec.from_hf_config(cfg)
+    except KeyError as e:
+        raise ModelImportError(f"import {source!r}: config.json lacks {e} (model_type={cfg['model_type']!r}).") from e
+    except (ModelLoadError, UnsupportedModel) as e:
+        raise ModelImportError(f"import {source!r}: the model cannot be served or trained: {e}") from e
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
