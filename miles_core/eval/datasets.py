@@ -19,7 +19,7 @@ from miles_core.samples import Sample
 RewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
 
 
-BUILTIN_REWARD_TASKS = ("reverse4", "copy4", "exact_match", "math")  # rollout.rewards.task_reward
+BUILTIN_REWARD_TASKS = ("reverse4", "copy4", "exact_match", "math", "arith")  # rollout.rewards.task_reward
 
 
 class EvalDataError(ValueError):
@@ -102,6 +102,7 @@ def load_eval_datasets(cfg, specs: Sequence[str] | None = None, reward: RewardFn
     """
     specs = list(cfg.eval.eval_prompt_data if specs is None else specs)
     custom = reward if reward is not None else _custom_reward(cfg)
+    builtin = None
     max_prompts = cfg.eval.eval_max_prompts
     datasets = []
     for name, uri in parse_dataset_specs(specs):
@@ -116,29 +117,30 @@ def load_eval_datasets(cfg, specs: Sequence[str] | None = None, reward: RewardFn
                 raise EvalDataError(
                     f"--eval-prompt-data {name}={uri}: rows of task(s) {unscored} have no builtin reward; "
                     "set --custom-rm-path module:function.")
-        datasets.append(EvalDataset(name=name, uri=uri, rows=rows, reward=custom or builtin_reward))
+        if custom is None and builtin is None:
+            builtin = builtin_reward(cfg)
+        datasets.append(EvalDataset(name=name, uri=uri, rows=rows, reward=custom or builtin))
     return datasets
 
 
 def _load_rows(cfg, name: str, uri: str, run_uri: str) -> list[EvalRow]:
-    if uri.startswith("builtin:"):
-        from miles_core.rollout.builtin_tasks import builtin_rows
+    from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
 
+    if uri.startswith("builtin:") and uri not in TEXT_BUILTIN_DATASETS:  # token ids; text ones are tokenized below
         try:
             return [EvalRow(list(r["prompt"]), r["label"], r.get("task", "")) for r in builtin_rows(uri)]
         except ValueError as e:
             raise EvalDataError(f"--eval-prompt-data {name}={uri}: {e}") from e
-    import types
-
     from miles_core import data as prompt_data
+    from miles_core.models.source import tokenizer_source
     from miles_core.storage import Store
 
     # Non-builtin sources go through the training prompts' normalization (tokenization, label
     # keys, bad-row errors), cached in the run root under data/eval-{name}.arrow.
-    source = types.SimpleNamespace(prompt_data=uri, input_key=cfg.data.input_key, label_key=cfg.data.label_key)
+    source = dataclasses.replace(cfg.data, prompt_data=uri)  # the training prompts' keys, template, max_seq_len
     store = Store(run_uri)
     try:
-        prompt_data.prepare_dataset(source, store, hf_checkpoint=cfg.model.hf_checkpoint, name=f"eval-{name}")
+        prompt_data.prepare_dataset(source, store, tokenizer_source=tokenizer_source(cfg), name=f"eval-{name}")
         rows = prompt_data.load_prompts(store, name=f"eval-{name}")
     except Exception as e:  # noqa: BLE001 - named and chained for the user
         raise EvalDataError(f"--eval-prompt-data {name}={uri}: {e}") from e
@@ -154,23 +156,15 @@ def _custom_reward(cfg) -> RewardFn | None:
         return None
     from miles_core.rollout.rewards import load_reward
 
-    return reward_from_function(load_reward(cfg.rollout.custom_rm_path), _decoder(cfg.model.hf_checkpoint))
+    return reward_from_function(load_reward(cfg.rollout.custom_rm_path), _decoder(cfg))
 
 
-def _decoder(hf_checkpoint: str):
-    """Token ids -> text for rewards that need text (None: the Rewarder's space-joined ids)."""
-    if hf_checkpoint.startswith("builtin:"):
-        return None
-    cache = {}
+def _decoder(cfg):
+    """Token ids -> text for rewards that need text: the rollout's decoder, so eval and training
+    give a reward function the same text (digits for a builtin model, else the run's tokenizer)."""
+    from miles_core.rollout.manager import tokenizer_decode
 
-    def decode(ids: list[int]) -> str:
-        if "tok" not in cache:
-            from transformers import AutoTokenizer
-
-            cache["tok"] = AutoTokenizer.from_pretrained(hf_checkpoint)
-        return cache["tok"].decode(ids, skip_special_tokens=True)
-
-    return decode
+    return tokenizer_decode(cfg)
 
 
 def reward_from_function(fn, decode=None) -> RewardFn:
@@ -191,8 +185,9 @@ def reward_from_function(fn, decode=None) -> RewardFn:
     return score
 
 
-def builtin_reward(samples: list[Sample]):
-    """The builtin reward of each sample's task (rollout.rewards.task_reward)."""
+def builtin_reward(cfg) -> RewardFn:
+    """The builtin reward of each sample's task (rollout.rewards.task_reward), text tasks (arith)
+    reading the response through the run's tokenizer."""
     from miles_core.rollout.rewards import task_reward
 
-    return reward_from_function(task_reward)(samples)
+    return reward_from_function(task_reward, _decoder(cfg))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from typing import Any, Callable
 
 from miles_core.rollout.data_source import DataSource
@@ -79,19 +80,25 @@ def digit_decode(ids: list[int]) -> str:
     return "".join(str(t) for t in ids if 0 <= t <= 9)
 
 
-def tokenizer_decode(hf_checkpoint: str) -> Callable[[list[int]], str]:
-    """tokenizer.decode of `--hf-checkpoint`, loaded on first use (only text rewards need it)."""
-    if hf_checkpoint.startswith("builtin:"):
+def tokenizer_decode(cfg) -> Callable[[list[int]], str]:
+    """Response ids -> text for the run's model: `digit_decode` for a builtin model, else the
+    tokenizer of `tokenizer_source(cfg)` (object storage, an imported GGUF's directory, a path),
+    loaded on first use (only text rewards need it). Thread-safe: the Rewarder calls it from its
+    worker threads."""
+    from miles_core.models.source import is_builtin
+
+    if is_builtin(cfg.model.hf_checkpoint):
         return digit_decode
-    tok = None
+    lock, tok = threading.Lock(), []
 
     def decode(ids: list[int]) -> str:
-        nonlocal tok
-        if tok is None:
-            from transformers import AutoTokenizer
+        with lock:
+            if not tok:
+                from miles_core.models.source import tokenizer_source
+                from miles_core.models.tokenizer import load_tokenizer
 
-            tok = AutoTokenizer.from_pretrained(hf_checkpoint)
-        return tok.decode(ids, skip_special_tokens=True)
+                tok.append(load_tokenizer(tokenizer_source(cfg)))
+        return tok[0].decode(ids, skip_special_tokens=True)
 
     return decode
 
@@ -119,11 +126,12 @@ class RolloutManager:
 
             rows = load_prompts(Store(cfg.run_uri))
         source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle)
-        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg.model.hf_checkpoint))
+        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg))
         budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
         admission = StalenessAdmission(r.max_weight_staleness, r.rollout_batch_size * r.update_weights_interval)
         self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
-                                 admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode)
+                                 admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode,
+                                 max_seq_len=cfg.data.max_seq_len)
         handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
         if buffer_factory is None:
             from miles_core.buffer import build_buffer

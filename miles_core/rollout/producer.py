@@ -7,7 +7,7 @@ by the reward function, and `put` into the buffer. A group may start only when e
 - not paused (Mode-1 eval on shared engines) and not stopping;
 - the submission budget (`SubmissionBudget`: group slots or sample credits, DESIGN §5.2);
 - staleness admission (`StalenessAdmission`, DESIGN §5.3) with `--max-weight-staleness`;
-- the put backlog: fewer than `budget_groups` finished groups waiting for `put`. Under sample
+- the put backlog: fewer than `budget_groups` generated groups waiting for scoring or `put`. Under sample
   granularity a group gives its credits back when its samples finish, so without this gate a full
   buffer (put blocks: backpressure) would let finished groups pile up in memory without bound;
 - the batch quota, when one is set (`allow(k)`: the sync and one-step-off drivers generate
@@ -26,7 +26,9 @@ cancelled, and the buffer rejects the group.
 
 Threading: the loop and every method run on one asyncio event loop, except `on_rejected` and
 `recycle`, which the buffer's unused-samples handler may call from the buffer's threads; they
-hand the work to the loop. The buffer's blocking `put` runs on a dedicated thread pool.
+hand the work to the loop. The buffer's blocking `put` runs on a dedicated thread pool; reward
+functions and decoding run on the Rewarder's threads (`rewards`), never on the loop, so a slow
+reward delays only its own group. `stop()` closes the Rewarder.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class Producer:
 
     def __init__(self, *, source: DataSource, engine: Engine, sink: GroupSink, rewarder: Rewarder,
                  budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
-                 batch_mode: bool = False, put_threads: int | None = None):
+                 batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None):
         self.source = source
         self.engine = engine
         self.sink = sink
@@ -87,6 +89,7 @@ class Producer:
         self.budget = budget
         self.admission = admission
         self.sampling_params = dict(sampling_params)
+        self.max_seq_len = max_seq_len  # prompt + response, in tokens (--max-seq-len); None: no cap
         self.error: BaseException | None = None
         self.paused = False
         self._stopping = False
@@ -147,6 +150,8 @@ class Producer:
                             len(rest), grace_seconds)
                 await asyncio.gather(*rest, return_exceptions=True)
         self._put_pool.shutdown(wait=False, cancel_futures=True)
+        # off the loop: a reward still blocking its thread must not stall the caller's loop
+        await asyncio.get_running_loop().run_in_executor(None, self.rewarder.close)
 
     def pause(self) -> None:
         """Start no new group (Mode-1 eval on shared engines); nothing in flight is aborted."""
@@ -194,15 +199,13 @@ class Producer:
 
     # ------------------------------------------------------------------ one group
     async def _run_group(self, group: Group, ticket: Ticket) -> None:
+        backlog = _Backlog(self, len(group.samples))
         try:
-            await self._generate_group(group, ticket)
+            await self._generate_group(group, ticket, backlog)
             if not group.aborted:
                 await self.rewarder.score_group(group)
-            self._awaiting_put += 1
-            try:
-                await self._put(group)
-            finally:
-                self._awaiting_put -= 1
+            await self._put(group)
+            backlog.close()
             self.source.settled(group)
             self._window_groups += 1
         except asyncio.CancelledError:
@@ -210,13 +213,14 @@ class Producer:
         except Exception as e:  # noqa: BLE001 - the worker fails loudly (DESIGN §5.1)
             self._fail(e, group)
         finally:
+            backlog.close()
             ticket.release()
             self._groups.pop(asyncio.current_task(), None)
             self._wake.set()
 
-    async def _generate_group(self, group: Group, ticket: Ticket) -> None:
+    async def _generate_group(self, group: Group, ticket: Ticket, backlog: "_Backlog") -> None:
         """Generate every sample; if one aborts, cancel its siblings (the group is rejected anyway)."""
-        tasks = [asyncio.ensure_future(self._generate_sample(s, ticket)) for s in group.samples]
+        tasks = [asyncio.ensure_future(self._generate_sample(s, ticket, backlog)) for s in group.samples]
         try:
             pending = set(tasks)
             while pending:
@@ -238,11 +242,13 @@ class Producer:
             if s.status == SampleStatus.PENDING:  # cancelled because a sibling aborted
                 s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
 
-    async def _generate_sample(self, sample: Sample, ticket: Ticket) -> None:
+    async def _generate_sample(self, sample: Sample, ticket: Ticket, backlog: "_Backlog") -> None:
         t0 = time.monotonic()
         try:
-            out = await self.engine.generate(sample.prompt_ids, self.sampling_params)
+            params = sample_params(self.sampling_params, len(sample.prompt_ids), self.max_seq_len)
+            out = await self.engine.generate(sample.prompt_ids, params)
         finally:
+            backlog.sample_finished()  # before the credit: the loop never sees one without the other
             ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
         fill_sample(sample, out, time.monotonic() - t0)
         self._window_tokens += len(sample.response_ids)
@@ -332,6 +338,41 @@ class Producer:
         }
         self._window_t0, self._window_tokens, self._window_groups = now, 0, 0
         return out
+
+
+class _Backlog:
+    """A group's place in the put backlog (the gate in the module docstring): taken when its last
+    sample finishes, in the same step as its last credit comes back, so the loop never sees the
+    credits without the backlog; given back once, when the group is put or its task ends."""
+
+    def __init__(self, producer: Producer, samples: int):
+        self._producer, self._left = producer, samples
+        self._held = self._closed = False
+
+    def sample_finished(self) -> None:
+        self._left -= 1
+        if self._left == 0 and not self._closed:
+            self._held = True
+            self._producer._awaiting_put += 1
+
+    def close(self) -> None:
+        self._closed = True
+        if self._held:
+            self._held = False
+            self._producer._awaiting_put -= 1
+
+
+def sample_params(params: dict, prompt_len: int, max_seq_len: int | None) -> dict:
+    """One sample's sampling params: `max_new_tokens` capped so prompt + response fit in
+    `max_seq_len`. A prompt leaving no room is an error (preparation drops those prompts)."""
+    if max_seq_len is None:
+        return params
+    room = max_seq_len - prompt_len
+    if room < 1:
+        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room for a response under "
+                         f"--max-seq-len={max_seq_len}; prepare the prompt data again with this --max-seq-len")
+    limit = params.get("max_new_tokens")
+    return {**params, "max_new_tokens": room if limit is None else min(int(limit), room)}
 
 
 def fill_sample(sample: Sample, out: Any, seconds: float) -> None:

@@ -10,7 +10,8 @@ A reward function is one of (checked when the `Rewarder` is built, before any ge
 
 Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
     task_reward   the default: dispatches on the sample's task (metadata "task"): reverse4/copy4 ->
-                  `builtin_tasks.digits_reward`, exact_match -> exact_match, math -> math_answer
+                  `builtin_tasks.digits_reward`, exact_match -> exact_match, math -> math_answer,
+                  arith -> `arith.arith_reward` (the integer after "=", else the first one)
     exact_match   1.0 when the stripped response equals the label, else 0.0
     math_answer   1.0 when the answer (last `\\boxed{...}`, else the last number) equals the label's
                   number, else 0.0
@@ -18,6 +19,12 @@ Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
 A reward function that raises (or returns a non-number) does not stop the run: that sample is
 marked `failed`, its reward stays None, its loss mask is zeroed and the reason goes into its
 metadata (`reward_error`); the count is reported as `rollout/reward_failed`.
+
+Scoring never runs user code on the caller's event loop (the rollout actor's loop, which also
+submits new groups and commits finished ones; see `reward_workers`): decoding and a sync reward
+function run on the Rewarder's bounded thread pool (several at once: a sync reward must be
+thread-safe), an `async def` reward on the Rewarder's own event-loop thread (so it must not await
+objects bound to the caller's loop). `Rewarder.close()` stops those threads.
 """
 
 from __future__ import annotations
@@ -27,10 +34,12 @@ import json
 import logging
 import math
 import re
-from typing import Callable
+import weakref
+from typing import Any, Callable
 
 from miles_core.plugins import load_plugin
 from miles_core.rollout.builtin_tasks import digits_reward
+from miles_core.rollout.reward_workers import RewardWorkers
 from miles_core.samples import Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -116,7 +125,11 @@ def task_reward(sample: Sample, text: str) -> float:
         return exact_match(sample, text)
     if task == "math":
         return math_answer(sample, text)
-    raise RewardError(f"no built-in reward for task {task!r} (known: reverse4, copy4, exact_match, math); "
+    if task == "arith":
+        from miles_core.rollout.arith import arith_reward
+
+        return arith_reward(sample, text)
+    raise RewardError(f"no built-in reward for task {task!r} (known: reverse4, copy4, exact_match, math, arith); "
                       "set --custom-rm-path module:function")
 
 
@@ -139,13 +152,16 @@ class Rewarder:
     function gets the ids joined by spaces (enough for the digit tasks, wrong for real text).
     """
 
-    def __init__(self, fn: Callable, decode: Decode | None = None):
+    def __init__(self, fn: Callable, decode: Decode | None = None, threads: int = 8):
         self.fn = fn
         self.batched = bool(getattr(fn, "batched", False))
         self.needs_text = bool(getattr(fn, "needs_text", False))
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
         self.failed = 0  # samples whose reward failed, since the last take_failed()
         self._check_signature()
+        self._workers = RewardWorkers(threads)
+        # a Rewarder dropped without close() (eval scorers) still stops its threads
+        self._finalizer = weakref.finalize(self, self._workers.close, 0.0)
 
     def _check_signature(self) -> None:
         try:
@@ -169,9 +185,7 @@ class Rewarder:
             return
         if self.batched:
             try:
-                args = (samples, [self.decode(s.response_ids) for s in samples]) if self.needs_text else (samples,)
-                rewards = await _call(self.fn, *args)
-                rewards = list(rewards)
+                rewards = list(await self._evaluate(lambda: self._batch_args(samples)))
                 if len(rewards) != len(samples):
                     raise RewardError(f"batched reward returned {len(rewards)} values for {len(samples)} samples")
             except Exception as e:  # noqa: BLE001 - a raising reward fails its samples, not the run
@@ -183,10 +197,25 @@ class Rewarder:
             return
         for s in samples:
             try:
-                args = (s, self.decode(s.response_ids)) if self.needs_text else (s,)
-                self._set(s, await _call(self.fn, *args))
+                self._set(s, await self._evaluate(lambda s=s: self._sample_args(s)))
             except Exception as e:  # noqa: BLE001
                 self._fail(s, e)
+
+    def _batch_args(self, samples: list[Sample]) -> tuple:
+        return (samples, [self.decode(s.response_ids) for s in samples]) if self.needs_text else (samples,)
+
+    def _sample_args(self, sample: Sample) -> tuple:
+        return (sample, self.decode(sample.response_ids)) if self.needs_text else (sample,)
+
+    async def _evaluate(self, make_args: Callable[[], tuple]) -> Any:
+        """`fn(*make_args())` off the caller's loop (see the module docstring)."""
+        return await self._workers.call(self.fn, make_args)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the worker threads (a reward still running is abandoned after `timeout`). Idempotent;
+        scoring afterwards fails the samples."""
+        self._finalizer.detach()
+        self._workers.close(timeout)
 
     def _set(self, sample: Sample, value) -> None:
         try:
@@ -212,10 +241,3 @@ class Rewarder:
     def take_failed(self) -> int:
         n, self.failed = self.failed, 0
         return n
-
-
-async def _call(fn: Callable, *args):
-    result = fn(*args)
-    if inspect.isawaitable(result):
-        result = await result
-    return result

@@ -180,3 +180,18 @@ def test_eval_datasets_use_the_training_template_settings(tmp_path, chat_tok):
     assert all(r.prompt_ids[0] == ID["<user>"] and r.prompt_ids[-1] == ID["<assistant>"] for r in held.rows)
     meta = Store(f"file://{tmp_path}/run").get_json("data/eval-held.hash.json")
     assert meta["apply_chat_template"] is True and meta["max_seq_len"] == 64
+
+
+def test_eval_builtin_reward_reads_arith_answers_through_the_run_tokenizer(chat_tok):
+    """The eval's builtin reward decodes text tasks with the run's tokenizer (not space-joined ids)."""
+    import asyncio
+
+    from miles_core.config import RunConfig, replace_fields
+    from miles_core.eval.datasets import builtin_reward
+    from miles_core.samples import Sample, SampleStatus
+
+    score = builtin_reward(replace_fields(RunConfig(), hf_checkpoint=chat_tok))
+    meta = json.dumps({"task": "arith"})
+    samples = [Sample("g", 0, i, ids("what is"), ids(text), status=SampleStatus.COMPLETED, label="7", metadata=meta)
+               for i, text in enumerate(["7 <eos>", "3", "what is 7"])]
+    assert asyncio.run(score(samples)) == [1.0, 0.0, 1.0]

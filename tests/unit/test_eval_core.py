@@ -11,7 +11,7 @@ from math import comb
 
 import pytest
 
-from miles_core.config import ConfigError, parse_flags
+from miles_core.config import ConfigError, RunConfig, parse_flags
 from miles_core.eval import EVAL_METRIC_PATTERNS, SKIP_REASONS, aggregate, evaluate, pass_at_k, pass_ks
 from miles_core.eval.datasets import EvalDataError, EvalDataset, EvalRow, EvalSampling, load_eval_datasets, sampling_from_config
 from miles_core.eval.metric_names import skipped_metric
@@ -93,7 +93,7 @@ def test_evaluate_scores_with_the_dataset_reward_and_reports_versions():
     rows = [EvalRow([1, 2, 3, 4, 10], "4321", "reverse4"), EvalRow([5, 6, 7, 8, 10], "8765", "reverse4")]
     from miles_core.eval.datasets import builtin_reward
 
-    ds = EvalDataset("held", "builtin:x", rows, builtin_reward)
+    ds = EvalDataset("held", "builtin:x", rows, builtin_reward(RunConfig()))
     client = ScriptedClient([([4, 3, 2, 1, 11], "stop"), ([0, 0, 0, 0, 0], "length")])
     out = asyncio.run(evaluate(client, ds, EvalSampling(n_samples_per_prompt=2, max_response_len=5)))
     assert client.calls == 4
@@ -108,7 +108,7 @@ def test_evaluate_retries_aborts_then_gives_up():
     from miles_core.eval.datasets import builtin_reward
     from miles_core.eval.evaluate import EvalAborted
 
-    ds = EvalDataset("held", "builtin:x", [EvalRow([1, 10], "1", "reverse4")], builtin_reward)
+    ds = EvalDataset("held", "builtin:x", [EvalRow([1, 10], "1", "reverse4")], builtin_reward(RunConfig()))
     with pytest.raises(EvalAborted):
         asyncio.run(evaluate(ScriptedClient([([], "abort")]), ds, EvalSampling()))
 

@@ -298,11 +298,13 @@ def test_full_buffer_stops_submission():
         await settle(0.1)
         calls = eng.calls
         await settle(0.1)
-        assert eng.calls == calls == 8  # stable: 4 groups generated, none put
+        # stable: 2 to 4 groups generated (a group waiting for scoring or put counts from its last
+        # sample on, so how many start meanwhile depends on when the samples finish), none put
+        assert eng.calls == calls and 4 <= calls <= 8
         assert r.budget.used == 0
         r.buffer.put_gate.set()
         await settle(0.05)
-        assert eng.calls > 8
+        assert eng.calls > calls
         await r.producer.stop(grace_seconds=0)
 
     run(main())

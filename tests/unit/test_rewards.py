@@ -157,3 +157,33 @@ def test_random_policy_level_of_reverse4():
     level = random_policy_reward("builtin:reverse4", 5)
     assert 0.05 < level < 0.08
     assert level == random_policy_reward("builtin:reverse4", 5)
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+
+@pytest.mark.parametrize("which", ["rollout", "eval"])
+def test_decoder_loads_the_run_tokenizer_lazily(monkeypatch, which):
+    """Pins: the rollout's and eval's decoders load `load_tokenizer(tokenizer_source(cfg))` on first
+    use (object storage, imported GGUF, HF dir), not AutoTokenizer on the raw flag; builtin models
+    decode digits. Guards: a tokenizer loaded at build time or from `--hf-checkpoint` as it is."""
+    from miles_core.config import RunConfig, replace_fields
+    from miles_core.eval.datasets import _decoder
+    from miles_core.models import source, tokenizer
+    from miles_core.rollout.manager import digit_decode, tokenizer_decode
+
+    build = tokenizer_decode if which == "rollout" else _decoder
+    loaded = []
+
+    class FakeTokenizer:
+        def decode(self, ids, skip_special_tokens=False):
+            assert skip_special_tokens
+            return "|".join(map(str, ids))
+
+    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda model: loaded.append(model) or FakeTokenizer())
+    monkeypatch.setattr(source, "tokenizer_source", lambda cfg: f"resolved:{cfg.model.hf_checkpoint}")
+    assert build(replace_fields(RunConfig(), hf_checkpoint="builtin:tiny-gpt")) is digit_decode
+    decode = build(replace_fields(RunConfig(), hf_checkpoint="s3://bucket/model.gguf"))
+    assert loaded == []
+    assert decode([1, 2]) == "1|2" and decode([3]) == "3"
+    assert loaded == ["resolved:s3://bucket/model.gguf"]
