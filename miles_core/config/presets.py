@@ -24,6 +24,10 @@ PRESETS: dict[str, dict] = {
         "rollout_top_k": 50,
         "lr": 1e-5,
         "micro_batch_size": 8,
+        # both cores to the trainer's torch threads; the engine (one thread) shares them: generation
+        # is the short part of a step, and a trainer on one thread would halve the steps per minute
+        "num_cpus_trainer": 2.0,
+        "num_cpus_per_engine": 0.0,
         "save_interval": 20,
         "eval_prompt_data": ["heldout=builtin:arith-heldout"],
         "eval_max_prompts": 200,

@@ -7,8 +7,9 @@ Why these choices (from a probe of that model, greedy, chat template applied):
   word-problem wording instead (chosen by the pair, so deterministic); the plain form stays the
   majority since it is the one the probe measured;
 - the model tends to answer "a + b = c", so the answer is the integer after the first "=" when
-  the response has one, else its first integer (commas in numbers ignored). Scoring the first
-  integer instead would read back the operand `a` and give no signal at all.
+  the response has one, else its last integer ("91 + 94 is 185.", "The answer is 185."; commas
+  in numbers ignored). Scoring the first integer instead would read back the operand `a` and
+  give no signal at all.
 
 Rows carry TEXT prompts, so `--apply-chat-template` and the model's tokenizer apply when the
 dataset is prepared (miles_core.data); the builtin digit models cannot read them. Of the 90 x 90
@@ -69,11 +70,14 @@ _NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?")
 
 
 def extract_answer(text: str) -> int | None:
-    """The integer after the first "=" when the text has one, else the first integer; None when
+    """The integer after the first "=" when the text has one, else the last integer; None when
     there is none (or it is not a whole number)."""
     text = _THOUSANDS.sub("", text)
     eq = text.find("=")
-    match = _NUMBER.search(text, eq + 1 if eq >= 0 else 0)
+    if eq >= 0:
+        match = _NUMBER.search(text, eq + 1)
+    else:
+        match = next(reversed(list(_NUMBER.finditer(text))), None)
     if match is None:
         return None
     value = float(match.group())

@@ -61,6 +61,8 @@ def test_unknown_split_is_refused():
     ("no number here", None),
     ("23 + 45 =", None),             # an "=" with nothing after it: no answer
     ("Sam has 68 apples.", 68),
+    ("91 + 94 is 185.", 185),        # no "=": the last integer
+    ("To add 91 and 94, we", 94),
     ("68.0", 68),
     ("68.5", None),
     ("23 + 45 = 68, and 68 = 68", 68),
