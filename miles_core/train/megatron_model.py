@@ -61,11 +61,13 @@ class ModelSpec:
                 raise UnsupportedModel(f"{model_type} hidden_act {cfg.get('hidden_act')!r}: only silu is supported")
             if cfg.get("mlp_bias"):
                 raise UnsupportedModel("llama mlp_bias=True is not supported")
-            rope = cfg.get("rope_parameters") or {}
-            rope_type = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
-            if rope_type != "default":
-                raise UnsupportedModel(f"{model_type} rope_type {rope_type!r}: only default RoPE is supported")
-            theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+            for field in ("rope_parameters", "rope_scaling"):  # transformers 5 form, then the legacy one
+                rope = cfg.get(field) or {}
+                for key in ("rope_type", "type"):  # `type`: the legacy spelling of rope_type
+                    if rope.get(key, "default") != "default":
+                        raise UnsupportedModel(f"{model_type} {field}.{key}={rope[key]!r} is not supported: "
+                                               "only default RoPE is supported")
+            theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
             heads = cfg["num_attention_heads"]
             head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
             if head_dim * heads != cfg["hidden_size"]:
@@ -146,6 +148,60 @@ def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     b, s = tokens.shape
     positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return model(tokens, positions, causal_mask(s, tokens.device))
+
+
+def forward_hidden(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[batch, seq] token ids -> [seq, batch, hidden] final hidden states (after the final norm):
+    the model's forward without its output layer, for `masked_token_logprobs`.
+
+    GPTModel's `_postprocess` returns the decoder's output as is when `post_process` is off (what a
+    pipeline stage before the last does); the decoder keeps its own final layernorm."""
+    b, s = tokens.shape
+    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    gpt = unwrap(model)
+    if not gpt.post_process:
+        raise ValueError("forward_hidden needs the model's last pipeline stage (post_process=True)")
+    gpt.post_process = False
+    try:
+        return model(tokens, positions, causal_mask(s, tokens.device))
+    finally:
+        gpt.post_process = True
+
+
+def output_shard(model) -> tuple[torch.Tensor, int]:
+    """(this TP rank's output-layer weight [vocab / tp, hidden], the first vocabulary id of its rows).
+
+    The weight is the word embedding when they are tied (`share_embeddings_and_output_weights`)."""
+    from megatron.core import parallel_state as ps
+
+    gpt = unwrap(model)
+    if gpt.output_layer.bias is not None:
+        raise ValueError("an output layer with a bias is not supported by masked_token_logprobs")
+    weight = gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights \
+        else gpt.output_layer.weight
+    return weight, ps.get_tensor_model_parallel_rank() * weight.shape[0]
+
+
+def masked_token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor,
+                          chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-prob of each next token, entropy), both [batch, seq - 1] fp32, where `mask` [batch, seq - 1]
+    is non-zero, 0 elsewhere: the output layer runs on those positions only, chunk by chunk, over
+    the vocab-parallel shards (miles_core.train.token_logprobs); no full-vocabulary logits."""
+    from megatron.core import parallel_state as ps
+
+    from miles_core.train.token_logprobs import token_logprobs
+
+    hidden = forward_hidden(model, tokens)  # [seq, batch, hidden]
+    rows, cols = mask.nonzero(as_tuple=True)
+    weight, vocab_start = output_shard(model)
+    tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
+    logp, entropy = token_logprobs(hidden[cols, rows], weight, tokens[rows, cols + 1], tp_group=tp_group,
+                                   vocab_start=vocab_start, chunk_rows=chunk_rows)
+
+    def scatter(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(mask.shape, dtype=values.dtype, device=values.device).index_put((rows, cols), values)
+
+    return scatter(logp), scatter(entropy)
 
 
 def unwrap(model):

@@ -28,9 +28,9 @@ from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import data_parallel as DP
 from miles_core.train import hf_convert
 from miles_core.train import metric_names as TM
-from miles_core.train.losses import (LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys,
-                                    token_entropy)
-from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, forward_logits, unwrap
+from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
+from miles_core.train.megatron_model import (ModelSpec, build_gpu_training, build_model, masked_token_logprobs,
+                                             unwrap)
 from miles_core.train.state_tree import flatten, unflatten
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -151,16 +151,15 @@ class Trainer:
         return sums, total_tokens, grad_norm
 
     def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float):
+        # the output layer runs only where the loss mask is non-zero (0 elsewhere): no full-vocab logits
         batch = _pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
-        logits = forward_logits(self.model, batch["tokens"])[:, :-1].float()
-        logp_all = torch.log_softmax(logits, dim=-1)
-        logp = logp_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
-        entropy = token_entropy(logits if self.loss_cfg.entropy_coef else logits.detach())
+        logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"])
+        if not self.loss_cfg.entropy_coef:
+            entropy = entropy.detach()
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_all = torch.log_softmax(forward_logits(self.ref_model, batch["tokens"])[:, :-1].float(), -1)
-                ref_logp = ref_all.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+                ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"])
         loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
                                  rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
         loss.backward()
@@ -186,8 +185,7 @@ class Trainer:
         """Trainer log-probs of each sample's response tokens (for tests and diagnostics)."""
         self.model.eval()
         batch = _pack([(s, 0.0) for s in samples], False, self.device, use_loss_mask=False)
-        logp = torch.log_softmax(forward_logits(self.model, batch["tokens"])[:, :-1].float(), -1)
-        logp = logp.gather(-1, batch["targets"].unsqueeze(-1)).squeeze(-1)
+        logp, _ = masked_token_logprobs(self.model, batch["tokens"], batch["mask"])
         return [logp[i][batch["mask"][i] > 0].tolist() for i in range(len(samples))]
 
     # ------------------------------------------------------------------ weights and state
