@@ -48,7 +48,7 @@ def import_source(hf_checkpoint: str) -> str:
         return hf_checkpoint
     name = hf_checkpoint[len("import:"):]
     if name not in PACKAGED:
-        raise ModelSourceError(f"--hf-checkpoint={hf_checkpoint!r}: unknown packaged model; known: "
+        raise ModelSourceError(f"{hf_checkpoint!r}: unknown packaged model; known: "
                                f"{', '.join('import:' + k for k in PACKAGED)}, or a path to a .gguf file.")
     package, filename, install = PACKAGED[name]
     import importlib.util
