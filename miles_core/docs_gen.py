@@ -63,6 +63,7 @@ FALLBACK_MEANINGS: dict[str, str] = {
     "rollout/weight_version/max": "Newest engine weight version among the response tokens of the batch.",
     "rollout/weight_version/mixed_version_ratio": "Fraction of samples whose tokens straddle a weight update (more than one version).",
     "rollout/reward_failed": "Samples whose reward function raised (they carry no reward).",
+    "rollout/generate_failed": "Episodes of --custom-generate-function-path that raised (their groups are rejected: the unused-samples handler applies).",
     "rollout/producer/groups_per_second": "Groups the producer finished per second.",
     "rollout/producer/in_flight_groups": "Groups submitted to the engines and not finished.",
     "rollout/producer/started_groups": "Groups admitted since the run began (drives --max-weight-staleness admission control).",

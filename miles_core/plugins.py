@@ -22,6 +22,7 @@ PLUGIN_SLOTS: dict[str, str] = {
     "--custom-rm-path": "a function (sample) -> float, or async; or (samples: list) -> list[float] with attribute batched=True",
     "--dynamic-sampling-filter-path": "a function (group) -> (keep: bool, reason: str)",
     "--rollout-sample-filter-path": "a function (groups) -> None that sets sample.loss_mask entries to 0 (mark only)",
+    "--custom-generate-function-path": "async def fn(args, sample, sampling_params[, evaluation=False]) -> Sample | list[Sample]",
     "--custom-async-data-buffer-path": "a class built as Class(config, unused_samples_handler) with put/get/get_metrics",
 }
 # (--rollout-function-path and --rollout-all-samples-process-path are miles flags this project does

@@ -83,6 +83,7 @@ class RolloutSection:
     update_weights_interval: int = opt(1, "Push weights to the engines every N training steps.")
     pause_generation_mode: str = opt("retract", "How engines pause for a weight update: retract (re-queue, recompute cache), in_place (keep cache), abort.", choices=("retract", "in_place", "abort"))
     custom_rm_path: str = opt("", "module:function reward; default: the built-in reward of the prompt dataset.")
+    custom_generate_function_path: str = opt("", "module:function replacing one engine call per sample (agentic multi-turn rollouts): async def fn(args, sample, sampling_params[, evaluation]) -> Sample | list[Sample]; args.engine is the load-balanced engine client. Also used by eval with evaluation=True. See docs/agentic.md.")
     dynamic_sampling_filter_path: str = opt("", "module:function(group) -> (keep, reason) applied at buffer put; dropped groups are counted by reason.")
     rollout_sample_filter_path: str = opt("", "module:function(groups) marking samples excluded from the loss (mark only, never drops).")
     engine_request_timeout_seconds: float = opt(600.0, "Timeout of one /generate request.")

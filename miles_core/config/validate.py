@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.plugins import PluginError, load_plugin
+from miles_core.rollout.episodes import load_generate_function
 
 # Features the fully async driver cannot honour, with the flag that turns each on (DESIGN §11).
 # The sync drivers of this project do not implement them either: under every driver they are
@@ -281,4 +282,8 @@ def _plugins(cfg: RunConfig) -> list[str]:
                 load_plugin(path, flag, methods)
             except PluginError as ex:
                 p.append(str(ex))
+    try:  # resolved and signature-checked: async, callable as fn(args, sample, sampling_params)
+        load_generate_function(cfg.rollout.custom_generate_function_path)
+    except PluginError as ex:
+        p.append(str(ex))
     return p

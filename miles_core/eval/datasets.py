@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from miles_core.samples import Sample
 
@@ -68,6 +68,9 @@ class EvalDataset:
     uri: str
     rows: list[EvalRow]
     reward: RewardFn
+    # --custom-generate-function-path run with evaluation=True: (engine client, sample, sampling
+    # params) -> samples; None: one /generate call per sample
+    episode: Callable[[Any, Sample, dict], Awaitable[list[Sample]]] | None = None
 
 
 def sampling_from_config(cfg) -> EvalSampling:
@@ -103,6 +106,7 @@ def load_eval_datasets(cfg, specs: Sequence[str] | None = None, reward: RewardFn
     specs = list(cfg.eval.eval_prompt_data if specs is None else specs)
     custom = reward if reward is not None else _custom_reward(cfg)
     builtin = None
+    episode = eval_episode(cfg)
     max_prompts = cfg.eval.eval_max_prompts
     datasets = []
     for name, uri in parse_dataset_specs(specs):
@@ -119,8 +123,22 @@ def load_eval_datasets(cfg, specs: Sequence[str] | None = None, reward: RewardFn
                     "set --custom-rm-path module:function.")
         if custom is None and builtin is None:
             builtin = builtin_reward(cfg)
-        datasets.append(EvalDataset(name=name, uri=uri, rows=rows, reward=custom or builtin))
+        datasets.append(EvalDataset(name=name, uri=uri, rows=rows, reward=custom or builtin, episode=episode))
     return datasets
+
+
+def eval_episode(cfg) -> Callable[[Any, Sample, dict], Awaitable[list[Sample]]] | None:
+    """The run's custom generate function as eval runs it (evaluation=True, on the eval engines), or None."""
+    from miles_core.rollout.episodes import GenerateArgs, load_generate_function
+
+    fn = load_generate_function(cfg.rollout.custom_generate_function_path)
+    if fn is None:
+        return None
+
+    async def run(client: Any, sample: Sample, params: dict) -> list[Sample]:
+        return await fn(GenerateArgs(engine=client, config=cfg), sample, params, evaluation=True)
+
+    return run
 
 
 def _load_rows(cfg, name: str, uri: str, run_uri: str) -> list[EvalRow]:

@@ -2,7 +2,9 @@
 
 `evaluate(engines, dataset, sampling)` sends n requests per prompt (round-robin over the given
 engine clients, bounded concurrency), scores the finished samples with the dataset's reward, and
-returns the §7.3 metrics of that dataset. It knows nothing about where the engines come from
+returns the §7.3 metrics of that dataset. With `--custom-generate-function-path` (the dataset's
+`episode`), each sample is one episode of that function run with `evaluation=True` instead of one
+request; a reward it sets is the eval reward. It knows nothing about where the engines come from
 (shared rollout engines, a dedicated pinned fleet, or an engine started on a snapshot) nor about
 snapshots: the modes wrap it.
 """
@@ -77,6 +79,22 @@ async def _generate_one(client: GenerateClient, prompt_ids: list[int], params: d
     raise EvalAborted(f"an eval request was aborted {ABORT_RETRIES} times in a row; the engine is paused or restarting")
 
 
+async def _episode(dataset: EvalDataset, client: GenerateClient, i: int, j: int, row, params: dict,
+                   versions: set[int]) -> list[Sample]:
+    """One eval episode of the run's custom generate function (evaluation=True); an aborted one is
+    run again, like an aborted request."""
+    for _ in range(ABORT_RETRIES):
+        sample = Sample(group_id=f"eval-{dataset.name}-{i}", prompt_index=i, sample_index=j,
+                        prompt_ids=list(row.prompt_ids), label=row.label,
+                        metadata=json.dumps({"task": row.task, "eval": dataset.name}))
+        out = await dataset.episode(client, sample, dict(params))
+        if not any(s.status == SampleStatus.ABORTED for s in out):
+            versions.update(v for s in out for v in s.token_versions)
+            return out
+        await asyncio.sleep(0.2)
+    raise EvalAborted(f"an eval episode was aborted {ABORT_RETRIES} times in a row; the engine is paused or restarting")
+
+
 async def _score(dataset: EvalDataset, samples: list[Sample]) -> list[float]:
     out = dataset.reward(samples)
     if inspect.isawaitable(out):
@@ -104,7 +122,10 @@ async def evaluate(engines: GenerateClient | Sequence[GenerateClient], dataset: 
     samples: list[Sample] = []
     versions: set[int] = set()
 
-    async def one(i: int, j: int, row) -> Sample:
+    async def one(i: int, j: int, row) -> list[Sample]:
+        if dataset.episode is not None:
+            async with gate:
+                return await _episode(dataset, clients[(i * n + j) % len(clients)], i, j, row, params, versions)
         async with gate:
             result = await _generate_one(clients[(i * n + j) % len(clients)], row.prompt_ids, params)
         out_ids = list(_field(result, "output_ids", "response_ids", "token_ids", default=[]) or [])
@@ -112,15 +133,17 @@ async def evaluate(engines: GenerateClient | Sequence[GenerateClient], dataset: 
         if v is not None:
             versions.add(int(v))
         finish = _finish_reason(result)
-        return Sample(group_id=f"eval-{dataset.name}-{i}", prompt_index=i, sample_index=j,
-                      prompt_ids=list(row.prompt_ids), response_ids=out_ids, finish_reason=finish,
-                      status=SampleStatus.TRUNCATED if finish == "length" else SampleStatus.COMPLETED,
-                      label=row.label, metadata=json.dumps({"task": row.task, "eval": dataset.name}))
+        return [Sample(group_id=f"eval-{dataset.name}-{i}", prompt_index=i, sample_index=j,
+                       prompt_ids=list(row.prompt_ids), response_ids=out_ids, finish_reason=finish,
+                       status=SampleStatus.TRUNCATED if finish == "length" else SampleStatus.COMPLETED,
+                       label=row.label, metadata=json.dumps({"task": row.task, "eval": dataset.name}))]
 
-    samples = list(await asyncio.gather(*(one(i, j, row) for i, row in enumerate(dataset.rows) for j in range(n))))
-    rewards = await _score(dataset, samples)
-    for s, r in zip(samples, rewards):
-        s.reward = r
+    per_request = await asyncio.gather(*(one(i, j, row) for i, row in enumerate(dataset.rows) for j in range(n)))
+    samples = [s for out in per_request for s in out]
+    unscored = [s for s in samples if s.reward is None]  # a custom generate function may set the reward
+    if unscored:
+        for s, r in zip(unscored, await _score(dataset, unscored)):
+            s.reward = r
     metrics = aggregate(dataset.name, samples, n, sampling.pass_threshold)
     return DatasetEval(dataset=dataset.name, metrics=metrics, n_prompts=len(dataset.rows), n_samples=len(samples),
                        duration_seconds=time.monotonic() - t0, weight_versions=sorted(versions))

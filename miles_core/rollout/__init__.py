@@ -7,7 +7,9 @@
 - `drain`: exactly one training batch from the buffer (and the sync / one-step-off batch path);
 - `metrics`: the rollout metrics of a consumed batch and their names;
 - `manager`: all of the above in one object, runnable as a Ray actor;
-- `builtin_tasks`: the builtin verifiable tasks of the embedded default.
+- `builtin_tasks`: the builtin verifiable tasks of the embedded default;
+- `episodes`: the `--custom-generate-function-path` slot (agentic multi-turn episodes, DESIGN §17);
+- `multiturn`: the builtin two-turn environment; `calculator_tool`: a tool environment for a chat model.
 
 Importing this package imports nothing else; import the submodules you need.
 """

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.drain import DrainedBatch, ProducerGuardedBuffer, drain_batch, generate_batch, load_sample_filter
+from miles_core.rollout.episodes import GenerateArgs, load_generate_function
 from miles_core.rollout.producer import Producer
 from miles_core.rollout.rewards import Rewarder, load_reward
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
@@ -131,7 +132,9 @@ class RolloutManager:
         admission = StalenessAdmission(r.max_weight_staleness, r.rollout_batch_size * r.update_weights_interval)
         self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
                                  admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode,
-                                 max_seq_len=cfg.data.max_seq_len)
+                                 max_seq_len=cfg.data.max_seq_len,
+                                 generate_fn=load_generate_function(r.custom_generate_function_path),
+                                 generate_args=GenerateArgs(engine=engine, config=cfg))
         handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
         if buffer_factory is None:
             from miles_core.buffer import build_buffer

@@ -22,6 +22,7 @@ MIXED_VERSION_RATIO = "rollout/weight_version/mixed_version_ratio"
 TOKENS_PER_SECOND = "perf/tokens_per_second"
 TRAIN_WAIT_SECONDS = "perf/train_wait_seconds"
 REWARD_FAILED = "rollout/reward_failed"
+GENERATE_FAILED = "rollout/generate_failed"  # episodes of --custom-generate-function-path that raised
 # producer gauges (rollout/producer/*): see Producer.metrics
 PRODUCER_GROUPS_PER_SECOND = "rollout/producer/groups_per_second"
 PRODUCER_IN_FLIGHT_GROUPS = "rollout/producer/in_flight_groups"
@@ -40,6 +41,7 @@ ROLLOUT_METRIC_NAMES: tuple[str, ...] = (
     TOKENS_PER_SECOND,
     TRAIN_WAIT_SECONDS,
     REWARD_FAILED,
+    GENERATE_FAILED,
     PRODUCER_GROUPS_PER_SECOND,
     PRODUCER_IN_FLIGHT_GROUPS,
     PRODUCER_STARTED_GROUPS,

@@ -36,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import inspect
+import json
 import logging
 import time
 from typing import Any, Callable, Protocol
 
 from miles_core.rollout import metrics as M
 from miles_core.rollout.data_source import DataSource, RestoreReport
+from miles_core.rollout.episodes import GenerateArgs, GenerateFunction, GenerateFunctionError
 from miles_core.rollout.rewards import Rewarder
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget, Ticket
 from miles_core.samples import Group, Sample, SampleStatus
@@ -81,9 +83,14 @@ class Producer:
 
     def __init__(self, *, source: DataSource, engine: Engine, sink: GroupSink, rewarder: Rewarder,
                  budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
-                 batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None):
+                 batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None,
+                 generate_fn: GenerateFunction | None = None, generate_args: GenerateArgs | None = None):
         self.source = source
         self.engine = engine
+        # --custom-generate-function-path: one episode per sample instead of one engine call
+        self.generate_fn = generate_fn
+        self.generate_args = generate_args or GenerateArgs(engine=engine)
+        self._generate_failed = 0
         self.sink = sink
         self.rewarder = rewarder
         self.budget = budget
@@ -238,20 +245,41 @@ class Producer:
                     t.cancel()
             # retrieves every outcome too: a second failing sample must not log "never retrieved"
             await asyncio.gather(*tasks, return_exceptions=True)
+        _take_episode_samples(group, tasks)
         for s in group.samples:
             if s.status == SampleStatus.PENDING:  # cancelled because a sibling aborted
                 s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
 
-    async def _generate_sample(self, sample: Sample, ticket: Ticket, backlog: "_Backlog") -> None:
+    async def _generate_sample(self, sample: Sample, ticket: Ticket, backlog: "_Backlog") -> list[Sample] | None:
+        """-> the samples of a custom generate function's episode (None: `sample` was filled in place)."""
         t0 = time.monotonic()
         try:
             params = sample_params(self.sampling_params, len(sample.prompt_ids), self.max_seq_len)
+            if self.generate_fn is not None:  # the credit is held for the whole episode (DESIGN §17)
+                return await self._run_episode(sample, params, t0)
             out = await self.engine.generate(sample.prompt_ids, params)
         finally:
             backlog.sample_finished()  # before the credit: the loop never sees one without the other
             ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
         fill_sample(sample, out, time.monotonic() - t0)
         self._window_tokens += len(sample.response_ids)
+        return None
+
+    async def _run_episode(self, sample: Sample, params: dict, t0: float) -> list[Sample] | None:
+        """Run the custom generate function on `sample`. Its failure fails only this group: the
+        sample is aborted with the error (naming the function) in its metadata, so the group is
+        rejected at put and the unused-samples handler (drop or retry) applies."""
+        try:
+            samples = await self.generate_fn(self.generate_args, sample, params)
+        except GenerateFunctionError as e:
+            self._generate_failed += 1
+            log.warning("group %s failed: %s", sample.group_id, e, exc_info=e.__cause__)
+            mark_episode_failed(sample, e)
+            return None
+        for s in samples:
+            s.generation_seconds = s.generation_seconds or time.monotonic() - t0
+            self._window_tokens += sum(s.loss_mask)  # generated tokens, not the environment's
+        return samples
 
     async def _put(self, group: Group) -> None:
         if inspect.iscoroutinefunction(getattr(self.sink, "put", None)):
@@ -332,11 +360,13 @@ class Producer:
         out = {
             M.TOKENS_PER_SECOND: self._window_tokens / seconds,
             M.REWARD_FAILED: float(self.rewarder.take_failed()),
+            M.GENERATE_FAILED: float(self._generate_failed),
             M.PRODUCER_GROUPS_PER_SECOND: self._window_groups / seconds,
             M.PRODUCER_IN_FLIGHT_GROUPS: float(len(self._groups)),
             M.PRODUCER_STARTED_GROUPS: float(self.admission.started_groups),
         }
         self._window_t0, self._window_tokens, self._window_groups = now, 0, 0
+        self._generate_failed = 0
         return out
 
 
@@ -360,6 +390,36 @@ class _Backlog:
         if self._held:
             self._held = False
             self._producer._awaiting_put -= 1
+
+
+def _take_episode_samples(group: Group, tasks: list[asyncio.Future]) -> None:
+    """Put the samples that custom generate functions returned in place of their input samples
+    (a function may return a new Sample or several); sample indices are renumbered when that
+    changes the group."""
+    out, changed = [], False
+    for s, t in zip(group.samples, tasks):
+        result = t.result() if t.done() and not t.cancelled() and t.exception() is None else None
+        if result is None:
+            out.append(s)
+            continue
+        out.extend(result)
+        changed = changed or len(result) != 1 or result[0] is not s
+    if changed:
+        for i, s in enumerate(out):
+            s.sample_index = i
+        group.samples = out
+
+
+def mark_episode_failed(sample: Sample, error: BaseException) -> None:
+    """An episode that raised: the sample is aborted (its group is rejected at put) with the reason."""
+    try:
+        meta = json.loads(sample.metadata or "{}")
+    except ValueError:
+        meta = {}
+    meta = meta if isinstance(meta, dict) else {}
+    meta["generate_error"] = str(error)[:500]
+    sample.metadata = json.dumps(meta, sort_keys=True)
+    sample.status, sample.finish_reason = SampleStatus.ABORTED, "error"
 
 
 def sample_params(params: dict, prompt_len: int, max_seq_len: int | None) -> dict:

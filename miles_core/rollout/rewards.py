@@ -180,7 +180,9 @@ class Rewarder:
 
     async def score_group(self, group: Group) -> None:
         """Set `reward` on every sample of the group; mark failures (see the module docstring)."""
-        samples = [s for s in group.samples if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED)]
+        # a reward already set (by a custom generate function) is kept
+        samples = [s for s in group.samples
+                   if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.reward is None]
         if not samples:
             return
         if self.batched:

@@ -21,7 +21,10 @@ SLOTS = [
     ("dynamic_sampling_filter_path", "--dynamic-sampling-filter-path"),
     ("rollout_sample_filter_path", "--rollout-sample-filter-path"),
     ("custom_async_data_buffer_path", "--custom-async-data-buffer-path"),
+    ("custom_generate_function_path", "--custom-generate-function-path"),
 ]
+# the object each slot's good plugin names in GOOD_MODULE
+GOOD_ATTR = {"custom_async_data_buffer_path": "Buffer", "custom_generate_function_path": "episode"}
 # `*_path` flags of miles that this project refuses as "not supported" (tests/unit/test_flags_read.py):
 # nothing loads them, so they are no plugin slots.
 REFUSED_PATHS = {"--rollout-function-path", "--rollout-all-samples-process-path"}
@@ -38,6 +41,9 @@ class Buffer:
 
 class HalfBuffer:
     def put(self, group): pass
+
+async def episode(args, sample, sampling_params):
+    return sample
 
 NOT_CALLABLE = 3
 """
@@ -71,7 +77,7 @@ def test_slot_resolves_valid_plugin(field, flag, plugin_module):
     """Pins: a well-formed `module:attr` passes validate for every slot.
     Guards: a slot whose resolution rejects a correct plugin."""
     mod = plugin_module(GOOD_MODULE)
-    attr = "Buffer" if field == "custom_async_data_buffer_path" else "fn"
+    attr = GOOD_ATTR.get(field, "fn")
     validate(_config_with(field, f"{mod}:{attr}"))
 
 

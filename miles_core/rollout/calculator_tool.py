@@ -1,0 +1,112 @@
+"""A calculator tool for a real chat model: the example tool environment of docs/agentic.md.
+
+    --custom-generate-function-path miles_core.rollout.calculator_tool:calculator_episode
+
+For an instruct model with a ChatML chat template (SmolLM2-135M-Instruct of `--preset
+smollm2-arith`), on text prompts already rendered with the template (`--apply-chat-template`).
+The model calls the tool Hermes-style, the convention of ChatML tool use:
+
+    <tool_call>{"name": "calculator", "arguments": {"expression": "63 + 11"}}</tool_call>
+
+Each turn stops at `</tool_call>` or the end of the assistant turn. When the turn holds a call, the
+environment closes the assistant turn if it is open and answers as a `tool` message in the
+template's format, then opens the next assistant turn (all masked out of the loss):
+
+    <|im_end|>\n<|im_start|>tool\n{"result": 74}<|im_end|>\n<|im_start|>assistant\n
+
+At most `MAX_TOOL_CALLS` calls per episode. The reward is set from the final assistant turn only
+(`arith_reward` for `task = arith` rows), so the tool's own output can never be what gets scored;
+other tasks leave it to the configured reward. SmolLM2-135M rarely calls the tool unprompted: the
+example shows the mechanics (tests/integration/test_calculator_tool.py runs it on the CPU engine);
+teaching the call is what the RL run would do.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import re
+
+from miles_core.rollout.episodes import append_environment, append_generated
+from miles_core.samples import Sample, SampleStatus
+
+MAX_TOOL_CALLS = 2
+TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.S)
+END_OF_TURN = "<|im_end|>"
+ASSISTANT = "<|im_start|>assistant\n"
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> float | int:
+    """Arithmetic on numbers with + - * / and parentheses; anything else raises ValueError."""
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.operand))
+        raise ValueError(f"not an arithmetic expression: {expression!r}")
+
+    if len(expression) > 200:
+        raise ValueError("expression too long")
+    try:
+        value = ev(ast.parse(expression, mode="eval").body)
+    except (SyntaxError, ZeroDivisionError) as e:
+        raise ValueError(f"cannot evaluate {expression!r}: {e}") from e
+    return int(value) if float(value).is_integer() else round(value, 6)
+
+
+def tool_result(call_text: str) -> dict:
+    """The tool's answer to one call (a JSON object): {"result": ...} or {"error": ...}."""
+    try:
+        call = json.loads(call_text)
+        if call.get("name") != "calculator":
+            return {"error": f"unknown tool {call.get('name')!r}; the only tool is calculator"}
+        return {"result": calculate(str(call.get("arguments", {}).get("expression", "")))}
+    except (ValueError, AttributeError, TypeError) as e:
+        return {"error": str(e)}
+
+
+def tool_message(result: dict, turn_closed: bool) -> str:
+    """The environment's text after a call: the template's `tool` message and the next assistant header."""
+    close = "" if turn_closed else END_OF_TURN + "\n"
+    return f"{close}<|im_start|>tool\n{json.dumps(result)}{END_OF_TURN}\n{ASSISTANT}"
+
+
+async def calculator_episode(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
+    """Model turns with calculator calls answered in between (module docstring)."""
+    tok = args.tokenizer()
+    params = {**sampling_params, "stop": ["</tool_call>"]}
+    turn = ""
+    for call_index in range(MAX_TOOL_CALLS + 1):
+        result = await args.engine.generate(list(sample.prompt_ids) + sample.response_ids, params)
+        append_generated(sample, result)
+        turn = _assistant_turn(tok, sample)
+        call = TOOL_CALL.search(turn)
+        if sample.status != SampleStatus.COMPLETED or call is None or call_index == MAX_TOOL_CALLS:
+            break
+        env = tool_message(tool_result(call.group(1)), turn_closed=turn.rstrip().endswith(END_OF_TURN))
+        append_environment(sample, tok.encode(env, add_special_tokens=False))
+    if sample.status != SampleStatus.ABORTED and _task(sample) == "arith":
+        from miles_core.rollout.arith import arith_reward
+
+        sample.reward = arith_reward(sample, turn.replace(END_OF_TURN, ""))
+    return sample
+
+
+def _assistant_turn(tok, sample: Sample) -> str:
+    """The text of the current assistant turn (prompt and response so far, after the last assistant
+    header): a call the prompt prefilled counts as the model's."""
+    text = tok.decode(list(sample.prompt_ids) + sample.response_ids, skip_special_tokens=False)
+    return text.rsplit(ASSISTANT, 1)[-1]
+
+
+def _task(sample: Sample) -> str:
+    try:
+        meta = json.loads(sample.metadata or "{}")
+    except ValueError:
+        return ""
+    return meta.get("task", "") if isinstance(meta, dict) else ""
