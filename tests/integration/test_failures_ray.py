@@ -8,6 +8,8 @@ actor whose constructor raised is not (the same error would recur on every retry
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import ray
 from flytekit.exceptions.user import FlyteRecoverableException
@@ -51,11 +53,23 @@ def _error(ref) -> BaseException:
     raise AssertionError("the call succeeded")
 
 
+def _error_once_dead(actor) -> BaseException:
+    """`ray.kill` returns before the actor is dead: a call made in between may still answer."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ping.remote(), timeout=120)
+        except Exception as e:  # noqa: BLE001
+            return e
+        time.sleep(0.1)
+    raise AssertionError("the killed actor still answers after 60 s")
+
+
 def test_a_killed_actor_is_an_infrastructure_failure(ray_local):
     actor = Worker.remote()
     assert ray.get(actor.ping.remote(), timeout=120) == "pong"
     ray.kill(actor)
-    err = _error(actor.ping.remote())
+    err = _error_once_dead(actor)
     assert isinstance(err, ray.exceptions.ActorDiedError) and is_infrastructure(err)
     with pytest.raises(FlyteRecoverableException, match="ActorDiedError"):
         with recoverable_infrastructure():

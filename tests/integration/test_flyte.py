@@ -138,8 +138,11 @@ def test_workflow_compiles_with_no_inputs():
     settings = SerializationSettings(image_config=ImageConfig(default_image=Image("default", "ghcr.io/x/y", "ci")))
     spec = get_serializable({}, settings, fully_async_rl)
     nodes = {n.id: n for n in spec.template.nodes}
-    assert len(nodes) == 5
+    assert len(nodes) == 7
     by_task = {n.task_node.reference_id.name.rsplit(".", 1)[-1]: n for n in nodes.values() if n.task_node}
+    # the model is imported (or found in the cache) before the data: text prompts need its tokenizer
+    assert by_task["model_fingerprint"].id in by_task["import_model"].upstream_node_ids
+    assert by_task["import_model"].id in by_task["data_fingerprint"].upstream_node_ids
     # train and the (sized) eval follower share no data; both wait only for prepare_data
     assert by_task["train"].upstream_node_ids == by_task["eval_follower_sized"].upstream_node_ids
     assert by_task["prepare_data"].id in by_task["train"].upstream_node_ids
