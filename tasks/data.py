@@ -9,13 +9,14 @@ from miles_core.data import DatasetError, dataset_fingerprint, prepare_dataset, 
 from miles_core.models.source import tokenizer_source
 from miles_core.storage import Store
 from tasks.inputs import run_config
+from tasks.secrets import ENGINE_SECRETS
 from tasks.types import PreparedData
 
 # Bump when prepare_data's output for the same inputs changes (format, columns, tokenization).
 PREPARE_DATA_CACHE_VERSION = "1"
 
 
-@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
+@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"), secret_requests=ENGINE_SECRETS)
 def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     """Content hash of the source dataset and of what the run root holds now: prepare_data's cache key.
 
@@ -29,7 +30,7 @@ def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
 
 
 @task(cache=True, cache_version=PREPARE_DATA_CACHE_VERSION, container_image=task_image("cpu"),
-      requests=Resources(cpu="1", mem="4Gi"))
+      secret_requests=ENGINE_SECRETS, requests=Resources(cpu="1", mem="4Gi"))
 def prepare_data(flags: str, run_id: str, storage_root: str, fingerprint: str) -> PreparedData:
     """Normalize --prompt-data (JSONL/Parquet/Arrow, local or object storage, or builtin:*) into
     {run root}/data/prompts.arrow. Bad rows fail the task with every bad row named (file, row, field).

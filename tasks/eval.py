@@ -19,10 +19,11 @@ from images import task_image
 from miles_core.storage import normalize_uri
 from tasks.failures import recoverable_infrastructure
 from tasks.inputs import on_cluster, run_config
+from tasks.secrets import ENGINE_SECRETS
 from tasks.types import EvalJob, EvalPoint
 
 
-@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"))
+@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), secret_requests=ENGINE_SECRETS)
 def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
     """Evaluate each complete snapshot under {run root}/snapshots/ as it lands, until the run's
     STATUS.json leaves `running`. Nothing to do when the run has no eval datasets or evaluates
@@ -47,7 +48,7 @@ def eval_resources(engine) -> dict:
     return {"requests": Resources(cpu="4", mem="16Gi", gpu=gpus), "limits": Resources(gpu=gpus)}
 
 
-@dynamic(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="1Gi"))
+@dynamic(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="1Gi"), secret_requests=ENGINE_SECRETS)
 def eval_follower_sized(flags: str, run_id: str, storage_root: str) -> None:
     """`eval_follower` with the resources the run's engine backend needs (a GPU for SGLang)."""
     cfg = run_config(flags, run_id, storage_root)

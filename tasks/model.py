@@ -14,12 +14,13 @@ from images import task_image
 from miles_core.models.source import MARKER, ensure_model, model_uri, needs_import
 from miles_core.storage import Store
 from tasks.inputs import run_config
+from tasks.secrets import ENGINE_SECRETS
 
 # Bump when import_model's output for the same inputs changes.
 IMPORT_MODEL_CACHE_VERSION = "1"
 
 
-@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
+@task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"), secret_requests=ENGINE_SECRETS)
 def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     """Where the initial model lives and whether it is there: import_model's cache key."""
     cfg = run_config(flags, run_id, storage_root)
@@ -30,7 +31,7 @@ def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
 
 
 @task(cache=True, cache_version=IMPORT_MODEL_CACHE_VERSION, container_image=task_image("cpu"),
-      requests=Resources(cpu="2", mem="6Gi"))
+      secret_requests=ENGINE_SECRETS, requests=Resources(cpu="2", mem="6Gi"))
 def import_model(flags: str, run_id: str, storage_root: str, fingerprint: str) -> str:
     """The URI of the run's initial HF directory, imported first when --hf-checkpoint is a GGUF."""
     cfg = run_config(flags, run_id, storage_root)

@@ -7,6 +7,7 @@ flags and says what to do. It never rewrites the config.
 from __future__ import annotations
 
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
+from miles_core.engines.auth import bind_problem
 from miles_core.plugins import PluginError, load_plugin
 from miles_core.rollout.episodes import load_generate_function
 
@@ -32,11 +33,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     for check in (_ranges, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-                  _batch_and_load_rules, _names, _plugins):
+                  _batch_and_load_rules, _names, _plugins, _engine_exposure):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
+
+
+def _engine_exposure(cfg: RunConfig) -> list[str]:
+    problem = bind_problem(cfg.engine.engine_bind_host)
+    return [problem] if problem else []
 
 
 _KIND_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list, tuple)}

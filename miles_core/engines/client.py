@@ -52,6 +52,8 @@ from typing import Any
 
 import aiohttp
 
+from miles_core.engines.auth import auth_headers
+
 log = logging.getLogger(__name__)
 
 
@@ -192,7 +194,8 @@ class EngineClient:
     def _sess(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # limit=0: no client-side cap; the producer's submission budget bounds concurrency.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                                                  headers=auth_headers())
         return self._session
 
     @property

@@ -71,6 +71,7 @@ from datetime import timedelta
 
 from aiohttp import web
 
+from miles_core.engines.auth import authorized, engine_token
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
 from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_safetensors, read_spec
 
@@ -109,8 +110,9 @@ class CpuEngineServer:
     def __init__(self, model_path: str, weight_version: int = 0, max_running_requests: int = 512,
                  max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8,
                  dist_timeout_seconds: float = 120.0, incremental_streaming_output: bool = True,
-                 health_check_timeout: float = 20.0):
+                 health_check_timeout: float = 20.0, api_token: str | None = None):
         self.model_path = model_path
+        self.api_token = api_token  # every endpoint needs it when set (miles_core.engines.auth)
         self.stream_interval = stream_interval
         self.incremental = incremental_streaming_output
         self.health_check_timeout = health_check_timeout
@@ -144,7 +146,8 @@ class CpuEngineServer:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[_fastapi_errors])
+        guards = [_require_token(self.api_token)] if self.api_token else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[*guards, _fastapi_errors])
         r = app.router
         r.add_post("/generate", self.generate)
         r.add_post("/pause_generation", self.pause_generation)
@@ -815,6 +818,18 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
 
+def _require_token(token: str):
+    """401 {"error": "Unauthorized"} (SGLang's answer) for a request without the engine token."""
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if authorized(request.headers, token):
+            return await handler(request)
+        return web.json_response({"error": "Unauthorized"}, status=401)
+
+    return check
+
+
 @web.middleware
 async def _fastapi_errors(request: web.Request, handler):
     """Unknown routes and methods answer as SGLang's FastAPI app does: 404 {"detail": "Not Found"} (e.g.
@@ -903,7 +918,7 @@ def main(argv: list[str] | None = None) -> None:
     async def run() -> tuple[int, bool]:
         server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
                                  args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds,
-                                 args.incremental_streaming_output, args.health_check_timeout)
+                                 args.incremental_streaming_output, args.health_check_timeout, engine_token())
         runner = await serve(server, args.host, args.port)
         log.info("CPU engine serving %s on http://%s:%d (weight version %d)", args.model_path, args.host,
                  args.port, args.weight_version)

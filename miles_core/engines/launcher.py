@@ -32,6 +32,10 @@ restart, whoever made it, so the weight transport knows to form its group again
 (`EngineFleet.restart_counts()`). A monitor restart never undoes an on-demand one: the monitor only
 replaces the process it judged dead.
 
+Token: with `MILES_ENGINE_API_KEY` set (required when bound beyond loopback), every probe and
+load sends it and the server requires it (`miles_core.engines.auth`); SGLang gets it as `--api-key`,
+masked in the logged command line.
+
 Naming: methods of `EngineFleet` are blocking (they wait on the actors). This module never calls
 `ray.init`: inside a Flyte Ray task the plugin has done it; tests do it themselves.
 """
@@ -53,6 +57,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from miles_core.engines.auth import auth_headers, engine_token, redact_command
 from miles_core.node_local import localize, require_uri
 
 log = logging.getLogger(__name__)
@@ -109,9 +114,15 @@ def server_command(spec: EngineLaunchSpec, model_path: str, weight_version: int,
                 "--host", spec.bind_host, "--port", str(port), "--tp-size", str(spec.tp_size),
                 "--mem-fraction-static", str(spec.mem_fraction_static),
                 "--max-running-requests", str(spec.max_running_requests),
-                "--weight-version", str(weight_version),
+                "--weight-version", str(weight_version), *_sglang_token_args(),
                 *[a for a in SGLANG_RL_ARGS if a not in shlex.split(spec.extra_args)], *shlex.split(spec.extra_args)]
     raise ValueError(f"--engine-backend={spec.backend!r}; expected one of cpu, sglang")
+
+
+def _sglang_token_args() -> list[str]:
+    """SGLang reads its token from `--api-key` only (the CPU engine from the environment)."""
+    token = engine_token()
+    return ["--api-key", token] if token else []
 
 
 def server_env(spec: EngineLaunchSpec) -> dict[str, str]:
@@ -140,7 +151,7 @@ def _url_host(bind_host: str) -> str:
 
 def _answers(url: str, path: str, timeout: float) -> bool:
     try:
-        with urllib.request.urlopen(url + path, timeout=timeout) as r:
+        with urllib.request.urlopen(urllib.request.Request(url + path, headers=auth_headers()), timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -200,7 +211,7 @@ class EngineServer:
         body = json.dumps({"model_path": path, "weight_version": str(weight_version), "flush_cache": flush_cache,
                            "abort_all_requests": False}).encode()
         req = urllib.request.Request(self.url + "/update_weights_from_disk", data=body, method="POST",
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json", **auth_headers()})
         try:
             with urllib.request.urlopen(req, timeout=self.spec.startup_timeout_seconds) as r:
                 answer = json.loads(r.read() or b"{}")
@@ -238,7 +249,7 @@ class EngineServer:
         # (an EngineServer made directly, on this node) is used as is.
         path = localize(self.model_path, self.model_kind) if "://" in self.model_path else self.model_path
         cmd = server_command(self.spec, path, self.weight_version, self.port)
-        log.info("%s: starting %s", self.name, shlex.join(cmd))
+        log.info("%s: starting %s", self.name, shlex.join(redact_command(cmd)))
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(self.spec),
                                          start_new_session=True)

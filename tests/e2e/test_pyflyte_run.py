@@ -13,6 +13,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -28,10 +30,28 @@ def _run(storage: Path, flags: str, segment_steps: int = 0, timeout: int = 900) 
            "--storage_root", str(storage)]
     if segment_steps:
         cmd += ["--segment_steps", str(segment_steps)]
-    env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", **CANARIES)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"pyflyte run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    _assert_no_canary(proc.stdout + proc.stderr, "the pyflyte run's console")
     return proc
+
+
+# Secrets in the run's environment (the engine token is live: every engine requires it, so every caller
+# must send it). None may appear in the console, logs, metrics, configs, reports or anything in the run root.
+CANARIES = {"MILES_ENGINE_API_KEY": "canary-engine-5be1d0", "AWS_SECRET_ACCESS_KEY": "canary-aws-9c2e77",
+            "WANDB_API_KEY": "canary-wandb-41f8aa"}
+
+
+def _assert_no_canary(text: str, where: str) -> None:
+    leaked = [v for v in CANARIES.values() if v in text]
+    assert not leaked, f"{where} shows the secret(s) {leaked}"
+
+
+def _assert_no_canary_under(root: Path) -> None:
+    for f in root.rglob("*"):
+        if f.is_file():
+            _assert_no_canary(f.read_bytes().decode("latin-1"), str(f))
 
 
 def _reward_by_step(run_uri: str) -> dict[int, float]:
@@ -52,6 +72,7 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     config, prompts, buffer objects, per-step consumed manifests, checkpoints with COMPLETE and
     LATEST, eval snapshots with .complete, eval results, metrics and the report; then a second
     segment continues from the checkpoint and no group id is consumed twice across segments."""
+    started = time.time()
     flags = ("--num-rollout 50 --save-interval 20 --eval-interval 25 "
              "--eval-prompt-data heldout=builtin:reverse4-heldout --run-id e2e")
     _run(tmp_path, flags, segment_steps=30)
@@ -78,3 +99,8 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     assert list((run / "metrics" / "trainer").glob("*.jsonl"))
     ids = _consumed_ids(run)
     assert len(ids) == 50 * 32 and len(set(ids)) == len(ids), "a group was consumed twice"
+    _assert_no_canary_under(run)  # logs, metrics, configs, report, buffer, checkpoints
+    _assert_no_canary_under(Path("/tmp/ray/session_latest/logs").resolve())  # driver and actor logs
+    for engine_logs in Path(tempfile.gettempdir()).glob("miles-engine-*"):
+        if engine_logs.stat().st_mtime >= started:
+            _assert_no_canary_under(engine_logs)
