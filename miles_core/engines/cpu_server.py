@@ -920,8 +920,8 @@ def main(argv: list[str] | None = None) -> None:
                                  args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds,
                                  args.incremental_streaming_output, args.health_check_timeout, engine_token())
         runner = await serve(server, args.host, args.port)
-        log.info("CPU engine serving %s on http://%s:%d (weight version %d)", args.model_path, args.host,
-                 args.port, args.weight_version)
+        log.info("CPU engine serving %s on http://%s:%d (weight version %d; API token %s)", args.model_path,
+                 args.host, args.port, args.weight_version, "required" if server.api_token else "not set")
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         server.on_fatal = lambda: loop.call_later(args.exit_after_fault_seconds, stop.set)

@@ -25,12 +25,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 
 
+# Each run's local Ray lives here (RAY_TMPDIR; short, since Ray's unix sockets live under it), so its logs
+# are this run's and not those of a Ray started by a test running beside it.
+RAY_TMP = tempfile.mkdtemp(prefix="mr", dir="/tmp")
+
+
 def _run(storage: Path, flags: str, segment_steps: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", flags,
            "--storage_root", str(storage)]
     if segment_steps:
         cmd += ["--segment_steps", str(segment_steps)]
-    env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", **CANARIES)
+    env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_TMPDIR=RAY_TMP, **CANARIES)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"pyflyte run failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     _assert_no_canary(proc.stdout + proc.stderr, "the pyflyte run's console")
@@ -100,7 +105,11 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     ids = _consumed_ids(run)
     assert len(ids) == 50 * 32 and len(set(ids)) == len(ids), "a group was consumed twice"
     _assert_no_canary_under(run)  # logs, metrics, configs, report, buffer, checkpoints
-    _assert_no_canary_under(Path("/tmp/ray/session_latest/logs").resolve())  # driver and actor logs
-    for engine_logs in Path(tempfile.gettempdir()).glob("miles-engine-*"):
-        if engine_logs.stat().st_mtime >= started:
-            _assert_no_canary_under(engine_logs)
+    _assert_no_canary_under(Path(RAY_TMP))  # the driver's, actors' and raylet's logs
+    # This run's engine logs (a test running beside it may have engines of its own): the token was live.
+    engine_logs = [f for d in Path(tempfile.gettempdir()).glob("miles-engine-*") if d.stat().st_mtime >= started
+                   for f in d.glob("*.log") if str(run) in f.read_text()]
+    assert len(engine_logs) >= 2, "no engine log of this run (rollout and eval engines)"
+    for f in engine_logs:
+        _assert_no_canary(f.read_text(), str(f))
+        assert "API token required" in f.read_text(), f"{f}: the engine ran without the token"
