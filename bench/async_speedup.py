@@ -326,7 +326,8 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
     clock = WeightClock()
     engines, trainer = TimedEngines(w, clock), TimedTrainer(w, clock)
     rows = builtin_rows("builtin:reverse4")
-    rollout = LocalHandle(RolloutManager(cfg, engine=engines, rows=rows, decode=digit_decode))
+    rollout = LocalHandle(RolloutManager(cfg, engine=engines, rows=rows, decode=digit_decode,
+                                         consumed_through_step=-1))
     trainer_h = LocalHandle(trainer)
     try:
         version_box = [trainer_h.call("push_weights", -1).result()["version"]]  # engines serve v1, as run_training

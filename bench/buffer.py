@@ -94,7 +94,7 @@ def bench_naive(store: Store, groups: list[Group], producers: int) -> float:
 
 def bench_buffer(store: Store, groups: list[Group], producers: int, coalesce: float) -> dict:
     buf = DurableBuffer.open(store, capacity_groups=2 * STEP_GROUPS, unused_handler=DropUnused(),
-                             coalesce_seconds=coalesce)
+                             coalesce_seconds=coalesce, consumed_through_step=-1)
     latencies: list[float] = []
     lock = threading.Lock()
 
@@ -131,12 +131,13 @@ def bench_buffer(store: Store, groups: list[Group], producers: int, coalesce: fl
 
 
 def bench_index_memory(store: Store, groups: list[Group]) -> dict:
-    with DurableBuffer.open(store, capacity_groups=len(groups), unused_handler=DropUnused(), coalesce_seconds=0.0) as buf:
+    with DurableBuffer.open(store, capacity_groups=len(groups), unused_handler=DropUnused(), coalesce_seconds=0.0,
+                            consumed_through_step=-1) as buf:
         for g in groups:
             buf.put(g)
     arrow0 = pa.total_allocated_bytes()
     tracemalloc.start()
-    buf = DurableBuffer.open(store, capacity_groups=len(groups), unused_handler=DropUnused())
+    buf = DurableBuffer.open(store, capacity_groups=len(groups), unused_handler=DropUnused(), consumed_through_step=-1)
     traced = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()
     # Groups found on reopen are held as zero-copy Arrow slices of the object bytes read back

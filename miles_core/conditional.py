@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 
-from miles_core.storage import TMP_MARK, ObjectNotFound, Store, fsynced_temp
+from miles_core.storage import TMP_MARK, ObjectNotFound, Store, fsync_dir, fsynced_temp
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class FileObject(LockedObject):
             return None
         finally:
             os.unlink(tmp)
+        fsync_dir(os.path.dirname(path))
         self._synced()
         return content_version(data)
 

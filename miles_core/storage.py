@@ -2,7 +2,9 @@
 
 A `Store` is rooted at a URI prefix (file://, s3://, gs://, memory://, or a local path) and speaks
 in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (DESIGN §3):
-- an object is visible only when complete: local files go to a temporary name and are renamed;
+- an object is visible only when complete: local files go to a temporary name (fsynced) and are
+  renamed, and the directory is fsynced after the rename and after creating a directory, so a
+  commit survives a power loss;
   object stores get a single PUT (atomic there);
 - listings are sorted, so zero-padded keys come back in step/sequence order from one listing;
 - transient errors are retried with exponential backoff; when storage stays unreachable the
@@ -66,9 +68,36 @@ def validate_name(name: str, what: str = "name") -> str:
     return name
 
 
+def fsync_dir(path: str) -> None:
+    """Make the entries of directory `path` durable (a rename or a new file is in the directory,
+    not the file: without this a power loss can undo a commit whose data was fsynced)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def makedirs_durable(path: str) -> None:
+    """`os.makedirs`, then fsync the parent of every directory it created."""
+    missing = []
+    while path and not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    for d in reversed(missing):
+        os.makedirs(d, exist_ok=True)
+        fsync_dir(os.path.dirname(d) or ".")
+
+
+def replace_durable(src: str, dst: str) -> None:
+    """`os.replace` followed by an fsync of the destination directory."""
+    os.replace(src, dst)
+    fsync_dir(os.path.dirname(dst) or ".")
+
+
 def fsynced_temp(path: str, data: bytes) -> str:
-    """`data` in a fresh, fsynced temporary file beside `path` (its parents created); its name."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    """`data` in a fresh, fsynced temporary file beside `path` (its parents created durably); its name."""
+    makedirs_durable(os.path.dirname(path))
     tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -179,7 +208,7 @@ class Store:
         path = self.path(key)
         if self.protocol == "file":
             def write():
-                os.replace(fsynced_temp(path, data), path)
+                replace_durable(fsynced_temp(path, data), path)
             self._retry(f"put {key}", write)
         else:
             self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
@@ -273,9 +302,9 @@ class Store:
         """Copy then delete (on object stores a rename is not atomic; the copy is a single PUT)."""
         if self.protocol == "file":
             def mv():
-                os.makedirs(os.path.dirname(self.path(dst)), exist_ok=True)
+                makedirs_durable(os.path.dirname(self.path(dst)))
                 try:
-                    os.replace(self.path(src), self.path(dst))
+                    replace_durable(self.path(src), self.path(dst))
                 except FileNotFoundError as e:  # the same error type as get_bytes on every backend
                     raise ObjectNotFound(f"no object {self.uri(src)}") from e
             self._retry(f"move {src}", mv)

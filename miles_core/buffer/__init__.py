@@ -5,6 +5,7 @@
     buffer.put(group)                              # producer side; blocks when full
     group = buffer.get(current_version=v)          # trainer side; waits when empty
     buffer.record_consumed(step, [g.group_id ...]) # with each training step (durable)
+    buffer.compact(step)                           # after each complete checkpoint (bounded reopen)
 
 Modules: `contract` (the DataBuffer slot, unused-samples handlers, build_buffer), `durable` (the
 default buffer), `objects` (layout and codec in the run root), `metrics` (metric names),

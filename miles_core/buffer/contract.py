@@ -9,13 +9,20 @@ Blocking convention: every method here is synchronous and may block the calling 
 full buffer, get on an empty one). An asyncio producer calls them through `asyncio.to_thread`.
 
 `--custom-async-data-buffer-path module:Class` replaces the default durable buffer; the class is
-built as `Class(config, unused_samples_handler)` and then owns every group decision. The default
-buffer also offers the durability extras (`record_consumed`, `committed_positions`, `close`);
-callers look them up with `getattr` so a custom buffer may leave them out.
+built as `Class(config, unused_samples_handler, store=..., consumed_through_step=...)` and then owns
+every group decision. `store` is the run root's Store and `consumed_through_step` the step of the
+checkpoint this segment resumes from (-1: none); a class whose `__init__` does not take both
+keywords is built as `Class(config, unused_samples_handler)`, with a warning that it gets neither,
+so it cannot serve committed groups again after a crash nor keep consumed ones from being served
+twice (exactly-once is then the plug-in's own business). The default buffer also offers the
+durability extras (`record_consumed`, `compact`, `committed_positions`, `close`); callers look them
+up with `getattr` so a custom buffer may leave them out.
 """
 
 from __future__ import annotations
 
+import inspect
+import logging
 import re
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
@@ -27,6 +34,8 @@ from miles_core.samples import Group
 if TYPE_CHECKING:
     from miles_core.config import RunConfig
     from miles_core.storage import Store
+
+log = logging.getLogger(__name__)
 
 BUFFER_FLAG = "--custom-async-data-buffer-path"
 FILTER_FLAG = "--dynamic-sampling-filter-path"
@@ -145,22 +154,22 @@ def load_dynamic_filter(path: str) -> Callable[[Group], tuple[bool, str]] | None
     return load_optional(path, FILTER_FLAG)
 
 
-def build_buffer(cfg: "RunConfig", unused_handler: UnusedSamplesHandler, *,
-                 consumed_through_step: int | None = None, store: "Store | None" = None,
-                 writer_id: str | None = None) -> DataBuffer:
+def build_buffer(cfg: "RunConfig", unused_handler: UnusedSamplesHandler, *, consumed_through_step: int,
+                 store: "Store | None" = None, writer_id: str | None = None) -> DataBuffer:
     """The run's data buffer: the custom class of `--custom-async-data-buffer-path`, else the durable one.
 
-    `consumed_through_step` is the checkpoint step a resume starts from (None: keep every recorded
-    consumption); see `DurableBuffer.open`. A bad plugin path raises PluginError naming the flag.
+    `consumed_through_step` is the step of the checkpoint a resume starts from, -1 without one (no
+    default: see `DurableBuffer.open`). A bad plugin path raises PluginError naming the flag.
     """
+    store = store if store is not None else _run_store(cfg)
     path = cfg.buffer.custom_async_data_buffer_path
     if path:
-        cls = load_plugin(path, BUFFER_FLAG, BUFFER_METHODS)
-        return cls(cfg, unused_handler)
+        return _build_plugin(load_plugin(path, BUFFER_FLAG, BUFFER_METHODS), cfg, unused_handler, store,
+                             consumed_through_step)
     from miles_core.buffer.durable import DurableBuffer
 
     return DurableBuffer.open(
-        store if store is not None else _run_store(cfg),
+        store,
         capacity_groups=cfg.buffer_capacity_groups,
         max_weight_staleness=cfg.rollout.max_weight_staleness,
         unused_handler=unused_handler,
@@ -169,6 +178,21 @@ def build_buffer(cfg: "RunConfig", unused_handler: UnusedSamplesHandler, *,
         consumed_through_step=consumed_through_step,
         writer_id=writer_id,
     )
+
+
+def _build_plugin(cls, cfg, unused_handler, store, consumed_through_step: int) -> DataBuffer:
+    try:
+        params = inspect.signature(cls).parameters
+    except (TypeError, ValueError):
+        params = {}
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if takes_kwargs or {"store", "consumed_through_step"} <= params.keys():
+        return cls(cfg, unused_handler, store=store, consumed_through_step=consumed_through_step)
+    log.warning("%s: %s.__init__ takes no store= and consumed_through_step= keywords, so it is built without "
+                "them: it cannot find the run's committed groups after a crash or resume, nor tell which were "
+                "consumed; exactly-once across segments is lost unless it keeps its own record",
+                BUFFER_FLAG, cls.__qualname__)
+    return cls(cfg, unused_handler)
 
 
 def _run_store(cfg: "RunConfig") -> "Store":

@@ -9,8 +9,15 @@ What it owns:
 - the consumption record: `record_consumed(step, ids)` writes `buffer/consumed/{step}.json`
   (with the ids rejected at get since the last record), so a reopened buffer serves every
   committed-but-unconsumed group and never a consumed one.
+- compaction (`compact(step)`, after each complete checkpoint): one `upto_{step}.json` record of
+  what every manifest through that step says, so a reopen reads that record, the manifests after
+  it and the objects that still hold unconsumed groups: its cost follows the backlog, not the
+  run's history (listings aside). The per-step manifests stay (they are the lineage); with
+  `--buffer-delete-consumed-objects` the objects consumed entirely through the checkpoint are
+  deleted too, so listings shrink as well.
 What it leaves to others: when to record (the trainer/checkpointer, with each step), the data
-source's cursor, and which resume step to reopen at (`consumed_through_step`).
+source's cursor, and which resume step to reopen at (`consumed_through_step`, always explicit).
+Reopen lists each prefix once and reads manifests and objects in parallel.
 
 Writes are coalesced (group commit): one writer thread takes every put waiting when it is free,
 optionally waiting `coalesce_seconds` after the oldest for more, and commits them as one object
@@ -27,6 +34,7 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,6 +55,7 @@ from miles_core.storage import ObjectNotFound, Store, StorageError, validate_nam
 log = logging.getLogger(__name__)
 
 MAX_OBJECT_BYTES = 64 << 20  # close a coalescing window early once this much is waiting
+READ_THREADS = 16  # parallel reads on reopen (object-store latency, not CPU, bounds a reopen)
 
 
 @dataclass(slots=True)
@@ -70,7 +79,7 @@ class _PendingPut:
 
 
 class DurableBuffer:
-    """Use `DurableBuffer.open(store, ...)` (or `build_buffer(cfg, handler)`); close it, or use `with`."""
+    """Use `DurableBuffer.open(store, ...)` (or `build_buffer(cfg, handler, consumed_through_step=k)`); close it, or use `with`."""
 
     def __init__(self, store: Store, *, capacity_groups: int, unused_handler: UnusedSamplesHandler,
                  max_weight_staleness: int | None = None,
@@ -99,6 +108,9 @@ class DurableBuffer:
         self._unrecorded: dict[str, _Entry] = {}
         self._rejected: list[str] = []  # rejected at get since the last record_consumed
         self._remaining: dict[str, set[str]] = {}  # object key -> its groups not yet recorded
+        self._members: dict[str, list[str]] = {}  # object key -> all its group ids, until the object is done
+        self._done: dict[str, set[int]] = {}  # writer -> seqs of its objects consumed entirely
+        self._done_since_compact: list[str] = []  # object keys done since the last compaction
         self._last_step: int | None = None
         self._last_version: int | None = None
         self._error: BaseException | None = None
@@ -111,13 +123,18 @@ class DurableBuffer:
     # ------------------------------------------------------------------ open / resume
 
     @classmethod
-    def open(cls, store: Store, *, consumed_through_step: int | None = None, **kw) -> "DurableBuffer":
-        """Open the buffer of a run root, rebuilding the index from one listing of each prefix.
+    def open(cls, store: Store, *, consumed_through_step: int, **kw) -> "DurableBuffer":
+        """Open the buffer of a run root, rebuilding the index (one listing of each prefix).
 
-        consumed_through_step: the checkpoint step a resume restarts from. Consumption manifests of
-        later steps are deleted (the restored model never trained on those groups, so they become
-        available again). None keeps every manifest.
+        consumed_through_step: the step of the checkpoint a resume restarts from, -1 without one.
+        Consumption manifests of later steps are deleted (the restored model never trained on those
+        groups, so they become available again). Required: keeping the manifests of steps whose
+        training was lost would silently drop their groups.
         """
+        if isinstance(consumed_through_step, bool) or not isinstance(consumed_through_step, int) \
+                or consumed_through_step < -1:
+            raise ValueError(f"consumed_through_step={consumed_through_step!r}: expected the resume checkpoint's "
+                             "step, or -1 for a run without a checkpoint")
         buf = cls(store, **kw)
         try:
             buf._load(consumed_through_step)
@@ -126,42 +143,90 @@ class DurableBuffer:
             raise
         return buf
 
-    def _load(self, through: int | None) -> None:
-        consumed: set[str] = set()
-        done_objects: set[str] = set()
-        for key in self.store.list(O.CONSUMED):
+    def _load(self, through: int) -> None:
+        consumed = self._load_consumption(through)
+        keys = [k for k in self.store.list(O.GROUPS) if k.endswith(".arrow") and not self._is_done(k)]
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="buffer-reopen") as pool:
+            for key, stored in zip(keys, pool.map(self._fetch, keys)):
+                if isinstance(stored, BaseException):
+                    self._quarantine(key, stored)
+                elif stored is not None:
+                    self._index_object(key, stored, consumed)
+        self._reserved = len(self._available)
+
+    def _load_consumption(self, through: int) -> set[str]:
+        """Group ids consumed or rejected through `through` (in objects not entirely done); fills `_done`."""
+        keys = self.store.list(O.CONSUMED)
+        base_step, consumed = self._load_compaction(keys, through)
+        later = []
+        for key in keys:
             step = O.consumed_step(key)
-            if step is None:
+            if step is None or step <= base_step:
                 continue
-            if through is not None and step > through:
+            if step > through:
                 self.store.delete(key)
                 log.info("buffer: discarded %s (after resume step %d)", key, through)
-                continue
-            manifest = self._read_manifest(key)
+            else:
+                later.append((step, key))
+        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="buffer-reopen") as pool:
+            manifests = list(pool.map(self._read_manifest, [k for _, k in later]))
+        for (step, _), manifest in zip(later, manifests):
             consumed.update(manifest.get("consumed", ()))
             consumed.update(manifest.get("rejected", ()))
-            done_objects.update(manifest.get("objects_done", ()))
+            for key in manifest.get("objects_done", ()):
+                self._note_done(key)
             self._last_step = step if self._last_step is None else max(self._last_step, step)
-        for key in self.store.list(O.GROUPS):
-            if key in done_objects or not key.endswith(".arrow"):
-                continue
-            try:
-                stored = O.decode_object(self.store.get_bytes(key), self.store.uri(key))
-            except ObjectNotFound:
-                continue
-            except StorageError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any decode failure quarantines, never crashes the run
-                self._quarantine(key, e)
-                continue
-            for sg in stored:
-                if sg.group_id in consumed or sg.group_id in self._unrecorded:
-                    continue
-                entry = _Entry(sg.group_id, key, sg.oldest_version, sg.position, sg.rows)
-                self._available.append(entry)
-                self._unrecorded[sg.group_id] = entry
-                self._remaining.setdefault(key, set()).add(sg.group_id)
-        self._reserved = len(self._available)
+        return consumed
+
+    def _load_compaction(self, keys: list[str], through: int) -> tuple[int, set[str]]:
+        """The newest compaction record (its step, its consumed ids); (-1, set()) without one."""
+        compacted = sorted((step, k) for k in keys if (step := O.compact_step(k)) is not None)
+        if not compacted:
+            return -1, set()
+        step, key = compacted[-1]
+        if step > through:
+            raise DataBufferError(
+                f"the buffer's consumption record is compacted through step {step} ({self.store.uri(key)}), but "
+                f"the resume starts after step {through}: the groups consumed in between cannot be told apart. "
+                "Resume from the checkpoint of that step or a later one.")
+        record = self._read_manifest(key)
+        for writer, runs in record.get("objects_done", {}).items():
+            self._done.setdefault(writer, set()).update(O.from_ranges(runs))
+        self._last_step = step
+        return step, set(record.get("consumed", ()))
+
+    def _fetch(self, key: str) -> "list[O.StoredGroup] | BaseException | None":
+        """An object's groups; None when it vanished; the decode error when it is undecodable."""
+        try:
+            return O.decode_object(self.store.get_bytes(key), self.store.uri(key))
+        except ObjectNotFound:
+            return None
+        except StorageError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any decode failure quarantines, never crashes the run
+            return e
+
+    def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> None:
+        fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]
+        if not fresh:  # consumed entirely, but no manifest said so: remember it as done
+            self._note_done(key)
+            self._done_since_compact.append(key)
+            return
+        self._members[key] = [sg.group_id for sg in stored]
+        for sg in fresh:
+            entry = _Entry(sg.group_id, key, sg.oldest_version, sg.position, sg.rows)
+            self._available.append(entry)
+            self._unrecorded[sg.group_id] = entry
+            self._remaining.setdefault(key, set()).add(sg.group_id)
+
+    def _note_done(self, key: str) -> None:
+        parsed = O.split_group_key(key)
+        if parsed is not None:
+            self._done.setdefault(parsed[0], set()).add(parsed[1])
+
+    def _is_done(self, key: str) -> bool:
+        parsed = O.split_group_key(key)
+        return parsed is not None and parsed[1] in self._done.get(parsed[0], ())
 
     def _read_manifest(self, key: str) -> dict:
         try:
@@ -268,6 +333,7 @@ class DurableBuffer:
                 self._unrecorded[p.entry.group_id] = p.entry
                 self._window.put_seconds.append(now - p.slot_at)
             self._remaining[key] = {p.entry.group_id for p in batch}
+            self._members[key] = [p.entry.group_id for p in batch]
             self._window.bytes_written += len(data)
             self._not_empty.notify_all()
         for p in batch:
@@ -361,6 +427,32 @@ class DurableBuffer:
                 self._unrecorded.pop(gid, None)
             for key in done:
                 self._remaining.pop(key, None)
+                self._members.pop(key, None)
+                self._note_done(key)
+                self._done_since_compact.append(key)
+
+    def compact(self, through_step: int, *, delete_consumed_objects: bool = False) -> None:
+        """Fold the consumption record through `through_step` into `upto_{step}.json`; call it once the
+        checkpoint of that step is complete (a resume never starts before it again). Earlier
+        compaction records are deleted; with `delete_consumed_objects`, so are the objects consumed
+        entirely since the last compaction (nothing from a checkpoint on needs them)."""
+        with self._lock:
+            if self._last_step != through_step:
+                raise ValueError(f"compact({through_step}): the last recorded step is {self._last_step}; compact "
+                                 "right after recording and checkpointing that step")
+            record = {"through_step": through_step, "written_at": time.time(),
+                      "objects_done": {w: O.to_ranges(seqs) for w, seqs in sorted(self._done.items())},
+                      "consumed": sorted(gid for key, ids in self._members.items()
+                                         for gid in ids if gid not in self._remaining.get(key, ()))}
+            doomed, self._done_since_compact = self._done_since_compact, []
+        self.store.put_json(O.compact_key(through_step), record)
+        for key in self.store.list(O.CONSUMED):
+            step = O.compact_step(key)
+            if step is not None and step < through_step:
+                self.store.delete(key)
+        if delete_consumed_objects:
+            for key in doomed:
+                self.store.delete(key)
 
     def committed_positions(self) -> set[tuple[int, int]]:
         """(epoch, position) of every committed group not durably consumed (available or got but not

@@ -4,6 +4,10 @@
                                                  one batch per group; immutable once committed
     buffer/consumed/{step:08d}.json              {"step", "consumed": [ids], "rejected": [ids],
                                                  "objects_done": [keys]} for training step `step`
+    buffer/consumed/upto_{step:08d}.json         the compaction of every manifest through `step` (written
+                                                 at a checkpoint): {"through_step", "objects_done":
+                                                 {writer: [[first_seq, last_seq], ...]}, "consumed": [ids
+                                                 consumed or rejected in objects not yet done]}
     buffer/quarantine/{writer}/{seq}.arrow       an object that failed to decode, moved aside,
     buffer/quarantine/{writer}/{seq}.arrow.reason.json   with the reason
 
@@ -50,6 +54,43 @@ def consumed_step(key: str) -> int | None:
     if ext != "json" or not stem.isdigit():
         return None
     return int(stem)
+
+
+def compact_key(step: int) -> str:
+    return f"{CONSUMED}upto_{step:08d}.json"
+
+
+def compact_step(key: str) -> int | None:
+    """The step of a compaction key, None for a key that is not one."""
+    name = key.rsplit("/", 1)[-1]
+    digits = name[len("upto_"):-len(".json")]
+    if not (name.startswith("upto_") and name.endswith(".json") and digits.isdigit()):
+        return None
+    return int(digits)
+
+
+def split_group_key(key: str) -> tuple[str, int] | None:
+    """(writer, seq) of a group object key, None for another key."""
+    writer, _, name = key[len(GROUPS):].partition("/")
+    stem = name[: -len(".arrow")]
+    if not (key.startswith(GROUPS) and name.endswith(".arrow") and stem.isdigit() and writer):
+        return None
+    return writer, int(stem)
+
+
+def to_ranges(seqs: set[int]) -> list[list[int]]:
+    """Sorted integers as closed runs: {1, 2, 3, 7} -> [[1, 3], [7, 7]]."""
+    runs: list[list[int]] = []
+    for n in sorted(seqs):
+        if runs and runs[-1][1] == n - 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return runs
+
+
+def from_ranges(runs: list[list[int]]) -> set[int]:
+    return {n for lo, hi in runs for n in range(lo, hi + 1)}
 
 
 def quarantine_key(key: str) -> str:

@@ -94,6 +94,7 @@ class BufferSection:
     async_data_buffer_capacity_factor: float = opt(2.0, "Buffer capacity = int(factor * rollout_batch_size) groups; put blocks when full.")
     async_unused_samples_handler: str = opt("drop", "What happens to rejected (aborted or stale) groups: drop (counted) or retry (prompt back to the data source).", choices=("drop", "retry"))
     custom_async_data_buffer_path: str = opt("", "module:Class replacing the durable buffer; built with (config, unused_samples_handler).")
+    buffer_delete_consumed_objects: bool = opt(False, "At each checkpoint, delete the buffer objects whose groups were all consumed (or rejected) through it. Keeps listings and storage bounded by the backlog; loses the consumed groups' data (replay, lineage of their samples). The per-step consumption manifests stay.")
     buffer_coalesce_seconds: float = opt(0.0, "Extra wait for more puts before committing an object. 0 = group commit: puts that arrive while the previous object is being written go into the next object together (measured best: bench/buffer.py).")
 
 

@@ -120,6 +120,7 @@ class Checkpointer:
         extras = {"rollout_state": self.rollout.call("state").result(), "weight_version": version,
                   "consumed_through_step": step}
         self.trainer.call("save_checkpoint", step, extras).result()
+        self.rollout.call("compact_buffer", step).result()  # complete: no resume starts before it again
         self.last_saved = step
         self.on_saved(step)
 

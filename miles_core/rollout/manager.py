@@ -139,6 +139,9 @@ class RolloutManager:
         if buffer_factory is None:
             from miles_core.buffer import build_buffer
 
+            if consumed_through_step is None:
+                raise ValueError("RolloutManager needs consumed_through_step (the resume checkpoint's step, -1 "
+                                 "without one) to open the run's buffer")
             self.buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step)
         else:
             self.buffer = buffer_factory(handler)
@@ -204,6 +207,14 @@ class RolloutManager:
         record = getattr(self.buffer, "record_consumed", None)
         if callable(record):
             await asyncio.get_running_loop().run_in_executor(None, record, step, list(group_ids))
+
+    async def compact_buffer(self, step: int) -> None:
+        """After the checkpoint of `step` is complete: fold the consumption record (bounded reopen)."""
+        compact = getattr(self.buffer, "compact", None)
+        if callable(compact):
+            delete = self.cfg.buffer.buffer_delete_consumed_objects
+            await asyncio.get_running_loop().run_in_executor(
+                None, lambda: compact(step, delete_consumed_objects=delete))
 
     def error(self) -> str | None:
         return None if self.producer.error is None else str(self.producer.error)

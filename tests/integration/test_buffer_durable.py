@@ -36,9 +36,15 @@ def make_group(i: int, version: int | None = 1, status=SampleStatus.COMPLETED, n
     return Group(gid, i, samples)
 
 
+# A resume step after every recorded one: reopen keeps every consumption manifest (a resume from the
+# newest checkpoint of a run that checkpoints every step).
+EVERY_RECORDED_STEP = 10**9
+
+
 def open_buffer(root: str, capacity: int = 8, **kw) -> DurableBuffer:
     kw.setdefault("unused_handler", DropUnused())
     kw.setdefault("coalesce_seconds", 0.0)
+    kw.setdefault("consumed_through_step", EVERY_RECORDED_STEP)
     return DurableBuffer.open(Store(root), capacity_groups=capacity, **kw)
 
 
@@ -307,7 +313,7 @@ def test_build_buffer_from_config(storage_root):
     """build_buffer wires the config: capacity from the factor, staleness, coalescing, run root store."""
     cfg = replace_fields(RunConfig(), storage_root=storage_root, run_id="r1", rollout_batch_size=2,
                          async_data_buffer_capacity_factor=1.5, max_weight_staleness=3)
-    buf = build_buffer(cfg, build_unused_handler("drop"))
+    buf = build_buffer(cfg, build_unused_handler("drop"), consumed_through_step=-1)
     try:
         assert isinstance(buf, DurableBuffer)
         assert buf.capacity == 3 and buf.max_weight_staleness == 3

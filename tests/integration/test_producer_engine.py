@@ -61,7 +61,7 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
     segments no prompt position is consumed twice (groups consumed after the checkpoint are served
     again, which is right: the restored model never trained on them)."""
     async def segment_one():
-        mgr = RolloutManager(config(tmp_path), engine_urls=[engine.url], rows=ROWS)
+        mgr = RolloutManager(config(tmp_path), engine_urls=[engine.url], rows=ROWS, consumed_through_step=-1)
         await mgr.set_version(1)
         await mgr.start()
         b0 = await mgr.next_batch()
@@ -123,7 +123,7 @@ def test_sync_driver_batch_path(tmp_path, engine):
 
     async def main():
         cfg = config(tmp_path, fully_async=False, max_weight_staleness=None)
-        mgr = RolloutManager(cfg, engine_urls=[engine.url], rows=ROWS)
+        mgr = RolloutManager(cfg, engine_urls=[engine.url], rows=ROWS, consumed_through_step=-1)
         await mgr.set_version(1)
         await mgr.start()
         b0 = await mgr.next_batch()
@@ -144,7 +144,8 @@ def test_rollout_manager_as_a_ray_actor(tmp_path, engine, ray_local):
 
     from miles_core.rollout.manager import rollout_manager_actor
 
-    actor = rollout_manager_actor(num_cpus=0).remote(config(tmp_path), engine_urls=[engine.url], rows=ROWS)
+    actor = rollout_manager_actor(num_cpus=0).remote(config(tmp_path), engine_urls=[engine.url], rows=ROWS,
+                                                     consumed_through_step=-1)
     try:
         ray.get(actor.set_version.remote(1))
         ray.get(actor.start.remote())

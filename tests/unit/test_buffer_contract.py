@@ -64,9 +64,15 @@ def root(tmp_path):
     return f"file://{tmp_path}/run"
 
 
+# A resume step after every recorded one: reopen keeps every consumption manifest (a resume from the
+# newest checkpoint of a run that checkpoints every step).
+EVERY_RECORDED_STEP = 10**9
+
+
 def open_buffer(root, capacity=4, **kw):
     kw.setdefault("unused_handler", DropUnused())
     kw.setdefault("coalesce_seconds", 0.0)
+    kw.setdefault("consumed_through_step", EVERY_RECORDED_STEP)
     return DurableBuffer.open(Store(root), capacity_groups=capacity, **kw)
 
 
@@ -75,7 +81,7 @@ def test_custom_buffer_path_is_built_with_config_and_handler(tmp_path):
     cfg = replace_fields(RunConfig(), storage_root=str(tmp_path), custom_async_data_buffer_path=f"{__name__}:ListBuffer")
     validate(cfg)
     handler = DropUnused()
-    buf = build_buffer(cfg, handler)
+    buf = build_buffer(cfg, handler, consumed_through_step=-1)
     assert isinstance(buf, ListBuffer) and buf.config is cfg and buf.handler is handler
     assert isinstance(buf, DataBuffer)
     buf.put(make_group(0))
@@ -92,7 +98,7 @@ def test_bad_custom_buffer_path_errors_clearly(tmp_path, path, expected):
     """A bad custom buffer path fails with the flag's name and what is wrong, at validate and at build."""
     cfg = replace_fields(RunConfig(), storage_root=str(tmp_path), custom_async_data_buffer_path=path)
     with pytest.raises(PluginError, match="--custom-async-data-buffer-path") as e:
-        build_buffer(cfg, DropUnused())
+        build_buffer(cfg, DropUnused(), consumed_through_step=-1)
     assert expected in str(e.value)
     with pytest.raises(ConfigError, match="--custom-async-data-buffer-path"):
         validate(cfg)
@@ -153,7 +159,8 @@ class FailingStore(Store):
 
 def test_put_raises_when_commit_fails_and_frees_its_slot(tmp_path):
     """put never reports success for an uncommitted group; a failed commit raises and frees the slot."""
-    buf = DurableBuffer.open(FailingStore(str(tmp_path)), capacity_groups=1, unused_handler=DropUnused())
+    buf = DurableBuffer.open(FailingStore(str(tmp_path)), capacity_groups=1, unused_handler=DropUnused(),
+                             consumed_through_step=-1)
     try:
         for i in range(2):  # the second put would block forever if the first leaked its slot
             with pytest.raises(StorageUnavailable):

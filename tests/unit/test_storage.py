@@ -391,3 +391,19 @@ def test_uris_and_local_paths(tmp_path):
     assert Store(str(tmp_path)).uri("a/b") == f"file://{tmp_path}/a/b"
     with pytest.raises(InvalidName):
         run_root_uri("s3://b", "../escape")
+
+
+def test_file_commits_fsync_the_directories_they_change(tmp_path, monkeypatch):
+    """A rename or a new directory lives in its parent directory: each is fsynced, or a power loss
+    could undo a commit whose file data was fsynced (issue 16 item 4)."""
+    synced = []
+    real = storage.fsync_dir
+    monkeypatch.setattr(storage, "fsync_dir", lambda path: (synced.append(path), real(path)))
+    s = Store(f"file://{tmp_path}/root")
+    s.put_bytes("a/b/c.arrow", b"x")
+    root = f"{tmp_path}/root"
+    assert synced == [str(tmp_path), root, f"{root}/a", f"{root}/a/b"], synced  # 3 mkdirs, then the rename
+    synced.clear()
+    s.move("a/b/c.arrow", "q/c.arrow")
+    assert synced == [root, f"{root}/q"], synced
+    assert s.get_bytes("q/c.arrow") == b"x"
