@@ -38,7 +38,7 @@ def _buffer(argv: list[str]) -> int:
         return 2
     from miles_core.buffer.inspect import inspect_buffer
 
-    print(json.dumps(inspect_buffer(argv[1]), indent=2, sort_keys=True))
+    print(json.dumps(inspect_buffer(_existing_run(argv[1])), indent=2, sort_keys=True))
     return 0
 
 
@@ -49,8 +49,16 @@ def _report(argv: list[str]) -> int:
     from miles_core.metrics.report import write_report
 
     out = argv[argv.index("-o") + 1] if "-o" in argv else "report.html"
-    print(write_report(argv[0], out))
+    print(write_report(_existing_run(argv[0]), out))
     return 0
+
+
+def _existing_run(run_uri: str) -> str:
+    from miles_core.run_root import require_run
+    from miles_core.storage import Store
+
+    require_run(Store(run_uri))
+    return run_uri
 
 
 def _import_model(argv: list[str]) -> int:

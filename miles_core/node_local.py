@@ -74,8 +74,8 @@ def _download(src: Store, dest: str, required: str | None) -> None:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".partial-", dir=os.path.dirname(dest))
     try:
-        for key in keys:  # Store keys never hold '..' (Store.path refuses them)
-            out = os.path.join(tmp, *key.split("/"))
+        for key in keys:
+            out = _inside(tmp, key, src)
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "wb") as f:
                 f.write(src.get_bytes(key))
@@ -87,6 +87,16 @@ def _download(src: Store, dest: str, required: str | None) -> None:
         if not os.path.exists(os.path.join(dest, MARKER)):
             raise
         # another process on this node finished the same copy first: use it
+
+
+def _inside(root: str, key: str, src: Store) -> str:
+    """The local path of listed `key` under `root`; HandoffError for a key that would escape it (an
+    object store can hold a key such as `a/../../x`, or an absolute one)."""
+    parts = key.split("/")
+    if key.startswith("/") or any(p in ("..", "") for p in parts):
+        raise HandoffError(f"{src.uri()} lists the key {key!r}, which would be written outside the local copy; "
+                           "refusing to copy it")
+    return os.path.join(root, *parts)
 
 
 def prune(kind: str, keep_also: str | None = None) -> None:

@@ -115,6 +115,18 @@ def next_segment(store: Store) -> int:
     return 0 if status is None else status.segment + 1
 
 
+class RunNotFound(ValueError):
+    """A command was pointed at a run root that holds no run (a typo must not read as an empty run)."""
+
+
+def require_run(store: Store) -> Store:
+    """`store` if it holds a run (config.json, STATUS.json or a buffer), else RunNotFound naming it."""
+    if store.exists(CONFIG_KEY) or store.exists(STATUS_KEY) or store.list("buffer/"):
+        return store
+    raise RunNotFound(f"no run at {store.uri()}: it has no {CONFIG_KEY}, {STATUS_KEY} or buffer/. A run root is "
+                      "{storage_root}/runs/{run_id} (e.g. file:///path/.miles/runs/default).")
+
+
 def _get_json(store: Store, key: str):
     try:
         return store.get_json(key)

@@ -6,6 +6,9 @@ flags and says what to do. It never rewrites the config.
 
 from __future__ import annotations
 
+import math
+import os
+
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.engines.auth import bind_problem
 from miles_core.plugins import PluginError, load_plugin
@@ -32,8 +35,8 @@ def validate(cfg: RunConfig) -> RunConfig:
     problems = _types(cfg)
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    for check in (_ranges, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-                  _batch_and_load_rules, _names, _plugins, _engine_exposure):
+    for check in (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
+                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -109,6 +112,50 @@ def _ranges(cfg: RunConfig) -> list[str]:
         p.append(f"--buffer-coalesce-seconds={b.buffer_coalesce_seconds} must be >= 0.")
     if not 0 <= t.tis_clip_low < t.tis_clip:
         p.append(f"--tis-clip-low={t.tis_clip_low} and --tis-clip={t.tis_clip} need 0 <= low < high.")
+    return p
+
+
+# (section, field, rule, what the rule says): numeric flags without a rule of their own in _ranges.
+_POSITIVE, _NON_NEGATIVE = (lambda v: v > 0, "must be > 0"), (lambda v: v >= 0, "must be >= 0")
+_AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+BOUNDS = [
+    ("run", "seed", *_NON_NEGATIVE), ("run", "num_cpus_per_engine", *_NON_NEGATIVE),
+    ("run", "num_cpus_trainer", *_NON_NEGATIVE),
+    ("model", "tiny_num_layers", *_AT_LEAST_1), ("model", "tiny_hidden_size", *_AT_LEAST_1),
+    ("model", "tiny_num_heads", *_AT_LEAST_1),
+    ("rollout", "rollout_top_k", lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1"),
+    ("rollout", "engine_request_timeout_seconds", *_POSITIVE), ("rollout", "reward_timeout_seconds", *_POSITIVE),
+    ("engine", "rollout_num_gpus_per_engine", *_AT_LEAST_1), ("engine", "engine_max_running_requests", *_AT_LEAST_1),
+    ("engine", "sglang_mem_fraction_static", lambda v: 0 < v < 1, "must be in (0, 1)"),
+    ("engine", "engine_startup_timeout_seconds", *_POSITIVE),
+    ("train", "weight_decay", *_NON_NEGATIVE), ("train", "clip_grad", *_NON_NEGATIVE),
+    ("train", "eps_clip", *_POSITIVE), ("train", "eps_clip_high", *_POSITIVE),
+    ("train", "entropy_coef", *_NON_NEGATIVE),
+    ("eval", "eval_max_response_len", *_AT_LEAST_1), ("eval", "eval_temperature", *_NON_NEGATIVE),
+    ("eval", "eval_max_prompts", *_AT_LEAST_1), ("eval", "eval_backpressure_timeout_seconds", *_POSITIVE),
+]
+
+
+def _bounds(cfg: RunConfig) -> list[str]:
+    flags = {(s.section, s.name): s.flag for s in flag_table()}
+    p = []
+    for section, name, ok, rule in BOUNDS:
+        value = getattr(getattr(cfg, section), name)
+        if value is not None and not ok(value):
+            p.append(f"{flags[(section, name)]}={value} {rule}.")
+    m = cfg.model
+    if m.tiny_num_heads >= 1 and m.tiny_hidden_size % m.tiny_num_heads:
+        p.append(f"--tiny-hidden-size={m.tiny_hidden_size} must be a multiple of --tiny-num-heads={m.tiny_num_heads}.")
+    return p
+
+
+def _finite(cfg: RunConfig) -> list[str]:
+    """No float flag may be NaN or infinite (every comparison with NaN is False, so ranges miss it)."""
+    p = []
+    for s in flag_table():
+        value = getattr(getattr(cfg, s.section), s.name)
+        if s.kind == "float" and value is not None and not math.isfinite(value):
+            p.append(f"{s.flag}={value} must be a finite number.")
     return p
 
 
@@ -271,6 +318,28 @@ def _names(cfg: RunConfig) -> list[str]:
     if cfg.model.hf_checkpoint.startswith("builtin:") and cfg.model.hf_checkpoint not in BUILTIN_MODELS:
         p.append(f"--hf-checkpoint={cfg.model.hf_checkpoint!r}: unknown builtin model; known: {', '.join(BUILTIN_MODELS)}.")
     return p
+
+
+def _local_inputs(cfg: RunConfig) -> list[str]:
+    """Inputs on this machine's filesystem (a plain path or file://) must exist now, before any cluster
+    starts; object-store URIs are checked where they are first read (the data and model tasks)."""
+    inputs = [("--prompt-data", cfg.data.prompt_data), ("--hf-checkpoint", cfg.model.hf_checkpoint),
+              ("--ref-load", cfg.train.ref_load),
+              *(("--eval-prompt-data", item.partition("=")[2]) for item in cfg.eval.eval_prompt_data)]
+    p = []
+    for flag, value in inputs:
+        path = _local_path(value)
+        if path is not None and not os.path.exists(path):
+            p.append(f"{flag}={value!r}: no such file or directory.")
+    return p
+
+
+def _local_path(value: str) -> str | None:
+    if not value or value.startswith(("builtin:", "import:")):
+        return None
+    if value.startswith("file://"):
+        return value[len("file://"):]
+    return None if "://" in value else value
 
 
 def _plugins(cfg: RunConfig) -> list[str]:

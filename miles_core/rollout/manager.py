@@ -127,7 +127,8 @@ class RolloutManager:
 
             rows = load_prompts(Store(cfg.run_uri))
         source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle)
-        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg))
+        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg),
+                            timeout_seconds=r.reward_timeout_seconds)
         budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
         admission = StalenessAdmission(r.max_weight_staleness, r.rollout_batch_size * r.update_weights_interval)
         self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,

@@ -29,6 +29,7 @@ objects bound to the caller's loop). `Rewarder.close()` stops those threads.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import logging
@@ -152,8 +153,10 @@ class Rewarder:
     function gets the ids joined by spaces (enough for the digit tasks, wrong for real text).
     """
 
-    def __init__(self, fn: Callable, decode: Decode | None = None, threads: int = 8):
+    def __init__(self, fn: Callable, decode: Decode | None = None, threads: int = 8,
+                 timeout_seconds: float | None = None):
         self.fn = fn
+        self.timeout_seconds = timeout_seconds  # `--reward-timeout-seconds`; None: wait for ever
         self.batched = bool(getattr(fn, "batched", False))
         self.needs_text = bool(getattr(fn, "needs_text", False))
         self.decode = decode or (lambda ids: " ".join(map(str, ids)))
@@ -211,7 +214,12 @@ class Rewarder:
 
     async def _evaluate(self, make_args: Callable[[], tuple]) -> Any:
         """`fn(*make_args())` off the caller's loop (see the module docstring)."""
-        return await self._workers.call(self.fn, make_args)
+        try:
+            return await asyncio.wait_for(self._workers.call(self.fn, make_args), self.timeout_seconds)
+        except asyncio.TimeoutError:
+            name = getattr(self.fn, "__qualname__", repr(self.fn))
+            raise RewardError(f"reward function {name} did not return within {self.timeout_seconds:g} s "
+                              "(--reward-timeout-seconds); its thread is abandoned") from None
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the worker threads (a reward still running is abandoned after `timeout`). Idempotent;

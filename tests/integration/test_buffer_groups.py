@@ -191,3 +191,9 @@ def test_a_plugin_gets_the_store_and_the_resume_step_or_a_warning(tmp_path, capl
     with caplog.at_level(logging.WARNING, logger="miles_core.buffer.contract"):
         build_buffer(cfg, DropUnused(), consumed_through_step=7)
     assert "exactly-once across segments is lost" in caplog.text and "PlainBuffer" in caplog.text
+
+
+def test_no_test_can_hang_the_suite(pytestconfig):
+    """pytest-timeout bounds every test (pyproject.toml): a get() that blocks forever fails, with stacks."""
+    assert float(pytestconfig.getini("timeout")) > 0
+    assert pytestconfig.pluginmanager.hasplugin("timeout")

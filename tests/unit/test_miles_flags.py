@@ -124,10 +124,19 @@ RECIPE = """
 """.split()
 
 
-def test_a_miles_fully_async_recipe_parses_with_miles_meaning():
-    cfg = parse_flags(RECIPE)
+def recipe(tmp_path) -> list[str]:
+    """RECIPE with its paths under tmp_path, created: validation checks that local inputs exist."""
+    for d in ("root/Qwen3-4B", "root/Qwen3-4B_torch_dist", "path/to"):
+        (tmp_path / d).mkdir(parents=True)
+    (tmp_path / "path/to/dapo-math-17k.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')
+    return [f"{tmp_path}{a}" if a.startswith(("/root/", "/path/")) else a for a in RECIPE]
+
+
+def test_a_miles_fully_async_recipe_parses_with_miles_meaning(tmp_path):
+    cfg = parse_flags(recipe(tmp_path))
+    root = f"{tmp_path}/root"
     assert (cfg.model.hf_checkpoint, cfg.train.ref_load, cfg.train.load, cfg.train.save, cfg.train.save_interval) == (
-        "/root/Qwen3-4B", "/root/Qwen3-4B_torch_dist", "/root/Qwen3-4B_slime/", "/root/Qwen3-4B_slime/", 20)
+        f"{root}/Qwen3-4B", f"{root}/Qwen3-4B_torch_dist", f"{root}/Qwen3-4B_slime/", f"{root}/Qwen3-4B_slime/", 20)
     assert (cfg.data.input_key, cfg.data.label_key, cfg.data.apply_chat_template, cfg.data.rollout_shuffle) == (
         "prompt", "label", True, True)
     assert cfg.optimizer_steps_per_rollout == 32 * 8 // 256 == 1
@@ -135,16 +144,17 @@ def test_a_miles_fully_async_recipe_parses_with_miles_meaning():
     assert cfg.train.use_kl_loss and cfg.train.kl_loss_coef == 0.0 and cfg.train.eps_clip_high == 0.28
 
 
-def test_the_recipe_flags_not_implemented_are_refused_by_name():
+def test_the_recipe_flags_not_implemented_are_refused_by_name(tmp_path):
+    flags = recipe(tmp_path)
     extra = ["--rm-type", "dapo", "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216",
              "--adam-beta2", "0.98"]
     with pytest.raises(ConfigError) as e:
-        parse_flags(RECIPE + extra)
+        parse_flags(flags + extra)
     msg = str(e.value)
     for flag in ("--rm-type", "--sequence-parallel", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "--adam-beta2"):
         assert f"{flag} (a miles flag) is not supported" in msg
     with pytest.raises(ConfigError, match="--rollout-function-path.*not supported"):
-        parse_flags(RECIPE + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"])
+        parse_flags(flags + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"])
 
 
 def test_preset_sets_its_flags_and_explicit_flags_win():
