@@ -4,6 +4,8 @@
     miles buffer inspect RUN_URI     counts of the durable buffer as JSON
     miles report RUN_URI [-o FILE]   self-contained HTML report of a run
     miles import-model SRC DEST_URI  import a GGUF file (or import:NAME) or an HF directory (DESIGN §18)
+    miles fork RUN_URI --at-step K --new-run ID [FLAGS...]   a new run from step K's checkpoint (§8.3)
+    miles replay RUN_URI [--steps N] [FLAGS...]  retrain on the recorded groups, no generation
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def _buffer(argv: list[str]) -> int:
 
 
 def _report(argv: list[str]) -> int:
-    if not argv:
+    if not argv or argv[-1] == "-o":
         print("usage: miles report RUN_URI [-o FILE]", file=sys.stderr)
         return 2
     from miles_core.metrics.report import write_report
@@ -83,7 +85,20 @@ def _import_model(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report, "import-model": _import_model}
+def _fork(argv: list[str]) -> int:
+    from miles_core.lineage.fork import main as fork_main
+
+    return fork_main(argv)
+
+
+def _replay(argv: list[str]) -> int:
+    from miles_core.lineage.replay import main as replay_main
+
+    return replay_main(argv)
+
+
+COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report, "import-model": _import_model,
+            "fork": _fork, "replay": _replay}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,7 +156,7 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
 
     rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
         cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
-        consumed_through_step=extras.get("consumed_through_step", -1)))
+        consumed_through_step=extras.get("consumed_through_step", start_step - 1)))
     rollout.call("set_version", version_box[0]).result()
     rollout.call("start").result()
     stack.callback(lambda: rollout.call("stop").result())

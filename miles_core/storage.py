@@ -7,8 +7,11 @@ in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (DESIGN §3):
   commit survives a power loss;
   object stores get a single PUT (atomic there);
 - listings are sorted, so zero-padded keys come back in step/sequence order from one listing;
-- transient errors are retried with exponential backoff; when storage stays unreachable the
-  caller gets StorageUnavailable naming the URI and the last cause (never the credentials).
+- transient errors are retried with bounded exponential backoff (0.1 s doubling to 4 s, jittered)
+  until a total deadline (`DEADLINE_SECONDS`, 60 s: a restarted or briefly unreachable S3
+  endpoint does not end a run) or the attempt limit; every retry is logged. When storage stays
+  unreachable the caller gets StorageUnavailable naming the URI and the last cause (never the
+  credentials).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TMP_MARK = ".tmp-"
+DEADLINE_SECONDS = 60.0  # how long a storage operation keeps retrying transient errors
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
 
 
@@ -138,8 +142,9 @@ def is_transient(e: BaseException) -> bool:
 
 
 class Store:
-    def __init__(self, root_uri: str, *, retries: int = 6, backoff_seconds: float = 0.1,
-                 max_backoff_seconds: float = 4.0, storage_options: dict | None = None):
+    def __init__(self, root_uri: str, *, retries: int = 40, backoff_seconds: float = 0.1,
+                 max_backoff_seconds: float = 4.0, deadline_seconds: float = DEADLINE_SECONDS,
+                 storage_options: dict | None = None):
         self.root_uri = normalize_uri(root_uri)
         protocol = self.root_uri.split("://", 1)[0]
         opts = dict(storage_options or {})
@@ -157,6 +162,7 @@ class Store:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
+        self.deadline_seconds = deadline_seconds
 
     def __repr__(self) -> str:
         return f"Store({self.root_uri!r})"
@@ -182,22 +188,24 @@ class Store:
     # ------------------------------------------------------------------ retry
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        delay = self.backoff_seconds
+        """`fn()`, retrying transient errors until `retries` or `deadline_seconds` (whichever comes first)."""
+        delay, start = self.backoff_seconds, time.monotonic()
         for attempt in range(self.retries + 1):
             try:
                 return fn()
             except Exception as e:  # noqa: BLE001 - classified below
                 if not is_transient(e):
                     raise
-                if attempt == self.retries:
+                elapsed, wait = time.monotonic() - start, delay * (0.5 + random.random())
+                if attempt == self.retries or elapsed + wait > self.deadline_seconds:
                     raise StorageUnavailable(
-                        f"storage at {self.root_uri} unreachable: {what} failed {self.retries + 1} times; "
-                        f"last error: {type(e).__name__}: {_redact(str(e))[:300]}. Check the endpoint "
-                        "(AWS_ENDPOINT_URL / MILES_S3_ENDPOINT_URL), network and credentials."
+                        f"storage at {self.root_uri} unreachable: {what} failed {attempt + 1} times over "
+                        f"{elapsed:.1f} s; last error: {type(e).__name__}: {_redact(str(e))[:300]}. Check the "
+                        "endpoint (AWS_ENDPOINT_URL / MILES_S3_ENDPOINT_URL), network and credentials."
                     ) from e
-                log.warning("storage %s: %s failed (%s), retry %d/%d in %.2fs", self.root_uri, what,
-                            type(e).__name__, attempt + 1, self.retries, delay)
-                time.sleep(delay * (0.5 + random.random()))
+                log.warning("storage %s: %s failed (%s), retry %d in %.2fs (%.1f s of %.0f s spent)", self.root_uri,
+                            what, type(e).__name__, attempt + 1, wait, elapsed, self.deadline_seconds)
+                time.sleep(wait)
                 delay = min(delay * 2, self.max_backoff_seconds)
         raise AssertionError("unreachable")
 

@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
+from miles_core import chaos
 from miles_core.buffer import metrics as M
 from miles_core.buffer import objects as O
 from miles_core.buffer.contract import (
@@ -110,7 +111,6 @@ class DurableBuffer:
         self._remaining: dict[str, set[str]] = {}  # object key -> its groups not yet recorded
         self._members: dict[str, list[str]] = {}  # object key -> all its group ids, until the object is done
         self._done: dict[str, set[int]] = {}  # writer -> seqs of its objects consumed entirely
-        self._done_since_compact: list[str] = []  # object keys done since the last compaction
         self._last_step: int | None = None
         self._last_version: int | None = None
         self._error: BaseException | None = None
@@ -156,8 +156,8 @@ class DurableBuffer:
 
     def _load_consumption(self, through: int) -> set[str]:
         """Group ids consumed or rejected through `through` (in objects not entirely done); fills `_done`."""
+        base_step, consumed = self._load_compaction(self.store.list(O.COMPACTED), through)
         keys = self.store.list(O.CONSUMED)
-        base_step, consumed = self._load_compaction(keys, through)
         later = []
         for key in keys:
             step = O.consumed_step(key)
@@ -210,7 +210,6 @@ class DurableBuffer:
         fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]
         if not fresh:  # consumed entirely, but no manifest said so: remember it as done
             self._note_done(key)
-            self._done_since_compact.append(key)
             return
         self._members[key] = [sg.group_id for sg in stored]
         for sg in fresh:
@@ -316,6 +315,7 @@ class DurableBuffer:
     def _commit(self, key: str, batch: list[_PendingPut]) -> None:
         try:
             data = O.encode_object([p.batch for p in batch])
+            chaos.point("buffer.commit")
             self.store.put_bytes(key, data)
         except BaseException as e:  # noqa: BLE001 - handed to every waiting put
             with self._lock:
@@ -419,6 +419,7 @@ class DurableBuffer:
                         done.add(entry.key)
         manifest = {"step": step, "consumed": list(group_ids), "rejected": rejected,
                     "objects_done": sorted(done), "written_at": time.time()}
+        chaos.point("buffer.record")
         self.store.put_json(O.consumed_key(step), manifest)
         with self._lock:
             self._last_step = step
@@ -429,13 +430,12 @@ class DurableBuffer:
                 self._remaining.pop(key, None)
                 self._members.pop(key, None)
                 self._note_done(key)
-                self._done_since_compact.append(key)
 
     def compact(self, through_step: int, *, delete_consumed_objects: bool = False) -> None:
         """Fold the consumption record through `through_step` into `upto_{step}.json`; call it once the
         checkpoint of that step is complete (a resume never starts before it again). Earlier
-        compaction records are deleted; with `delete_consumed_objects`, so are the objects consumed
-        entirely since the last compaction (nothing from a checkpoint on needs them)."""
+        compaction records are deleted; with `delete_consumed_objects`, so is every listed object
+        consumed entirely (nothing from this checkpoint on needs them)."""
         with self._lock:
             if self._last_step != through_step:
                 raise ValueError(f"compact({through_step}): the last recorded step is {self._last_step}; compact "
@@ -444,13 +444,15 @@ class DurableBuffer:
                       "objects_done": {w: O.to_ranges(seqs) for w, seqs in sorted(self._done.items())},
                       "consumed": sorted(gid for key, ids in self._members.items()
                                          for gid in ids if gid not in self._remaining.get(key, ()))}
-            doomed, self._done_since_compact = self._done_since_compact, []
         self.store.put_json(O.compact_key(through_step), record)
-        for key in self.store.list(O.CONSUMED):
+        for key in self.store.list(O.COMPACTED):
             step = O.compact_step(key)
             if step is not None and step < through_step:
                 self.store.delete(key)
         if delete_consumed_objects:
+            listed = self.store.list(O.GROUPS)
+            with self._lock:
+                doomed = [key for key in listed if self._is_done(key)]
             for key in doomed:
                 self.store.delete(key)
 

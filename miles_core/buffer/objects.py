@@ -4,7 +4,7 @@
                                                  one batch per group; immutable once committed
     buffer/consumed/{step:08d}.json              {"step", "consumed": [ids], "rejected": [ids],
                                                  "objects_done": [keys]} for training step `step`
-    buffer/consumed/upto_{step:08d}.json         the compaction of every manifest through `step` (written
+    buffer/compacted/upto_{step:08d}.json        the compaction of every manifest through `step` (written
                                                  at a checkpoint): {"through_step", "objects_done":
                                                  {writer: [[first_seq, last_seq], ...]}, "consumed": [ids
                                                  consumed or rejected in objects not yet done]}
@@ -30,6 +30,7 @@ from miles_core.samples import SAMPLE_SCHEMA, Group, SchemaError, batch_to_group
 
 GROUPS = "buffer/groups/"
 CONSUMED = "buffer/consumed/"
+COMPACTED = "buffer/compacted/"
 QUARANTINE = "buffer/quarantine/"
 REASON_SUFFIX = ".reason.json"
 
@@ -57,7 +58,7 @@ def consumed_step(key: str) -> int | None:
 
 
 def compact_key(step: int) -> str:
-    return f"{CONSUMED}upto_{step:08d}.json"
+    return f"{COMPACTED}upto_{step:08d}.json"
 
 
 def compact_step(key: str) -> int | None:

@@ -87,6 +87,7 @@ class RolloutSection:
     dynamic_sampling_filter_path: str = opt("", "module:function(group) -> (keep, reason) applied at buffer put; dropped groups are counted by reason.")
     rollout_sample_filter_path: str = opt("", "module:function(groups) marking samples excluded from the loss (mark only, never drops).")
     engine_request_timeout_seconds: float = opt(600.0, "Timeout of one /generate request.")
+    custom_generate_timeout_seconds: float = opt(3600.0, "An episode of --custom-generate-function-path that has not returned after this long fails its group, as a raising one does (a hung environment or tool never holds its submission credit for ever).")
     reward_timeout_seconds: float = opt(300.0, "A reward function call (per sample, or per group when batched) that has not returned after this long fails its samples, as a raising one does (a hung reward never stalls the run).")
 
 

@@ -36,7 +36,7 @@ def validate(cfg: RunConfig) -> RunConfig:
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     for check in (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs):
+                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs, _uri_schemes):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
@@ -125,6 +125,7 @@ BOUNDS = [
     ("model", "tiny_num_heads", *_AT_LEAST_1),
     ("rollout", "rollout_top_k", lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1"),
     ("rollout", "engine_request_timeout_seconds", *_POSITIVE), ("rollout", "reward_timeout_seconds", *_POSITIVE),
+    ("rollout", "custom_generate_timeout_seconds", *_POSITIVE),
     ("engine", "rollout_num_gpus_per_engine", *_AT_LEAST_1), ("engine", "engine_max_running_requests", *_AT_LEAST_1),
     ("engine", "sglang_mem_fraction_static", lambda v: 0 < v < 1, "must be in (0, 1)"),
     ("engine", "engine_startup_timeout_seconds", *_POSITIVE),
@@ -320,17 +321,39 @@ def _names(cfg: RunConfig) -> list[str]:
     return p
 
 
+def _inputs(cfg: RunConfig) -> list[tuple[str, str]]:
+    """(flag, path or URI) of everything the run reads from outside its run root."""
+    return [("--prompt-data", cfg.data.prompt_data), ("--hf-checkpoint", cfg.model.hf_checkpoint),
+            ("--ref-load", cfg.train.ref_load),
+            *(("--eval-prompt-data", item.partition("=")[2]) for item in cfg.eval.eval_prompt_data)]
+
+
 def _local_inputs(cfg: RunConfig) -> list[str]:
     """Inputs on this machine's filesystem (a plain path or file://) must exist now, before any cluster
-    starts; object-store URIs are checked where they are first read (the data and model tasks)."""
-    inputs = [("--prompt-data", cfg.data.prompt_data), ("--hf-checkpoint", cfg.model.hf_checkpoint),
-              ("--ref-load", cfg.train.ref_load),
-              *(("--eval-prompt-data", item.partition("=")[2]) for item in cfg.eval.eval_prompt_data)]
+    starts; object-store URIs are checked where they are first read (the data and model steps, which
+    run before any actor starts)."""
     p = []
-    for flag, value in inputs:
+    for flag, value in _inputs(cfg):
         path = _local_path(value)
         if path is not None and not os.path.exists(path):
             p.append(f"{flag}={value!r}: no such file or directory.")
+    return p
+
+
+def _uri_schemes(cfg: RunConfig) -> list[str]:
+    """Every URI's scheme names a filesystem this install can open (a typo such as `s4://` or `htps://`
+    would otherwise surface only when the first task reads it). No network call: cheap at validation."""
+    import fsspec
+
+    p = []
+    for flag, value in [("--storage-root", cfg.run.storage_root), *_inputs(cfg)]:
+        if "://" not in (value or ""):
+            continue
+        scheme = value.partition("://")[0]
+        try:
+            fsspec.get_filesystem_class(scheme)
+        except (ValueError, ImportError) as e:
+            p.append(f"{flag}={value!r}: the scheme '{scheme}://' cannot be opened here ({e}).")
     return p
 
 

@@ -113,6 +113,7 @@ class CausalLM:
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor], source: str = "?"):
         self.spec = spec
+        _check_shapes(spec, tensors, source)
         try:
             self.layers, self.top = (_gpt2_weights if spec.family == "gpt2" else _llama_weights)(spec, tensors)
         except KeyError as e:
@@ -239,6 +240,44 @@ def _strip(tensors: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[
                 break
         out[k] = v
     return out
+
+
+def _check_shapes(spec: ModelSpec, tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Every weight has the shape config.json implies. A snapshot with other shapes would load and then
+    fail mid-generation with an opaque broadcast error; it is refused at load, naming the tensor."""
+    t = _strip(tensors, ("transformer.", "model."))
+    for name, want in _expected_shapes(spec, t).items():
+        got = tuple(t[name].shape) if name in t else want  # a missing tensor is named when the weights are built
+        if got != want:
+            raise ModelLoadError(f"{source}: tensor {name!r} has shape {list(got)}, but config.json implies "
+                                 f"{list(want)}; the weights do not match their config.")
+
+
+def _expected_shapes(spec: ModelSpec, t: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Shapes by (prefix-stripped) HF name; the MLP width, which ModelSpec does not hold, from layer 0."""
+    h, v = spec.hidden_size, spec.vocab_size
+    want = {"lm_head.weight": (v, h)}
+    if spec.family == "gpt2":  # Conv1D weights are [in, out]
+        f = t["h.0.mlp.c_fc.weight"].shape[-1] if "h.0.mlp.c_fc.weight" in t else 4 * h
+        want |= {"wte.weight": (v, h), "wpe.weight": (spec.max_positions, h), "ln_f.weight": (h,), "ln_f.bias": (h,)}
+        layer, per_layer = "h.{}.", {
+            "ln_1.weight": (h,), "ln_1.bias": (h,), "ln_2.weight": (h,), "ln_2.bias": (h,),
+            "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,), "attn.c_proj.weight": (h, h),
+            "attn.c_proj.bias": (h,), "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
+            "mlp.c_proj.bias": (h,)}
+    else:
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        f = t["layers.0.mlp.gate_proj.weight"].shape[0] if "layers.0.mlp.gate_proj.weight" in t else 4 * h
+        want |= {"embed_tokens.weight": (v, h), "norm.weight": (h,)}
+        layer, per_layer = "layers.{}.", {
+            "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+            "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h), "self_attn.v_proj.weight": (kv, h),
+            "self_attn.o_proj.weight": (h, q), "self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+            "self_attn.v_proj.bias": (kv,), "self_attn.o_proj.bias": (h,), "mlp.gate_proj.weight": (f, h),
+            "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    for i in range(spec.num_layers):
+        want |= {layer.format(i) + name: shape for name, shape in per_layer.items()}
+    return want
 
 
 def _gpt2_weights(spec: ModelSpec, tensors):

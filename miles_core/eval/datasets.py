@@ -131,7 +131,7 @@ def eval_episode(cfg) -> Callable[[Any, Sample, dict], Awaitable[list[Sample]]] 
     """The run's custom generate function as eval runs it (evaluation=True, on the eval engines), or None."""
     from miles_core.rollout.episodes import GenerateArgs, load_generate_function
 
-    fn = load_generate_function(cfg.rollout.custom_generate_function_path)
+    fn = load_generate_function(cfg.rollout.custom_generate_function_path, cfg.rollout.custom_generate_timeout_seconds)
     if fn is None:
         return None
 

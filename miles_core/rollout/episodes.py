@@ -31,6 +31,7 @@ producer turns it into a failed group (never a failed worker).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -88,8 +89,9 @@ class GenerateArgs:
 class GenerateFunction:
     """A resolved, signature-checked custom generate function; calling it runs one episode."""
 
-    def __init__(self, fn: Any, path: str):
+    def __init__(self, fn: Any, path: str, timeout_seconds: float | None = None):
         self.fn, self.path = fn, path
+        self.timeout_seconds = timeout_seconds  # `--custom-generate-timeout-seconds`; None: wait for ever
         target = fn if inspect.isfunction(fn) or inspect.ismethod(fn) else getattr(fn, "__call__", fn)
         if not inspect.iscoroutinefunction(target):
             raise PluginError(f"{FLAG}={path!r}: {getattr(fn, '__name__', fn)!r} is not an async function; "
@@ -107,16 +109,26 @@ class GenerateFunction:
                        evaluation: bool = False) -> list[Sample]:
         """One episode: the samples it produced (checked), or GenerateFunctionError naming the function."""
         kwargs = {"evaluation": True} if evaluation and self.accepts_evaluation else {}
-        try:
-            out = await self.fn(args, sample, dict(sampling_params), **kwargs)
-        except Exception as e:  # noqa: BLE001 - re-raised with the function's name, cause chained
-            raise GenerateFunctionError(f"{FLAG} {self.path} raised {type(e).__name__}: {e}") from e
+        out = await self._within_timeout(self.fn(args, sample, dict(sampling_params), **kwargs))
         samples = out if isinstance(out, list) else [out]
         if not samples:
             raise GenerateFunctionError(f"{FLAG} {self.path} returned an empty list; return the sample")
         for s in samples:
             self._check(s, sample)
         return samples
+
+    async def _within_timeout(self, episode) -> Any:
+        """The episode's result; its exception, or its not returning within the timeout (the episode is
+        then cancelled), as a GenerateFunctionError naming the function."""
+        deadline = asyncio.timeout(self.timeout_seconds)
+        try:
+            async with deadline:
+                return await episode
+        except Exception as e:  # noqa: BLE001 - re-raised with the function's name, cause chained
+            if isinstance(e, TimeoutError) and deadline.expired():
+                raise GenerateFunctionError(f"{FLAG} {self.path} did not return within {self.timeout_seconds:g} s "
+                                            "(--custom-generate-timeout-seconds); its episode was cancelled") from None
+            raise GenerateFunctionError(f"{FLAG} {self.path} raised {type(e).__name__}: {e}") from e
 
     def _check(self, s: Any, original: Sample) -> None:
         where = f"{FLAG} {self.path}"
@@ -180,8 +192,8 @@ def fill_environment_versions(sample: Sample) -> None:
         sample.token_versions = [first if v == _UNKNOWN_VERSION else v for v in sample.token_versions]
 
 
-def load_generate_function(path: str) -> GenerateFunction | None:
+def load_generate_function(path: str, timeout_seconds: float | None = None) -> GenerateFunction | None:
     """`--custom-generate-function-path` resolved and checked (None when unset); PluginError names the flag."""
     if not path:
         return None
-    return GenerateFunction(load_plugin(path, FLAG), path)
+    return GenerateFunction(load_plugin(path, FLAG), path, timeout_seconds)

@@ -134,7 +134,8 @@ class RolloutManager:
         self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
                                  admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode,
                                  max_seq_len=cfg.data.max_seq_len,
-                                 generate_fn=load_generate_function(r.custom_generate_function_path),
+                                 generate_fn=load_generate_function(r.custom_generate_function_path,
+                                                                    r.custom_generate_timeout_seconds),
                                  generate_args=GenerateArgs(engine=engine, config=cfg))
         handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
         if buffer_factory is None:

@@ -213,10 +213,15 @@ class Rewarder:
         return (sample, self.decode(sample.response_ids)) if self.needs_text else (sample,)
 
     async def _evaluate(self, make_args: Callable[[], tuple]) -> Any:
-        """`fn(*make_args())` off the caller's loop (see the module docstring)."""
+        """`fn(*make_args())` off the caller's loop (see the module docstring). A TimeoutError the
+        function raises itself is its own failure, not the timeout's."""
+        deadline = asyncio.timeout(self.timeout_seconds)
         try:
-            return await asyncio.wait_for(self._workers.call(self.fn, make_args), self.timeout_seconds)
-        except asyncio.TimeoutError:
+            async with deadline:
+                return await self._workers.call(self.fn, make_args)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
             name = getattr(self.fn, "__qualname__", repr(self.fn))
             raise RewardError(f"reward function {name} did not return within {self.timeout_seconds:g} s "
                               "(--reward-timeout-seconds); its thread is abandoned") from None

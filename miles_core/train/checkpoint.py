@@ -17,6 +17,8 @@ import json
 import re
 
 from safetensors.torch import load as load_tensors
+
+from miles_core import chaos
 from miles_core.storage import ObjectNotFound, Store
 from miles_core.weights.tensor_files import put_tensors
 
@@ -106,6 +108,7 @@ class CheckpointManager:
             for part in TENSOR_PARTS:
                 put_tensors(self.store, f"{d}/{part}{suffix}.safetensors", tensors[part])
             self.store.put_json(f"{d}/trainer{suffix}.json", meta)
+        chaos.point("checkpoint.write")
         _barrier()  # every TP rank's shards are committed before rank 0 marks the checkpoint complete
         if marks:
             self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})

@@ -63,7 +63,9 @@ class TrainerWorker:
         from miles_core.weights.sync import WeightSync
 
         self.loop = asyncio.new_event_loop()
-        self.engines = EngineClient(list(engine_urls))
+        # An engine that dies mid-run is restarted by its actor; the push waits for it (control calls
+        # retried 0.5 s doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
+        self.engines = EngineClient(list(engine_urls), control_retries=6)
         self.transport = self._transport(engine_urls, engine_actors)
         self.sync = WeightSync(engines=[self.engines], transport=self.transport, publish=lambda v: None,
                                pause_mode=self.cfg.rollout.pause_generation_mode)

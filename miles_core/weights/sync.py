@@ -38,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
+from miles_core import chaos
 from miles_core.storage import Store
 from miles_core.node_local import localize
 from miles_core.weights.snapshot import MARKER, export_snapshot
@@ -137,6 +138,7 @@ class WeightSync:
         t1 = time.perf_counter()
         try:  # every engine is resumed whatever fails in between, so none stays paused
             await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+            chaos.point("weights.push")
             await self.transport.load(self.engines, version)
         finally:
             await asyncio.gather(*(e.continue_generation() for e in self.engines))

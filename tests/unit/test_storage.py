@@ -241,9 +241,9 @@ def flaky(monkeypatch):
     FlakyFS.store, FlakyFS.pseudo_dirs, FlakyFS.failures, FlakyFS.calls = {}, [""], 0, 0
     FlakyFS.error = ConnectionError
     sleeps: list[float] = []
-    # Record the backoff instead of waiting; replace the module's `time` (not time.sleep itself, which
-    # other threads such as fsspec's event loop may be using).
-    monkeypatch.setattr(storage, "time", types.SimpleNamespace(sleep=sleeps.append))
+    # Record the backoff instead of waiting, on a fake clock the sleeps advance; replace the module's
+    # `time` (not time.sleep itself, which other threads such as fsspec's event loop may be using).
+    monkeypatch.setattr(storage, "time", types.SimpleNamespace(sleep=sleeps.append, monotonic=lambda: sum(sleeps)))
     return sleeps
 
 
@@ -288,6 +288,22 @@ def test_persistent_fault_is_storage_unavailable(flaky):
     assert "abc123" not in message and "token=***" in message
     assert isinstance(info.value.__cause__, ConnectionError)
     assert FlakyFS.calls == 3
+
+
+def test_retries_stop_at_the_total_deadline(flaky):
+    """Pins: with attempts to spare, retrying stops once the next wait would pass `deadline_seconds`, and
+    the error says how long it tried; an outage shorter than the deadline is waited out.
+    Guards: a 10 s S3 restart failing a run (too few retries), or retrying for ever (no deadline)."""
+    s = Store("flakytest://bucket/run", retries=1000, backoff_seconds=0.1, max_backoff_seconds=4.0,
+              deadline_seconds=20.0)
+    FlakyFS.failures = 10**6
+    with pytest.raises(StorageUnavailable, match=r"failed \d+ times over \d+\.\d s"):
+        s.put_bytes("k", b"v")
+    assert 20 - 4 * 1.5 < sum(flaky) <= 20 and len(flaky) < 20  # stopped when the next wait would pass 20 s
+    flaky.clear()
+    FlakyFS.failures = 7  # waits of 0.1 .. 4 s nominal, at most 15.5 s jittered: inside the deadline
+    s.put_bytes("k", b"v")
+    assert s.get_bytes("k") == b"v" and len(flaky) == 7
 
 
 @pytest.mark.parametrize("error", [PermissionError, FileNotFoundError, ValueError])
