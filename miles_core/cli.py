@@ -6,6 +6,10 @@
     miles import-model SRC DEST_URI  import a GGUF file (or import:NAME) or an HF directory (DESIGN §18)
     miles fork RUN_URI --at-step K --new-run ID [FLAGS...]   a new run from step K's checkpoint (§8.3)
     miles replay RUN_URI [--steps N] [FLAGS...]  retrain on the recorded groups, no generation
+    miles runs show RUN_URI [--json]             state, steps, segments, lease, checkpoints, snapshots,
+                                                 buffer counts and eval results of a run
+    miles lineage RUN_URI GROUP_ID [--json]      a group's prompt, token versions, the step that consumed
+                                                 it, the checkpoint and snapshot that include it, evals near it
 """
 
 from __future__ import annotations
@@ -97,8 +101,33 @@ def _replay(argv: list[str]) -> int:
     return replay_main(argv)
 
 
+def _runs(argv: list[str]) -> int:
+    args = [a for a in argv if a != "--json"]
+    if len(args) != 2 or args[0] != "show":
+        print("usage: miles runs show RUN_URI [--json]", file=sys.stderr)
+        return 2
+    from miles_core.lineage.show import render_summary, run_summary
+
+    return _emit(run_summary(args[1]), render_summary, "--json" in argv)
+
+
+def _lineage(argv: list[str]) -> int:
+    args = [a for a in argv if a != "--json"]
+    if len(args) != 2:
+        print("usage: miles lineage RUN_URI GROUP_ID [--json]", file=sys.stderr)
+        return 2
+    from miles_core.lineage.trace import group_lineage, render_lineage
+
+    return _emit(group_lineage(*args), render_lineage, "--json" in argv)
+
+
+def _emit(data: dict, render, as_json: bool) -> int:
+    print(json.dumps(data, indent=2, sort_keys=True) if as_json else render(data))
+    return 0
+
+
 COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report, "import-model": _import_model,
-            "fork": _fork, "replay": _replay}
+            "fork": _fork, "replay": _replay, "runs": _runs, "lineage": _lineage}
 
 
 def main(argv: list[str] | None = None) -> int:

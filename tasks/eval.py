@@ -3,16 +3,17 @@
 miles_core.eval does the work; it is imported on use (it pulls in engines and torch), so these
 definitions register without it. Contract with miles_core.eval:
     follower.follow_snapshots(cfg) -> summary          runs until STATUS.json leaves `running`
-    backfill.backfill_plan(run_uri, steps, datasets) -> [(step, dataset name, dataset uri), ...]
+    backfill.plan_and_skips(run_uri, steps, datasets) -> ([(step, dataset name, dataset uri), ...],
+                                                          [(step, name or "*", why skipped), ...])
     backfill.evaluate_snapshot(run_uri, step, name, uri, *, n_samples, temperature,
                                max_response_len) -> {metric name: value}   (writes eval/step_k/name.json)
+    backfill.save_backfill_table(run_uri, rows, skipped) -> (its URI, the table as text)
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, NamedTuple, Optional
 
-import pyarrow as pa
 from flytekit import Deck, Resources, StructuredDataset, dynamic, map_task, task
 
 from images import task_image
@@ -64,17 +65,23 @@ def evaluate_jobs(run_uri: str, jobs: List[EvalJob], concurrency: int) -> List[E
     return map_task(eval_snapshot, concurrency=concurrency)(job=jobs).with_overrides(**sized)
 
 
+BackfillPlan = NamedTuple("BackfillPlan", [("jobs", List[EvalJob]), ("skipped", List[str])])
+
+
 @task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"))
 def plan_backfill(run_uri: str, steps: Optional[List[int]], datasets: Optional[List[str]], n_samples: int,
-                  temperature: float, max_response_len: int) -> List[EvalJob]:
+                  temperature: float, max_response_len: int) -> BackfillPlan:
     """The (snapshot, dataset) pairs to evaluate: the given steps (default: every complete snapshot
-    without results) on the given `name=uri` datasets (default: the run's --eval-prompt-data).
+    without results) on the given `name=uri` datasets (default: the run's --eval-prompt-data); and
+    one line per step (or step x dataset) left out, saying why.
     """
-    from miles_core.eval.backfill import backfill_plan
+    from miles_core.eval.backfill import plan_and_skips
 
     uri = normalize_uri(run_uri)
-    return [EvalJob(uri, step, name, ds_uri, n_samples, temperature, max_response_len)
-            for step, name, ds_uri in backfill_plan(uri, steps, datasets)]
+    pairs, skipped = plan_and_skips(uri, steps, datasets)
+    return BackfillPlan([EvalJob(uri, step, name, ds_uri, n_samples, temperature, max_response_len)
+                         for step, name, ds_uri in pairs],
+                        [f"step {step} {'(every dataset)' if name == '*' else name}: {why}" for step, name, why in skipped])
 
 
 @task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), retries=1)
@@ -89,14 +96,16 @@ def eval_snapshot(job: EvalJob) -> EvalPoint:
 
 
 @task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
-def backfill_table(run_uri: str, points: List[EvalPoint]) -> StructuredDataset:
-    """One row per (step, dataset, metric); the Deck shows the eval curves by step."""
+def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) -> StructuredDataset:
+    """One row per (step, dataset, metric), saved in the run root as eval/backfill/{time}.parquet and
+    returned; printed (with the skipped steps and why) for the console, and the eval curves as the Deck."""
+    from miles_core.eval.backfill import save_backfill_table
     from miles_core.metrics.report import eval_figure
 
     rows = [{"step": p.step, "dataset": p.dataset, "metric": name, "value": value}
             for p in points for name, value in sorted(p.metrics.items())]
-    schema = pa.schema([("step", pa.int64()), ("dataset", pa.string()), ("metric", pa.string()), ("value", pa.float64())])
-    table = pa.Table.from_pylist(rows, schema=schema)
+    uri, text = save_backfill_table(normalize_uri(run_uri), rows, skipped)
+    print(text, flush=True)
     # evaluate_snapshot returns full metric names (eval/{ds}, eval/{ds}/pass@1, eval/lag_steps, ...);
     # short per-dataset names ("mean", "pass@1") are accepted too.
     events = [{"step": r["step"], "time": 0.0, "value": r["value"],
@@ -104,4 +113,4 @@ def backfill_table(run_uri: str, points: List[EvalPoint]) -> StructuredDataset:
                f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
               for r in rows]
     Deck("eval curves", eval_figure(events).to_html(full_html=False, include_plotlyjs=True))
-    return StructuredDataset(dataframe=table)
+    return StructuredDataset(uri=uri, file_format="parquet")

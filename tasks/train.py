@@ -17,7 +17,7 @@ from miles_core.run_root import read_status
 from miles_core.storage import Store
 from tasks.failures import recoverable_infrastructure
 from tasks.inputs import run_config
-from tasks.secrets import ENGINE_SECRETS
+from tasks.secrets import TRAIN_SECRETS
 from tasks.types import TrainOutcome
 
 GPU_WORKERS = int(os.environ.get("MILES_RAY_GPU_WORKERS", "1"))
@@ -42,7 +42,7 @@ RAY_CLUSTER = RayJobConfig(
 
 
 @task(task_config=RAY_CLUSTER, container_image=task_image("gpu"), retries=2,
-      requests=Resources(cpu="4", mem="16Gi"), secret_requests=ENGINE_SECRETS)
+      requests=Resources(cpu="4", mem="16Gi"), secret_requests=TRAIN_SECRETS)
 def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> TrainOutcome:
     """Train one segment of the run: build engines, producer, buffer and trainer on Ray, run the
     driver until --num-rollout (or segment_steps / --deadline-seconds), checkpoint, exit.

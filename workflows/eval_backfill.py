@@ -4,7 +4,9 @@
         --steps '[100, 200]' --datasets '["heldout=builtin:reverse4-heldout"]'
 
 Fans out over (snapshot, dataset) pairs with map_task, writes eval/step_{k}/{dataset}.json in
-the run root, and returns one table (StructuredDataset) plus a Deck with the eval curves.
+the run root, and returns one table (StructuredDataset, saved as eval/backfill/{time}.parquet in
+the run root) plus a Deck with the eval curves; the table and the steps it skipped (and why) are
+printed, so a local `pyflyte run` shows them.
 `eval_backfill_default` is the LaunchPlan to start from the UI.
 """
 
@@ -33,10 +35,10 @@ def eval_backfill(run_uri: str = DEFAULT_RUN_URI, steps: Optional[List[int]] = N
     :param temperature: sampling temperature (0: greedy)
     :param max_response_len: maximum new tokens (0: the run's setting)
     """
-    jobs = plan_backfill(run_uri=run_uri, steps=steps, datasets=datasets, n_samples=n_samples,
-                         temperature=temperature, max_response_len=max_response_len)
+    jobs, skipped = plan_backfill(run_uri=run_uri, steps=steps, datasets=datasets, n_samples=n_samples,
+                                  temperature=temperature, max_response_len=max_response_len)
     points = evaluate_jobs(run_uri=run_uri, jobs=jobs, concurrency=EVAL_CONCURRENCY)
-    return backfill_table(run_uri=run_uri, points=points)
+    return backfill_table(run_uri=run_uri, points=points, skipped=skipped)
 
 
 eval_backfill_default = LaunchPlan.get_or_create(

@@ -27,6 +27,12 @@ NOT_SUPPORTED: dict[str, str] = {
     "--rollout-max-prompt-len": "use --max-seq-len (prompts that leave no room for a response are dropped)",
     "--rollout-max-context-len": "use --max-seq-len",
     "--num-steps-per-rollout": "use --global-batch-size (rollout samples / it = optimizer steps)",
+    "--wandb-key": "the W&B key is read only from WANDB_API_KEY (or the Flyte secret named by "
+                   "MILES_WANDB_API_KEY_SECRET), never from a flag, which would write it into config.json",
+    "--wandb-host": "set WANDB_BASE_URL in the environment",
+    "--wandb-team": "set WANDB_ENTITY in the environment",
+    "--tb-project-name": "use --tensorboard-dir",
+    "--tb-experiment-name": "use --tensorboard-dir",
 }
 
 

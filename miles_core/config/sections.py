@@ -167,6 +167,18 @@ class EvalSection:
     eval_backpressure_timeout_seconds: float = opt(1800.0, "Longest wait for a free eval slot under --eval-overflow-policy=backpressure; then the step is skipped (eval/skipped_busy).")
 
 
+@dataclass(frozen=True)
+class MetricsSection:
+    use_tensorboard: bool = opt(False, "Mirror every metric event of the run (all components) to TensorBoard event files (the `tensorboard` extra). The run root's metrics/ stay the source of truth.")
+    tensorboard_dir: str = opt("", "Where the TensorBoard event files go: a local directory, or '' = {run root}/tensorboard (written in place on a file:// run root, else written on the driver's node and copied there as they grow).")
+    use_wandb: bool = opt(False, "Mirror every metric event of the run to Weights & Biases (the `wandb` extra). The API key comes only from WANDB_API_KEY (or the Flyte secret named by MILES_WANDB_API_KEY_SECRET), never from a flag.")
+    wandb_project: str = opt("miles-flyte", "W&B project of the run.")
+    wandb_group: str = opt("", "W&B group of the run (default: none).")
+    wandb_mode: str = opt("online", "W&B mode: online (needs the API key), offline (files under --wandb-dir, `wandb sync` later), disabled.", choices=("online", "offline", "disabled"))
+    wandb_dir: str = opt("", "Local directory of W&B's files (default: W&B's own, $WANDB_DIR or ./wandb).")
+    metrics_mirror_interval_seconds: float = opt(10.0, "How often the driver forwards new metric events from the run root to TensorBoard / W&B.")
+
+
 SECTIONS = {
     "run": RunSection,
     "model": ModelSection,
@@ -176,4 +188,5 @@ SECTIONS = {
     "engine": EngineSection,
     "train": TrainSection,
     "eval": EvalSection,
+    "metrics": MetricsSection,
 }

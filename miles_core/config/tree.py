@@ -16,6 +16,7 @@ from miles_core.config.sections import (
     DataSection,
     EngineSection,
     EvalSection,
+    MetricsSection,
     ModelSection,
     RolloutSection,
     RunSection,
@@ -40,6 +41,7 @@ class RunConfig:
     engine: EngineSection = field(default_factory=EngineSection)
     train: TrainSection = field(default_factory=TrainSection)
     eval: EvalSection = field(default_factory=EvalSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
 
     # Derived values. They never overwrite a field the user set.
     @property

@@ -36,11 +36,22 @@ def validate(cfg: RunConfig) -> RunConfig:
     if problems:  # the other rules compare values; with a wrong type they would raise TypeError
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     for check in (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs, _uri_schemes):
+                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs, _uri_schemes,
+                  _metric_mirrors):
         problems.extend(check(cfg))
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return cfg
+
+
+def _metric_mirrors(cfg: RunConfig) -> list[str]:
+    """A mirror that is asked for has its package installed (found now, not at the first metric)."""
+    import importlib.util
+
+    m = cfg.metrics
+    wanted = [("--use-tensorboard", "tensorboard", m.use_tensorboard), ("--use-wandb", "wandb", m.use_wandb)]
+    return [f"{flag} needs the `{package}` package: pip install 'miles-flyte[{package}]' (or drop {flag})."
+            for flag, package, on in wanted if on and importlib.util.find_spec(package) is None]
 
 
 def _engine_exposure(cfg: RunConfig) -> list[str]:
@@ -134,6 +145,7 @@ BOUNDS = [
     ("train", "entropy_coef", *_NON_NEGATIVE),
     ("eval", "eval_max_response_len", *_AT_LEAST_1), ("eval", "eval_temperature", *_NON_NEGATIVE),
     ("eval", "eval_max_prompts", *_AT_LEAST_1), ("eval", "eval_backpressure_timeout_seconds", *_POSITIVE),
+    ("metrics", "metrics_mirror_interval_seconds", *_POSITIVE),
 ]
 
 

@@ -95,6 +95,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
     from miles_core.data import prepare_dataset, stored_dataset_info
     from miles_core.models.source import tokenizer_source
     from miles_core.eval.scheduler import build_eval_scheduler
+    from miles_core.metrics.mirrors import mirror_feed
     from miles_core.metrics.names import RANDOM_POLICY_REWARD
     from miles_core.metrics.sink import MetricsSink
 
@@ -103,6 +104,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
         prepare_dataset(cfg.data, store, tokenizer_source=tokenizer_source(cfg))
     initial_model = materialize_initial_model(cfg)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part
         fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(

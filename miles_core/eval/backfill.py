@@ -3,9 +3,11 @@
     backfill(run_uri, steps=None, datasets=None, sampling=None, force=False) -> rows
         everything in this process: one engine, re-pinned per snapshot.
     backfill_plan(run_uri, steps, datasets, force=False) -> [(step, name, uri)]
+    plan_and_skips(...) -> (that, [(step, name or "*", why skipped)])
     evaluate_snapshot(run_uri, step, datasets, ...) -> metrics
         the pieces a Flyte map_task fans out (workflows/eval_backfill.py).
     results_table(run_uri, datasets=None) -> rows;  eval_curves_html(rows) -> HTML (plotly)
+    save_backfill_table(run_uri, rows, skipped) -> (eval/backfill/{time}.parquet URI, text)
 
 Steps default to every complete snapshot; a (step, dataset) that already has a result is skipped
 unless `force`. Datasets default to the run's --eval-prompt-data, sampling to the run's eval
@@ -20,7 +22,7 @@ import logging
 from typing import Sequence
 
 from miles_core.eval.datasets import EvalSampling, load_eval_datasets, parse_dataset_specs, sampling_from_config
-from miles_core.eval.results import all_results, evaluated, requests
+from miles_core.eval.results import all_results, evaluated, requests, result_key
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.storage import Store, normalize_uri
 
@@ -55,6 +57,12 @@ def _sampling(cfg, sampling: EvalSampling | dict | None, n_samples: int | None, 
 def backfill_plan(run_uri: str, steps: Sequence[int] | None = None, datasets: Sequence[str] | None = None,
                   force: bool = False) -> list[tuple[int, str, str]]:
     """(step, dataset name, dataset uri) for each complete snapshot x dataset still to evaluate."""
+    return plan_and_skips(run_uri, steps, datasets, force)[0]
+
+
+def plan_and_skips(run_uri: str, steps: Sequence[int] | None = None, datasets: Sequence[str] | None = None,
+                   force: bool = False) -> tuple[list[tuple[int, str, str]], list[tuple[int, str, str]]]:
+    """`backfill_plan`'s pairs, and what it leaves out as (step, dataset or "*", why)."""
     run_uri = normalize_uri(run_uri)
     cfg = run_config_of(run_uri)
     layout = SnapshotLayout.from_config(cfg, run_uri)
@@ -66,8 +74,12 @@ def backfill_plan(run_uri: str, steps: Sequence[int] | None = None, datasets: Se
                     layout.root_uri)
     done = evaluated(Store(run_uri))
     pairs = parse_dataset_specs(_specs(cfg, datasets))
-    return [(step, name, uri) for step in chosen for name, uri in pairs
-            if force or name not in done.get(step, set())]
+    skipped = [(step, "*", f"no complete snapshot under {layout.root_uri} (retired by the ring, never exported, "
+                           "or still being written)") for step in missing]
+    skipped += [(step, name, f"already evaluated ({result_key(step, name)}; force to redo)")
+                for step in chosen for name, _ in pairs if not force and name in done.get(step, set())]
+    plan = [(step, name, uri) for step in chosen for name, uri in pairs if force or name not in done.get(step, set())]
+    return plan, skipped
 
 
 def evaluate_snapshot(run_uri: str, step: int, datasets: Sequence[str] | str | None = None,
@@ -120,6 +132,40 @@ def results_table(run_uri: str, datasets: Sequence[str] | None = None) -> list[d
     keep = None if datasets is None else {n for n, _ in parse_dataset_specs(
         [d if "=" in d else f"{d}=-" for d in datasets])}
     return [r.to_row() for r in all_results(Store(normalize_uri(run_uri))) if keep is None or r.dataset in keep]
+
+
+BACKFILL_PREFIX = "eval/backfill"
+_TABLE_SCHEMA = (("step", "int64"), ("dataset", "string"), ("metric", "string"), ("value", "float64"))
+
+
+def save_backfill_table(run_uri: str, rows: list[dict], skipped: Sequence[str]) -> tuple[str, str]:
+    """Write the backfill's rows as `eval/backfill/{time}.parquet` in the run root; returns (its URI,
+    the table and the skipped lines as text for the console)."""
+    import io
+    import time
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in _TABLE_SCHEMA])
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
+    store = Store(run_uri)
+    key = f"{BACKFILL_PREFIX}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{time.time_ns() % 10**6:06d}.parquet"
+    store.put_bytes(key, buf.getvalue())
+    return store.uri(key), backfill_text(rows, skipped, store.uri(key))
+
+
+def backfill_text(rows: list[dict], skipped: Sequence[str], uri: str) -> str:
+    """The table as aligned text (one line per step x dataset x metric), then what was skipped."""
+    lines = [f"eval backfill: {len(rows)} rows -> {uri}"]
+    if rows:
+        width = max(len(r["metric"]) for r in rows)
+        lines += [f"  {'step':>6}  {'dataset':<12} {'metric':<{width}}  value"]
+        lines += [f"  {r['step']:>6}  {r['dataset']:<12} {r['metric']:<{width}}  {r['value']:.4f}"
+                  for r in sorted(rows, key=lambda r: (r["step"], r["dataset"], r["metric"]))]
+    lines += [f"skipped {len(skipped)}:"] + [f"  {line}" for line in skipped] if skipped else ["skipped: none"]
+    return "\n".join(lines)
 
 
 def eval_curves_html(rows: list[dict], metric: str = "mean_reward") -> str:

@@ -6,10 +6,10 @@
     write_report(run_uri, "report.html")   # from miles_core.metrics.report
 
 `metrics/{component}/*.jsonl` is the source of truth for every plot; TensorBoard and W&B are
-optional mirrors (`optional_sinks`).
+optional mirrors fed from it (`miles_core.metrics.mirrors`, --use-tensorboard / --use-wandb).
 """
 
 from miles_core.metrics.names import METRIC_NAMES, PERF_METRICS
-from miles_core.metrics.sink import MetricsSink, optional_sinks, read_metrics, series
+from miles_core.metrics.sink import MetricsSink, read_metrics, series
 
-__all__ = ["METRIC_NAMES", "PERF_METRICS", "MetricsSink", "optional_sinks", "read_metrics", "series"]
+__all__ = ["METRIC_NAMES", "PERF_METRICS", "MetricsSink", "read_metrics", "series"]

@@ -22,7 +22,7 @@ import math
 import threading
 import time
 import uuid
-from typing import Mapping, Protocol
+from typing import Mapping
 
 from miles_core.storage import StorageError, Store, validate_name
 
@@ -31,27 +31,18 @@ log = logging.getLogger(__name__)
 METRICS_PREFIX = "metrics"
 
 
-class MetricMirror(Protocol):
-    """An optional extra destination (TensorBoard, W&B). The JSONL parts stay the source of truth."""
-
-    def log(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None: ...
-
-    def close(self) -> None: ...
-
-
 def _as_store(run) -> Store:
     return run if isinstance(run, Store) else Store(run)
 
 
 class MetricsSink:
     def __init__(self, run, component: str, *, flush_seconds: float = 10.0, flush_events: int = 1000,
-                 mirrors: tuple[MetricMirror, ...] | list[MetricMirror] = (), background: bool = True):
+                 background: bool = True):
         """`run`: the run root (a Store or its URI); `component`: e.g. trainer, rollout, eval, buffer."""
         self.store = _as_store(run)
         self.component = validate_name(component, "metrics component")
         self.flush_seconds = float(flush_seconds)
         self.flush_events = max(1, int(flush_events))
-        self.mirrors = list(mirrors)
         self.writer = f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:8]}"
         self._pending: list[dict] = []
         self._part = 0
@@ -74,22 +65,13 @@ class MetricsSink:
             raise RuntimeError(f"MetricsSink({self.component}) is closed")
         now = time.time() if wall_time is None else float(wall_time)
         events = []
-        clean: dict[str, float] = {}
         for name, value in metrics.items():
             v = self._number(name, value)
-            if v is _SKIP:
-                continue
-            events.append({"step": int(step), "time": now, "name": str(name), "value": v})
-            if v is not None:
-                clean[str(name)] = v
+            if v is not _SKIP:
+                events.append({"step": int(step), "time": now, "name": str(name), "value": v})
         with self._lock:
             self._pending.extend(events)
             due = len(self._pending) >= self.flush_events or time.monotonic() - self._last_flush >= self.flush_seconds
-        for m in self.mirrors:
-            try:
-                m.log(int(step), clean, now)
-            except Exception as e:  # noqa: BLE001 - a mirror must never break training
-                log.warning("metrics mirror %s failed: %s", type(m).__name__, e)
         if due:
             try:
                 self.flush()
@@ -156,11 +138,6 @@ class MetricsSink:
             self._thread.join(timeout=5)
         self.flush()
         self._closed = True
-        for m in self.mirrors:
-            try:
-                m.close()
-            except Exception as e:  # noqa: BLE001
-                log.warning("metrics mirror %s failed to close: %s", type(m).__name__, e)
 
     def __enter__(self) -> "MetricsSink":
         return self
@@ -183,24 +160,25 @@ def read_metrics(run, component: str | None = None) -> list[dict]:
     """
     store = _as_store(run)
     prefix = f"{METRICS_PREFIX}/{validate_name(component, 'metrics component')}" if component else METRICS_PREFIX
-    events: list[dict] = []
-    for key in store.list(prefix):
-        if not key.endswith(".jsonl"):
-            continue
-        comp = key.split("/")[1] if key.count("/") >= 2 else ""
-        text = store.get_bytes(key).decode("utf-8", errors="replace")
-        for lineno, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                e = json.loads(line)
-                event = {"step": int(e["step"]), "time": float(e["time"]), "name": str(e["name"]),
-                         "value": None if e["value"] is None else float(e["value"]), "component": comp}
-            except (ValueError, KeyError, TypeError) as ex:
-                log.warning("skipping bad metric event %s line %d: %s", store.uri(key), lineno, ex)
-                continue
-            events.append(event)
+    events = [e for key in store.list(prefix) if key.endswith(".jsonl") for e in part_events(store, key)]
     events.sort(key=lambda e: (e["step"], e["time"]))
+    return events
+
+
+def part_events(store: Store, key: str) -> list[dict]:
+    """The events of one part object, each with its "component"; bad lines skipped with a warning."""
+    comp = key.split("/")[1] if key.count("/") >= 2 else ""
+    text = store.get_bytes(key).decode("utf-8", errors="replace")
+    events = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            e = json.loads(line)
+            events.append({"step": int(e["step"]), "time": float(e["time"]), "name": str(e["name"]),
+                           "value": None if e["value"] is None else float(e["value"]), "component": comp})
+        except (ValueError, KeyError, TypeError) as ex:
+            log.warning("skipping bad metric event %s line %d: %s", store.uri(key), lineno, ex)
     return events
 
 
@@ -216,50 +194,3 @@ def series(events: list[dict], name: str) -> tuple[list[int], list[float]]:
 
 def metric_names(events: list[dict]) -> list[str]:
     return sorted({e["name"] for e in events})
-
-
-# ----------------------------------------------------------------------------- optional mirrors
-
-
-class TensorBoardMirror:
-    def __init__(self, logdir: str):
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("the TensorBoard mirror needs the `tensorboard` package (not a dependency of "
-                              "miles-flyte); install it or drop the TensorBoard option") from e
-        self._w = SummaryWriter(logdir)
-
-    def log(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
-        for name, v in metrics.items():
-            self._w.add_scalar(name, v, global_step=step, walltime=wall_time)
-
-    def close(self) -> None:
-        self._w.close()
-
-
-class WandbMirror:
-    def __init__(self, project: str, run_name: str | None = None):
-        try:
-            import wandb
-        except ImportError as e:
-            raise ImportError("the W&B mirror needs the `wandb` package (not a dependency of miles-flyte); "
-                              "install it or drop the W&B option") from e
-        self._run = wandb.init(project=project, name=run_name, resume="allow")
-
-    def log(self, step: int, metrics: Mapping[str, float], wall_time: float) -> None:
-        self._run.log(dict(metrics), step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
-def optional_sinks(tensorboard_dir: str | None = None, wandb_project: str | None = None,
-                   run_name: str | None = None) -> list[MetricMirror]:
-    """Mirrors for the options given; ImportError with what to install when a package is missing."""
-    mirrors: list[MetricMirror] = []
-    if tensorboard_dir:
-        mirrors.append(TensorBoardMirror(tensorboard_dir))
-    if wandb_project:
-        mirrors.append(WandbMirror(wandb_project, run_name))
-    return mirrors

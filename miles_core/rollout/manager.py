@@ -159,6 +159,7 @@ class RolloutManager:
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
         self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)
         self.version: int | None = None
+        self.stopping = False
 
     def _unused_handler(self, mode: str) -> RejectionNotifier:
         from miles_core.buffer import build_unused_handler
@@ -171,6 +172,7 @@ class RolloutManager:
         self.producer.start()
 
     async def stop(self, grace_seconds: float = 30.0) -> None:
+        self.stopping = True
         await self.producer.stop(grace_seconds)
         self.consumer.close()
         close = getattr(self.buffer, "close", None)
@@ -183,8 +185,18 @@ class RolloutManager:
                 await result
 
     # ------------------------------------------------------------------ the driver's calls
-    async def next_batch(self, current_version: int | None = None) -> DrainedBatch:
-        """Exactly rollout_batch_size groups, sorted by prompt index, filtered, with metrics."""
+    async def next_batch(self, current_version: int | None = None) -> DrainedBatch | None:
+        """Exactly rollout_batch_size groups, sorted by prompt index, filtered, with metrics. None
+        when the manager stops under it: the driver's prefetch of the batch after its last step,
+        which it never reads (an error there would only be logged by Ray as unhandled)."""
+        try:
+            return await self._next_batch(current_version)
+        except (Exception, asyncio.CancelledError):  # the buffer's close cancels a get in progress
+            if self.stopping and not asyncio.current_task().cancelling():  # not this call being cancelled
+                return None
+            raise
+
+    async def _next_batch(self, current_version: int | None) -> DrainedBatch:
         version = current_version if current_version is not None else self.version
         if self.batch_mode:
             return await generate_batch(self.producer, self.consumer, self.batch_size, current_version=version,

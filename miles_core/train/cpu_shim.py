@@ -6,13 +6,33 @@ initialisation fork the model-parallel RNG through `get_cuda_rng_tracker()`, who
 CUDA generators. `install_cpu_shim()` maps the first to the CPU and installs a tracker that keeps
 CPU generator states instead. It does nothing when CUDA is available, and is idempotent. All of
 the project's CPU accommodations for Megatron live in this module and nowhere else.
+
+`quiet_fallback_warnings()` (called by `miles_core.train` on import, before any Megatron module
+loads) filters, on a machine without CUDA only, the UserWarnings Megatron emits at import because
+Transformer Engine and Apex are absent ("Transformer Engine and Apex are not installed. Falling
+back to ...", "Apex is not installed. Falling back to Torch Norm"): on CPU the fallbacks are the
+plan, and a run's console showed a dozen of them per trainer rank. Matched by message; every other
+warning is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
+
+FALLBACK_WARNINGS = (r"Transformer Engine and Apex are not installed\. Falling back",
+                     r"Apex is not installed\. Falling back")
+
+
+def quiet_fallback_warnings() -> bool:
+    """Filter Megatron's TE/Apex fallback warnings when there is no CUDA; True when installed."""
+    if torch.cuda.is_available():
+        return False
+    for message in FALLBACK_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    return True
 
 _INSTALLED = False
 

@@ -72,6 +72,52 @@ def _consumed_ids(run: Path) -> list[str]:
     return ids
 
 
+def _miles(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(Path(sys.executable).with_name("miles")), *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def _assert_runs_show_and_lineage(run: Path, consumed: list[str]) -> None:
+    """`miles runs show` and `miles lineage` on this real run agree with its run root."""
+    shown = _miles("runs", "show", str(run), "--json")
+    assert shown.returncode == 0, shown.stderr
+    summary = json.loads(shown.stdout)
+    assert summary["status"]["state"] == "finished" and [g["segment"] for g in summary["segments"]] == [0, 1]
+    assert summary["checkpoints"]["latest"] == 49 and 19 in summary["checkpoints"]["steps"]
+    assert summary["lease"]["released"] and summary["buffer"]["consumed"] == len(consumed)
+    assert [r["step"] for r in summary["eval"]["heldout"]][-1] == 49 and 49 in summary["snapshots"]
+    text = _miles("runs", "show", str(run))
+    assert text.returncode == 0 and "finished" in text.stdout and "LATEST 49" in text.stdout, text.stdout
+
+    manifest = json.loads((run / "buffer" / "consumed" / "00000021.json").read_text())  # second segment's step 21
+    group = manifest["consumed"][0]
+    traced = _miles("lineage", str(run), group, "--json")
+    assert traced.returncode == 0, traced.stderr
+    t = json.loads(traced.stdout)
+    assert t["fate"] == {"step": 21, "outcome": "consumed"} and t["checkpoint"] == 39 and t["snapshot"] == 24
+    assert len(t["samples"]) == 8 and all(sum(s["versions"].values()) == s["response_tokens"] for s in t["samples"])
+    assert t["eval"]["heldout"]["before"] is None and t["eval"]["heldout"]["after"]["step"] == 24
+    assert "trained at step 21" in _miles("lineage", str(run), group).stdout
+    unknown = _miles("lineage", str(run), "e9-p9-a9")
+    assert unknown.returncode == 1 and "no group 'e9-p9-a9'" in unknown.stderr, unknown.stderr
+    missing = _miles("runs", "show", str(run.parent / "nope"))
+    assert missing.returncode == 1 and "no run at" in missing.stderr, missing.stderr
+
+
+def _assert_mirrored(run: Path, wandb_dir: Path, rewards: dict[int, float]) -> None:
+    """Both segments' events reached TensorBoard (event files in the run root) and W&B (offline runs
+    of one run id), every step once, with the values of the run root's metrics."""
+    from tests.unit.test_metrics_mirrors import _scalars, _wandb_history
+
+    tb = dict(_scalars(str(run / "tensorboard"))["rollout/reward/mean"])
+    assert tb.keys() == rewards.keys() and all(abs(tb[s] - rewards[s]) < 1e-6 for s in rewards)
+    segments = sorted(wandb_dir.glob("wandb/offline-run-*"))
+    assert len(segments) == 2 and len({d.name.split("-", 3)[3] for d in segments}) == 1, segments  # one run id
+    logged = [(row["step"], row["rollout/reward/mean"]) for d in segments for row in _wandb_history(str(d))
+              if "rollout/reward/mean" in row]
+    assert sorted(s for s, _ in logged) == sorted(rewards)
+
+
 def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     """A short fully async run learns (last-5-step reward >= 2x the first 5 and >= 0.25), writes
     config, prompts, buffer objects, per-step consumed manifests, checkpoints with COMPLETE and
@@ -79,7 +125,8 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     segment continues from the checkpoint and no group id is consumed twice across segments."""
     started = time.time()
     flags = ("--num-rollout 50 --save-interval 20 --eval-interval 25 "
-             "--eval-prompt-data heldout=builtin:reverse4-heldout --run-id e2e")
+             "--eval-prompt-data heldout=builtin:reverse4-heldout --run-id e2e "
+             f"--use-tensorboard --use-wandb --wandb-mode offline --wandb-dir {tmp_path / 'wb'}")
     _run(tmp_path, flags, segment_steps=30)
     run = tmp_path / "runs" / "e2e"
     status = json.loads((run / "STATUS.json").read_text())
@@ -104,7 +151,10 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     assert list((run / "metrics" / "trainer").glob("*.jsonl"))
     ids = _consumed_ids(run)
     assert len(ids) == 50 * 32 and len(set(ids)) == len(ids), "a group was consumed twice"
-    _assert_no_canary_under(run)  # logs, metrics, configs, report, buffer, checkpoints
+    _assert_mirrored(run, tmp_path / "wb", rewards)
+    _assert_runs_show_and_lineage(run, ids)
+    _assert_no_canary_under(run)  # logs, metrics, configs, report, buffer, checkpoints, TensorBoard files
+    _assert_no_canary_under(tmp_path / "wb")  # W&B's offline files
     _assert_no_canary_under(Path(RAY_TMP))  # the driver's, actors' and raylet's logs
     # This run's engine logs (a test running beside it may have engines of its own): the token was live.
     engine_logs = [f for d in Path(tempfile.gettempdir()).glob("miles-engine-*") if d.stat().st_mtime >= started

@@ -10,6 +10,7 @@ a token is refused at validation; SGLang gets the token as `--api-key`, masked i
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import aiohttp
@@ -131,3 +132,17 @@ def test_flyte_tasks_request_the_secret_as_the_token_variable():
     assert secret.mount_requirement == Secret.MountType.ENV_VAR
     with pytest.raises(ValueError, match="group:key"):
         engine_secrets("just-a-key")
+
+
+def test_the_train_task_requests_the_wandb_key_secret_when_registered_with_one():
+    """MILES_WANDB_API_KEY_SECRET=group:key at registration: `train` requests it as WANDB_API_KEY."""
+    import subprocess
+    import sys
+
+    code = ("from tasks.train import train; print(sorted((s.group, s.key, s.env_var) "
+            "for s in train.security_context.secrets))")
+    env = dict(os.environ, MILES_WANDB_API_KEY_SECRET="miles:wandb-key", MILES_ENGINE_API_KEY_SECRET="miles:engine")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == str(sorted([("miles", "engine", TOKEN_ENV), ("miles", "wandb-key", "WANDB_API_KEY")]))

@@ -45,6 +45,7 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
         assert {{"eval/held", "eval/held/pass@1"}} <= metrics, metrics
         assert sorted(set(table.column("step").to_pylist())) == [1, 3]
         assert store.exists("eval/step_00000003/held.json")
+        print("RUN_URI", cfg.run_uri)
         print("OK")
     '''))
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
@@ -54,5 +55,23 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
         # Seen once in CI (2026-12-01), after the workflow had returned and been checked; not
         # reproduced in 6 local runs. A native thread at interpreter teardown, not the workflow.
         warnings.warn(f"the interpreter aborted at teardown after the workflow succeeded: {TEARDOWN_ABORT}")
-        return
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    else:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run_uri = proc.stdout.split("RUN_URI ", 1)[1].split()[0]
+    _pyflyte_run_shows_the_table_and_the_skips(run_uri, env)
+
+
+def _pyflyte_run_shows_the_table_and_the_skips(run_uri: str, env: dict) -> None:
+    """A local `pyflyte run` prints the rows it computed and names each skipped step with its reason
+    (not only `StructuredDataset(uri=None, ...)`), and its output points at the table in the run root."""
+    pyflyte = str(Path(sys.executable).with_name("pyflyte"))
+    proc = subprocess.run([pyflyte, "run", "workflows/eval_backfill.py", "eval_backfill", "--run_uri", run_uri,
+                           "--steps", "[3, 7]", "--datasets",
+                           '["held=builtin:reverse4-heldout", "held2=builtin:reverse4-heldout"]'],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 or TEARDOWN_ABORT in out, out[-5000:]
+    assert "eval backfill: " in out and "      3  held2        eval/held2 " in out, out[-5000:]
+    assert "step 3 held: already evaluated (eval/step_00000003/held.json" in out, out[-5000:]
+    assert "step 7 (every dataset): no complete snapshot under" in out, out[-5000:]
+    assert "StructuredDataset(uri='file://" in out and "/eval/backfill/" in out, out[-5000:]

@@ -158,3 +158,19 @@ def test_rollout_manager_as_a_ray_actor(tmp_path, engine, ray_local):
         ray.get(actor.stop.remote(5))
     finally:
         ray.kill(actor)
+
+
+def test_a_batch_still_draining_when_the_manager_stops_returns_none(tmp_path, engine):
+    """The driver's prefetch of the batch after its last step is never read: when the manager stops
+    under it, it returns None instead of raising (Ray would log the error as unhandled at exit)."""
+    async def run():
+        cfg = config(tmp_path, rollout_batch_size=5000, async_max_concurrent_samples=8)
+        mgr = RolloutManager(cfg, engine_urls=[engine.url], rows=ROWS[:8], consumed_through_step=-1)
+        await mgr.set_version(1)
+        await mgr.start()
+        pending = asyncio.ensure_future(mgr.next_batch())  # 5000 groups, 2 in flight: never done in time
+        await asyncio.sleep(0.5)
+        await mgr.stop(grace_seconds=5)
+        return await asyncio.wait_for(pending, 60)
+
+    assert asyncio.run(run()) is None

@@ -119,17 +119,6 @@ def test_perf_metric_names_are_documented():
             "perf/weight_update_seconds", "perf/step_seconds"} <= set(METRIC_NAMES)
 
 
-def test_optional_mirrors_fail_clearly_when_missing():
-    from miles_core.metrics import optional_sinks
-
-    assert optional_sinks() == []
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match="tensorboard"):
-            optional_sinks(tensorboard_dir="/tmp/tb")
-
-
 def test_docs_list_every_perf_metric_with_its_meaning():
     from pathlib import Path
 

@@ -1,0 +1,146 @@
+"""`miles runs show RUN_URI [--json]`: what a run root holds, read-only, in one screen.
+
+    summary = run_summary("s3://bucket/miles/runs/r1")   # RunNotFound / LineageError on a bad root
+    print(render_summary(summary))
+
+State and steps (STATUS.json), segments (config.json, config_segment_{n}.json), the lease holder
+(LEASE.json), complete checkpoints and LATEST, complete snapshots, the buffer's counts
+(`miles buffer inspect`), eval results per dataset, and the origin of a forked run (FORK.json).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from miles_core.buffer.inspect import inspect_buffer
+from miles_core.eval.results import all_results
+from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.lease import LEASE_KEY, LeaseRecord
+from miles_core.lineage.recorded import FORK_KEY, RecordedRun
+from miles_core.run_root import read_status, segment_config_key
+from miles_core.storage import ObjectNotFound
+
+
+def run_summary(run_uri: str) -> dict:
+    run = RecordedRun.open(run_uri)
+    status = read_status(run.store)
+    checkpoints = run.checkpoints
+    return {
+        "run_uri": run.uri,
+        "status": None if status is None else {"state": status.state, "last_step": status.last_step,
+                                               "segment": status.segment, "updated_at": status.updated_at,
+                                               "message": status.message},
+        "num_rollout": run.cfg.run.num_rollout,
+        "segments": _segments(run, 0 if status is None else status.segment),
+        "lease": _lease(run),
+        "checkpoints": {"steps": run.complete_steps(), "latest": checkpoints.latest() if checkpoints.store else None},
+        "snapshots": SnapshotLayout.from_config(run.cfg, run.uri).complete_steps(),
+        "buffer": inspect_buffer(run.uri),
+        "eval": _evals(run),
+        "forked_from": _json_or_none(run, FORK_KEY),
+    }
+
+
+def _segments(run: RecordedRun, last: int) -> list[dict]:
+    out = []
+    for segment in range(last + 1):
+        record = _json_or_none(run, segment_config_key(segment))
+        if record is not None:
+            out.append({"segment": segment, "config": segment_config_key(segment),
+                        "written_at": record.get("written_at")})
+    return out
+
+
+def _lease(run: RecordedRun) -> dict | None:
+    try:
+        record = LeaseRecord.from_bytes(run.store.get_bytes(LEASE_KEY), run.store.uri(LEASE_KEY))
+    except ObjectNotFound:
+        return None
+    return {"holder": record.holder, "released": record.released, "acquired_at": record.acquired_at,
+            "expires_at": record.expires_at, "expired": record.expires_at < time.time()}
+
+
+def _evals(run: RecordedRun) -> dict[str, list[dict]]:
+    """dataset -> [{"step", "mean_reward", ...pass@k}] in step order."""
+    out: dict[str, list[dict]] = {}
+    for result in all_results(run.store):
+        row = result.to_row()
+        keep = {k: v for k, v in row.items() if k == "mean_reward" or k.startswith("pass@")}
+        out.setdefault(result.dataset, []).append({"step": result.step, **keep})
+    return out
+
+
+def _json_or_none(run: RecordedRun, key: str):
+    try:
+        return run.store.get_json(key)
+    except ObjectNotFound:
+        return None
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def render_summary(s: dict) -> str:
+    lines = [f"run          {s['run_uri']}", _status_line(s), _steps_line(s),
+             "segments     " + (", ".join(f"{g['segment']} ({_when(g['written_at'])})" for g in s["segments"])
+                               or "none"),
+             _lease_line(s["lease"]), _checkpoints_line(s["checkpoints"]),
+             "snapshots    " + (_steps(s["snapshots"]) or "none"), _buffer_line(s["buffer"])]
+    lines += _eval_lines(s["eval"])
+    if s["forked_from"]:
+        f = s["forked_from"]
+        lines.append(f"forked from  {f.get('source_run')} at step {f.get('at_step')}")
+    return "\n".join(lines)
+
+
+def _status_line(s: dict) -> str:
+    st = s["status"]
+    if st is None:
+        return "state        never started a segment (no STATUS.json)"
+    message = f": {st['message']}" if st["message"] else ""
+    return f"state        {st['state']} (segment {st['segment']}, updated {_when(st['updated_at'])}){message}"
+
+
+def _steps_line(s: dict) -> str:
+    done = 0 if s["status"] is None else s["status"]["last_step"] + 1
+    return f"steps        {done} of {s['num_rollout']} trained (--num-rollout)"
+
+
+def _lease_line(lease: dict | None) -> str:
+    if lease is None:
+        return "lease        none (no segment ever held it)"
+    if lease["released"]:
+        return f"lease        released by {lease['holder']}"
+    state = "expired" if lease["expired"] else "held"
+    return f"lease        {state}: {lease['holder']} (expires {_when(lease['expires_at'])})"
+
+
+def _checkpoints_line(c: dict) -> str:
+    if not c["steps"]:
+        return "checkpoints  none"
+    return f"checkpoints  {_steps(c['steps'])} (LATEST {c['latest']})"
+
+
+def _buffer_line(b: dict) -> str:
+    return (f"buffer       {b['committed']} groups committed, {b['consumed']} consumed, {b['rejected']} rejected, "
+            f"{b['available']} available, {b['quarantined']} quarantined ({b['objects']} objects, "
+            f"{b['bytes'] / 1e6:.1f} MB)")
+
+
+def _eval_lines(evals: dict[str, list[dict]]) -> list[str]:
+    if not evals:
+        return ["eval         none"]
+    return [f"eval {name:<8}" + ", ".join(f"step {r['step']}: {r.get('mean_reward', float('nan')):.3f}" for r in rows)
+            for name, rows in sorted(evals.items())]
+
+
+def _steps(steps: list[int]) -> str:
+    return ", ".join(map(str, steps)) if len(steps) <= 12 else f"{', '.join(map(str, steps[:5]))}, ... " \
+        f"{', '.join(map(str, steps[-5:]))} ({len(steps)})"
+
+
+def _when(t: float | None) -> str:
+    if not t:
+        return "?"
+    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")

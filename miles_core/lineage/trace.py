@@ -1,0 +1,144 @@
+"""`miles lineage RUN_URI GROUP_ID [--json]`: where one prompt group came from and where it went.
+
+    trace = group_lineage("file:///x/.miles/runs/default", "e0-p17-a0")   # LineageError if unknown
+    print(render_lineage(trace))
+
+From the run root alone: the group's object and prompt (decoded with the run's tokenizer), each
+sample's status, reward, response and the weight versions of its tokens; the step whose
+consumption manifest lists it (trained, or rejected at get), the first complete checkpoint and
+snapshot that include that step, and the eval results around it (the last evaluated step before
+it and the first at or after it, per dataset).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections import Counter
+
+from miles_core.eval.results import all_results
+from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.lineage.recorded import LineageError, RecordedRun
+from miles_core.buffer.objects import rows_to_group
+
+
+def group_lineage(run_uri: str, group_id: str) -> dict:
+    run = RecordedRun.open(run_uri)
+    found, ids = _find_group(run, group_id)
+    fate = _fate(run, group_id)
+    if found is None and fate is None:
+        raise LineageError(_unknown(run, group_id, ids))
+    step = None if fate is None else fate["step"]
+    return {"run_uri": run.uri, "group_id": group_id, **(_describe(run, *found) if found else
+                                                           {"object": None, "note": _deleted_note(run)}),
+            "fate": fate, "checkpoint": _first_at_or_after(run.complete_steps(), step),
+            "snapshot": _first_at_or_after(SnapshotLayout.from_config(run.cfg, run.uri).complete_steps(), step),
+            "eval": _eval_neighbourhood(run, step)}
+
+
+def _find_group(run: RecordedRun, group_id: str):
+    """((object key, its Group), None) when found, else (None, every committed group id)."""
+    ids: list[str] = []
+    for key, _, stored in run.read_objects(run.group_keys()):
+        for sg in stored:
+            if sg.group_id == group_id:
+                return (key, sg), ids
+            ids.append(sg.group_id)
+    return None, ids
+
+
+def _fate(run: RecordedRun, group_id: str) -> dict | None:
+    """{"step", "outcome": consumed | rejected} from the first manifest that lists the group."""
+    for manifest in run.later_manifests(-1):
+        for outcome in ("consumed", "rejected"):
+            if group_id in manifest.get(outcome, ()):
+                return {"step": manifest["step"], "outcome": outcome}
+    return None
+
+
+def _describe(run: RecordedRun, key: str, stored) -> dict:
+    from miles_core.rollout.manager import tokenizer_decode
+
+    decode = tokenizer_decode(run.cfg)
+    group = rows_to_group(stored.rows)
+    first = group.samples[0]
+    return {"object": run.store.uri(key), "prompt_index": group.prompt_index,
+            "prompt": decode(first.prompt_ids), "prompt_tokens": len(first.prompt_ids), "label": first.label,
+            "samples": [{"sample_index": s.sample_index, "status": str(getattr(s.status, "value", s.status)),
+                         "reward": s.reward, "response": decode(s.response_ids), "response_tokens": len(s.response_ids),
+                         "versions": dict(sorted(Counter(s.token_versions).items()))} for s in group.samples]}
+
+
+def _deleted_note(run: RecordedRun) -> str:
+    why = " (--buffer-delete-consumed-objects)" if run.cfg.buffer.buffer_delete_consumed_objects else ""
+    return f"its object is gone: deleted after consumption{why}; only its manifest entry remains"
+
+
+def _first_at_or_after(steps: list[int], step: int | None) -> int | None:
+    return None if step is None else next((s for s in steps if s >= step), None)
+
+
+def _eval_neighbourhood(run: RecordedRun, step: int | None) -> dict[str, dict]:
+    """dataset -> {"before": row or None, "after": row or None} around `step`."""
+    if step is None:
+        return {}
+    out: dict[str, dict] = {}
+    for result in all_results(run.store):
+        row = {"step": result.step, "mean_reward": result.to_row().get("mean_reward")}
+        near = out.setdefault(result.dataset, {"before": None, "after": None})
+        if result.step < step:
+            near["before"] = row
+        elif near["after"] is None:
+            near["after"] = row
+    return out
+
+
+def _unknown(run: RecordedRun, group_id: str, ids: list[str]) -> str:
+    close = difflib.get_close_matches(group_id, ids, n=3)
+    hint = f"; close: {', '.join(close)}" if close else ""
+    return (f"no group {group_id!r} in {run.uri}: not in any of its {len(ids)} committed groups nor in any "
+            f"consumption manifest{hint}. Group ids look like e{{epoch}}-p{{position}}-a{{attempt}} "
+            "(`miles buffer inspect` counts them).")
+
+
+# ----------------------------------------------------------------------------- text
+
+
+def render_lineage(t: dict) -> str:
+    lines = [f"group        {t['group_id']} in {t['run_uri']}"]
+    if t["object"] is None:
+        lines.append(f"object       {t['note']}")
+    else:
+        lines += [f"object       {t['object']}", f"prompt       #{t['prompt_index']} ({t['prompt_tokens']} tokens): "
+                  f"{t['prompt']!r}", f"label        {t['label']!r}"]
+        lines += [f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} tokens "
+                  f"{s['response']!r}, versions {_versions(s['versions'])}" for s in t["samples"]]
+    lines += [_fate_line(t["fate"]), f"checkpoint   {_or_none(t['checkpoint'], 'step {} (the first that includes it)')}",
+              f"snapshot     {_or_none(t['snapshot'], 'step {} (the first that includes it)')}"]
+    lines += [f"eval {name:<8}before: {_eval_row(n['before'])}; after: {_eval_row(n['after'])}"
+              for name, n in sorted(t["eval"].items())]
+    return "\n".join(lines)
+
+
+def _versions(counts: dict) -> str:
+    return ", ".join(f"v{v} x{n}" for v, n in counts.items()) or "none (no response tokens)"
+
+
+def _fate_line(fate: dict | None) -> str:
+    if fate is None:
+        return "consumed     not yet (still in the buffer, or in flight)"
+    verb = "trained at" if fate["outcome"] == "consumed" else "rejected (stale or aborted) at"
+    return f"consumed     {verb} step {fate['step']}"
+
+
+def _eval_row(row: dict | None) -> str:
+    if row is None:
+        return "none"
+    return f"step {row['step']} mean reward {_num(row['mean_reward'])}"
+
+
+def _num(value: float | None) -> str:
+    return "none" if value is None else f"{value:.3f}"
+
+
+def _or_none(value, fmt: str) -> str:
+    return "none yet" if value is None else fmt.format(value)
