@@ -7,7 +7,7 @@ definitions register without it. Contract with miles_core.eval:
                                                           [(step, name or "*", why skipped), ...])
     backfill.evaluate_snapshot(run_uri, step, name, uri, *, n_samples, temperature,
                                max_response_len) -> {metric name: value}   (writes eval/step_k/name.json)
-    backfill.save_backfill_table(run_uri, rows, skipped) -> (its URI, the table as text)
+    backfill.backfill_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)
 """
 
 from __future__ import annotations
@@ -97,15 +97,16 @@ def eval_snapshot(job: EvalJob) -> EvalPoint:
 
 @task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
 def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) -> StructuredDataset:
-    """One row per (step, dataset, metric), saved in the run root as eval/backfill/{time}.parquet and
+    """One row per (step, dataset, metric), saved in the run root under eval/backfill/{time}/ and
     returned; printed (with the skipped steps and why) for the console, and the eval curves as the Deck."""
-    from miles_core.eval.backfill import save_backfill_table
+    from miles_core.eval.backfill import backfill_table as to_table
+    from miles_core.eval.backfill import backfill_table_uri, backfill_text
     from miles_core.metrics.report import eval_figure
 
     rows = [{"step": p.step, "dataset": p.dataset, "metric": name, "value": value}
             for p in points for name, value in sorted(p.metrics.items())]
-    uri, text = save_backfill_table(normalize_uri(run_uri), rows, skipped)
-    print(text, flush=True)
+    uri = backfill_table_uri(normalize_uri(run_uri))
+    print(backfill_text(rows, skipped, uri), flush=True)
     # evaluate_snapshot returns full metric names (eval/{ds}, eval/{ds}/pass@1, eval/lag_steps, ...);
     # short per-dataset names ("mean", "pass@1") are accepted too.
     events = [{"step": r["step"], "time": 0.0, "value": r["value"],
@@ -113,4 +114,4 @@ def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) ->
                f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
               for r in rows]
     Deck("eval curves", eval_figure(events).to_html(full_html=False, include_plotlyjs=True))
-    return StructuredDataset(uri=uri, file_format="parquet")
+    return StructuredDataset(dataframe=to_table(rows), uri=uri)

@@ -4,7 +4,7 @@
         --steps '[100, 200]' --datasets '["heldout=builtin:reverse4-heldout"]'
 
 Fans out over (snapshot, dataset) pairs with map_task, writes eval/step_{k}/{dataset}.json in
-the run root, and returns one table (StructuredDataset, saved as eval/backfill/{time}.parquet in
+the run root, and returns one table (StructuredDataset, saved under eval/backfill/{time}/ in
 the run root) plus a Deck with the eval curves; the table and the steps it skipped (and why) are
 printed, so a local `pyflyte run` shows them.
 `eval_backfill_default` is the LaunchPlan to start from the UI.

@@ -7,7 +7,7 @@
     evaluate_snapshot(run_uri, step, datasets, ...) -> metrics
         the pieces a Flyte map_task fans out (workflows/eval_backfill.py).
     results_table(run_uri, datasets=None) -> rows;  eval_curves_html(rows) -> HTML (plotly)
-    save_backfill_table(run_uri, rows, skipped) -> (eval/backfill/{time}.parquet URI, text)
+    backfill_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)   (the Flyte table)
 
 Steps default to every complete snapshot; a (step, dataset) that already has a result is skipped
 unless `force`. Datasets default to the run's --eval-prompt-data, sampling to the run's eval
@@ -138,22 +138,20 @@ BACKFILL_PREFIX = "eval/backfill"
 _TABLE_SCHEMA = (("step", "int64"), ("dataset", "string"), ("metric", "string"), ("value", "float64"))
 
 
-def save_backfill_table(run_uri: str, rows: list[dict], skipped: Sequence[str]) -> tuple[str, str]:
-    """Write the backfill's rows as `eval/backfill/{time}.parquet` in the run root; returns (its URI,
-    the table and the skipped lines as text for the console)."""
-    import io
+def backfill_table(rows: list[dict]):
+    """The rows as an Arrow table (step, dataset, metric, value)."""
+    import pyarrow as pa
+
+    return pa.Table.from_pylist(rows, schema=pa.schema([(name, getattr(pa, kind)()) for name, kind in _TABLE_SCHEMA]))
+
+
+def backfill_table_uri(run_uri: str) -> str:
+    """Where a backfill's table goes: `eval/backfill/{time}/` in the run root (a plain path on file://)."""
     import time
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([(name, getattr(pa, kind)()) for name, kind in _TABLE_SCHEMA])
-    buf = io.BytesIO()
-    pq.write_table(pa.Table.from_pylist(rows, schema=schema), buf)
     store = Store(run_uri)
-    key = f"{BACKFILL_PREFIX}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{time.time_ns() % 10**6:06d}.parquet"
-    store.put_bytes(key, buf.getvalue())
-    return store.uri(key), backfill_text(rows, skipped, store.uri(key))
+    key = f"{BACKFILL_PREFIX}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{time.time_ns() % 10**6:06d}"
+    return store.local_path(key) or store.uri(key)
 
 
 def backfill_text(rows: list[dict], skipped: Sequence[str], uri: str) -> str:

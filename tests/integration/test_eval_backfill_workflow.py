@@ -14,6 +14,7 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +64,7 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
 
 def _pyflyte_run_shows_the_table_and_the_skips(run_uri: str, env: dict) -> None:
     """A local `pyflyte run` prints the rows it computed and names each skipped step with its reason
-    (not only `StructuredDataset(uri=None, ...)`), and its output points at the table in the run root."""
+    (not only `StructuredDataset(uri=None, ...)`), and says where in the run root the table is."""
     pyflyte = str(Path(sys.executable).with_name("pyflyte"))
     proc = subprocess.run([pyflyte, "run", "workflows/eval_backfill.py", "eval_backfill", "--run_uri", run_uri,
                            "--steps", "[3, 7]", "--datasets",
@@ -74,4 +75,6 @@ def _pyflyte_run_shows_the_table_and_the_skips(run_uri: str, env: dict) -> None:
     assert "eval backfill: " in out and "      3  held2        eval/held2 " in out, out[-5000:]
     assert "step 3 held: already evaluated (eval/step_00000003/held.json" in out, out[-5000:]
     assert "step 7 (every dataset): no complete snapshot under" in out, out[-5000:]
-    assert "StructuredDataset(uri='file://" in out and "/eval/backfill/" in out, out[-5000:]
+    rows, saved = out.split("eval backfill: ", 1)[1].split(" rows -> ", 1)
+    table = pq.read_table(saved.split()[0])  # the table is in the run root, where the console says
+    assert table.num_rows == int(rows) > 0 and set(table.column("dataset").to_pylist()) == {"held2"}
