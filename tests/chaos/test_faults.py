@@ -9,8 +9,8 @@ server), injects one fault, and lets tests/chaos/checker.py (no project code) au
   to the unused-samples handler (retry: counted as recycled), the actor restarts the engine, the run
   finishes, exactly once.
 - A trainer rank SIGKILLed in a 2-rank run: the segment fails as recoverable (exit 75:
-  miles_core.failures.is_infrastructure), and the retried segment resumes and finishes. The most
-  expensive (two segments of a 2-rank run): it runs only with MILES_CHAOS_FULL=1 (the chaos_full marker).
+  miles_core.failures.is_infrastructure), and the retried segment resumes and finishes (two
+  segments of a 2-rank run, ~2 min).
 Timings are printed (`FAULT ...` lines; `pytest -s` shows them).
 """
 
@@ -32,7 +32,6 @@ from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, start_seaweed
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, BATCH = 10, 8
-FULL = os.environ.get("MILES_CHAOS_FULL") == "1"
 
 
 def _flags(storage: str, run_id: str, *extra: str) -> list[str]:
@@ -113,8 +112,6 @@ def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_pat
     assert not left, left
 
 
-@pytest.mark.chaos_full
-@pytest.mark.skipif(not FULL, reason="MILES_CHAOS_FULL=1 runs it (two segments of a 2-rank run, ~2 min)")
 def test_trainer_rank_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
     run = tmp_path / "runs" / "rankfault"
     flags = _flags(str(tmp_path), "rankfault", "--actor-num-gpus-per-node", "2", "--num-cpus-trainer", "0.5",
