@@ -8,7 +8,10 @@ Failure rules (DESIGN §9):
 - a `/generate` that may have reached the engine is never sent again. If the engine dies, drops the
   connection, answers 5xx, or the request times out, the call returns a `GenerateResult` with
   `finish_reason == "abort"` and the tokens streamed so far; it does not raise. Only a connection
-  that was refused (the request never left) is tried on another engine.
+  that was refused (the request never left) is tried on another engine; when every engine refused
+  (the only one is restarting), the request waits and tries again, backing off 0.05 s doubling to
+  1 s, for up to `refused_wait_seconds` (30 s) before it returns aborted: a restarting engine
+  is waited for, not answered with a storm of aborted groups.
 - a 4xx answer to `/generate` is a bug in the request: `EngineRequestError`.
 - control calls (`/model_info`, pause/continue, `/flush_cache`, `/abort_request`) are idempotent and
   retried on connection errors, timeouts and 5xx; when retries run out, `EngineControlError` names the
@@ -167,7 +170,7 @@ class EngineClient:
 
     def __init__(self, urls: list[str], *, request_timeout_seconds: float = 600.0,
                  connect_timeout_seconds: float = 10.0, control_timeout_seconds: float = 120.0,
-                 control_retries: int = 3, retry_backoff_seconds: float = 0.5):
+                 control_retries: int = 3, retry_backoff_seconds: float = 0.5, refused_wait_seconds: float = 30.0):
         if not urls:
             raise ValueError("EngineClient needs at least one engine URL")
         self._engines = [_Engine(u.rstrip("/")) for u in urls]
@@ -176,6 +179,7 @@ class EngineClient:
         self.control_timeout_seconds = control_timeout_seconds
         self.control_retries = control_retries
         self.retry_backoff_seconds = retry_backoff_seconds
+        self.refused_wait_seconds = refused_wait_seconds
         self._session: aiohttp.ClientSession | None = None
         self._rr = 0
 
@@ -219,19 +223,26 @@ class EngineClient:
                    "return_logprob": return_logprob, "stream": stream}
         t0 = time.monotonic()
         tried: set[str] = set()
+        rounds = 0
         while True:
             eng = self._pick(url, tried)
-            if eng is None:
-                return self._aborted(rid, _Stream(), "", "no engine accepted the connection", t0, len(input_ids))
+            if eng is None:  # every engine refused the connection: wait for one to come back
+                wait = min(0.05 * 2 ** rounds, 1.0)
+                if time.monotonic() - t0 + wait > self.refused_wait_seconds:
+                    return self._aborted(rid, _Stream(), "", "no engine accepted the connection within "
+                                         f"{self.refused_wait_seconds:g} s", t0, len(input_ids))
+                await asyncio.sleep(wait)
+                tried.clear()
+                rounds += 1
+                continue
             tried.add(eng.url)
             eng.in_flight += 1
             try:
                 return await self._generate_on(eng, payload, t0)
             except aiohttp.ClientConnectorError as e:  # refused: the request never left, safe elsewhere
                 eng.suspect_until = time.monotonic() + 2.0
-                log.warning("engine %s refused the connection (%s); trying another", eng.url, e)
-                if url is not None:
-                    return self._aborted(rid, _Stream(), eng.url, f"connection refused: {e}", t0, len(input_ids))
+                if rounds == 0:
+                    log.warning("engine %s refused the connection (%s); trying another", eng.url, e)
             finally:
                 eng.in_flight -= 1
 

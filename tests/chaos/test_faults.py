@@ -6,8 +6,8 @@ server), injects one fault, and lets tests/chaos/checker.py (no project code) au
   the run waits with logged retries (miles_core.storage: backoff to a 60 s deadline) and finishes;
   nothing partial is visible (no temporary key; every object decodes).
 - Engine SIGKILLed mid-generation: its requests come back aborted, their groups are rejected and go
-  to the unused-samples handler (retry: counted as recycled), the actor restarts the engine, the run
-  finishes, exactly once.
+  to the unused-samples handler (retry: counted as recycled), the actor restarts the engine (requests
+  sent meanwhile wait for it rather than abort), the run finishes, exactly once.
 - A trainer rank SIGKILLed in a 2-rank run: the segment fails as recoverable (exit 75:
   miles_core.failures.is_infrastructure), and the retried segment resumes and finishes (two
   segments of a 2-rank run, ~2 min).
@@ -87,12 +87,18 @@ def test_s3_outage_of_10_seconds_is_waited_out(tmp_path):
     assert not left, left
 
 
+def _generating(seg) -> bool:
+    engines = seg.descendants("miles_core.engines.cpu_server")
+    return bool(engines) and engines[0].cpu_percent(interval=0.1) > 30
+
+
 def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_path):
     run = tmp_path / "runs" / "engfault"
     seg = Segment(_flags(str(tmp_path), "engfault", "--async-unused-samples-handler", "retry"), tmp_path / "segment.log")
     try:
-        seg.wait_for(lambda: _manifests(run) >= 2 and seg.descendants("miles_core.engines.cpu_server"), 300,
-                     "2 trained steps")
+        # Kill it mid-generation: after 2 trained steps, at a moment its process is busy (the producer
+        # pauses whenever it is --max-weight-staleness ahead of the trainer, and then nothing is in flight).
+        seg.wait_for(lambda: _manifests(run) >= 2 and _generating(seg), 300, "2 trained steps, the engine busy")
         engine = seg.descendants("miles_core.engines.cpu_server")[0]
         t0 = time.monotonic()
         engine.send_signal(signal.SIGKILL)
@@ -107,7 +113,10 @@ def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_pat
     print(f"FAULT engine kill: new engine process {restarted:.1f} s after the kill; {aborted:g} aborted groups, "
           f"{recycled:g} recycled; run {total:.1f} s")
     assert "restarting" in seg.text(), "the engine actor did not report a restart"
-    assert aborted >= 1 and recycled >= 1, (aborted, recycled)
+    # The requests in flight at the kill came back aborted and their groups went to the retry handler;
+    # requests sent while the engine restarted waited for it (EngineClient.refused_wait_seconds)
+    # instead of aborting at once (before that wait: ~1000 aborted groups in this run).
+    assert recycled >= 1 and aborted + recycled < 50, (aborted, recycled)
     assert check(run, STEPS, BATCH, set()) == []
     assert not left, left
 

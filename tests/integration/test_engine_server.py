@@ -361,12 +361,47 @@ def test_refused_connection_tries_another_engine(gpt_engine):
     async def go():
         async with EngineClient([dead, gpt_engine.url]) as c:
             ok = [await c.generate(PROMPT, {"max_new_tokens": 2}) for _ in range(3)]
-        async with EngineClient([dead]) as c:
-            return ok, await c.generate(PROMPT, {"max_new_tokens": 2})
+        async with EngineClient([dead], refused_wait_seconds=0.5) as c:
+            t0 = time.monotonic()
+            return ok, await c.generate(PROMPT, {"max_new_tokens": 2}), time.monotonic() - t0
 
-    ok, none = run(go())
+    ok, none, waited = run(go())
     assert all(r.engine_url == gpt_engine.url and not r.aborted for r in ok)
-    assert none.aborted and "no engine" in none.abort_message
+    assert none.aborted and "no engine accepted the connection within 0.5 s" in none.abort_message
+    assert 0.3 <= waited < 2.0
+
+
+def test_a_restarting_engine_is_waited_for_not_aborted(gpt_engine):
+    """Every engine refusing (the only one restarting): the request backs off and is served once the
+    engine listens again, instead of coming back aborted at once (a storm of aborted groups)."""
+    port = free_port()
+    target = gpt_engine.url.rsplit(":", 1)[1]
+
+    async def pipe(reader, writer):
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    async def forward(client_r, client_w):
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", int(target))
+        await asyncio.gather(pipe(client_r, up_w), pipe(up_r, client_w))
+
+    async def go():
+        async def come_back():
+            await asyncio.sleep(0.6)
+            return await asyncio.start_server(forward, "127.0.0.1", port)
+
+        back = asyncio.ensure_future(come_back())
+        async with EngineClient([f"http://127.0.0.1:{port}"], refused_wait_seconds=20) as c:
+            t0 = time.monotonic()
+            result = await c.generate(PROMPT, {"max_new_tokens": 2})
+            waited = time.monotonic() - t0
+        (await back).close()
+        return result, waited
+
+    result, waited = run(go())
+    assert not result.aborted and len(result.output_ids) == 2 and 0.5 <= waited < 5
 
 
 def test_killed_engine_returns_in_flight_as_aborted_and_restarts(ckpts):
