@@ -94,7 +94,7 @@ def _assert_runs_show_and_lineage(run: Path, consumed: list[str]) -> None:
     traced = _miles("lineage", str(run), group, "--json")
     assert traced.returncode == 0, traced.stderr
     t = json.loads(traced.stdout)
-    assert t["fate"] == {"step": 21, "outcome": "consumed"} and t["checkpoint"] == 39 and t["snapshot"] == 24
+    assert t["fate"] == {"step": 21, "outcome": "consumed"} and t["checkpoint"] == 29 and t["snapshot"] == 24  # 29: the first segment ended there
     assert len(t["samples"]) == 8 and all(sum(s["versions"].values()) == s["response_tokens"] for s in t["samples"])
     assert t["eval"]["heldout"]["before"] is None and t["eval"]["heldout"]["after"]["step"] == 24
     assert "trained at step 21" in _miles("lineage", str(run), group).stdout
