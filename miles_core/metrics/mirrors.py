@@ -154,19 +154,22 @@ class MirrorFeed:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):
-            try:
-                self.sweep()
-            except Exception as e:  # noqa: BLE001 - a mirror must never stop training; the next sweep retries
-                log.warning("metrics mirrors: %s: %s", type(e).__name__, e)
+            self._quietly(self.sweep)
 
     def close(self) -> None:
+        """The last sweep, then every mirror closed; failures are logged (the run's outcome stands)."""
         self._stop.set()
         self._thread.join(timeout=self.interval + 30)
+        self._quietly(self.sweep)
+        for mirror in self.mirrors:
+            self._quietly(mirror.close)
+
+    @staticmethod
+    def _quietly(fn) -> None:
         try:
-            self.sweep()
-        finally:
-            for mirror in self.mirrors:
-                mirror.close()
+            fn()
+        except Exception as e:  # noqa: BLE001 - a mirror must never fail training; the next sweep retries
+            log.warning("metrics mirrors: %s: %s", type(e).__name__, e)
 
 
 def _by_step(events: list[dict]) -> dict[int, tuple[dict[str, float], float]]:

@@ -146,3 +146,17 @@ def test_the_key_is_refused_as_a_flag_and_a_missing_package_is_named(monkeypatch
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"--use-wandb needs the `wandb` package: pip install 'miles-flyte\[wandb\]'"):
         parse_flags(["--use-wandb"])
+
+
+def test_a_failing_mirror_is_logged_and_never_fails_the_run(tmp_path, caplog):
+    class Broken:
+        def log(self, step, metrics, wall_time):
+            raise ConnectionError("W&B unreachable")
+
+        flush = close = lambda self: None
+
+    store = Store(f"file://{tmp_path}/run")
+    feed = MirrorFeed(store, [Broken()], interval_seconds=60)
+    _log_two_components(store)
+    feed.close()  # does not raise
+    assert "metrics mirrors: ConnectionError: W&B unreachable" in caplog.text
