@@ -1,21 +1,26 @@
 """CPU engine throughput against transformers `generate` on the same weights, one core each.
 
-    .venv/bin/python bench/engine.py [--repeats 3] [--batch 32] [--threads 1]
+    .venv/bin/python bench/engine.py [--repeats 5] [--batch 32] [--bucket-size 16] [--threads 1] [--no-http]
 
 1. Long tail (compute matters): builtin:tiny-llama widened to hidden 256, 4 layers, 4 heads.
    `batch` requests, prompts of 4-8 tokens, max_new_tokens ~ lognormal (median 12, sigma 0.9,
    clipped to [1, 120]), EOS ignored so both sides generate exactly the requested lengths, sampling
    at temperature 1. transformers generates the batch at once (left-padded), so every row runs
    until the longest is done; the CPU engine batches continuously and drops finished requests.
+   A second, length-bucketed transformers baseline takes the padding away the usual way: sort the
+   requests by requested length, cut them into buckets of `--bucket-size` neighbours (buckets whose
+   longest requests are equal are merged, so equal lengths stay one batch), and `generate` each
+   bucket to its own longest, one bucket after another.
    Throughput counts only the requested tokens (useful tokens / wall seconds).
    The CPU engine is timed twice: in-process (`BatchEngine`, compute only) and end to end over
    HTTP (a real server process, `EngineClient`, streaming with per-token versions).
 2. The embedded default (DESIGN §10): builtin:tiny-gpt (2 layers, width 128, 13-token vocab),
    32 prompts x 8 samples = 256 requests, prompt 5 tokens, <= 5 new tokens: seconds per batch.
 
-Prints each throughput and the ratio engine / transformers (target >= 2x on the long tail). Best
-of `repeats` runs, engine and transformers interleaved (the machine is shared); no timed asserts
-here, this is informational.
+Prints each throughput and the ratio engine / transformers against both baselines (target >= 2x
+on the long tail against the padded one). Medians of `repeats` runs, engine and both baselines
+interleaved (the machine is shared); no timed asserts here, this is informational. Written to
+bench/results/engine.json (`--results`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import asyncio
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -32,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams  # noqa: E402
 from miles_core.engines.model import CausalLM  # noqa: E402
 from miles_core.models.builtin import PAD_ID, SEP_ID, materialize_checkpoint  # noqa: E402
@@ -80,8 +87,32 @@ def run_hf(model, work) -> float:
     return dt
 
 
+def buckets(work, size: int) -> list[list[tuple[list[int], int]]]:
+    """The requests sorted by requested length, cut into runs of `size`; runs with equal longest merged."""
+    ordered = sorted(work, key=lambda r: r[1])
+    out: list[list[tuple[list[int], int]]] = []
+    for i in range(0, len(ordered), size):
+        chunk = ordered[i:i + size]
+        if out and out[-1][-1][1] == chunk[-1][1]:
+            out[-1].extend(chunk)
+        else:
+            out.append(chunk)
+    return out
+
+
+def run_hf_bucketed(model, work, size: int) -> float:
+    """transformers `generate` over the length buckets, one after another: seconds for all of them."""
+    return sum(run_hf(model, bucket) for bucket in buckets(work, size))
+
+
+def padded_tokens(work, size: int | None) -> int:
+    """Tokens `generate` computes: every row to its batch's longest (one batch, or the buckets)."""
+    groups = [work] if size is None else buckets(work, size)
+    return sum(len(b) * max(n for _, n in b) for b in groups)
+
+
 async def run_http(url: str, work, repeats: int) -> float:
-    """Best of `repeats` batches through one long-lived client (as the rollout worker holds one), after
+    """Median of `repeats` batches through one long-lived client (as the rollout worker holds one), after
     one untimed batch that opens the connection pool."""
     from miles_core.engines.client import EngineClient
 
@@ -95,7 +126,7 @@ async def run_http(url: str, work, repeats: int) -> float:
 
     async with EngineClient([url]) as c:
         await batch(c)
-        return min([await batch(c) for _ in range(repeats)])
+        return statistics.median([await batch(c) for _ in range(repeats)])
 
 
 def bench_http(path: str, work, repeats: int) -> float:
@@ -109,45 +140,84 @@ def bench_http(path: str, work, repeats: int) -> float:
         server.stop()
 
 
-def main() -> None:
+def measure(title: str, path: str, work, args) -> dict:
+    """One case: the engine and both transformers baselines, interleaved `repeats` times; medians."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    run_engine(path, work[:4], 0)  # warm-up
+    run_hf(hf, work[:4])
+    times: dict[str, list[float]] = {"engine": [], "padded": [], "bucketed": []}
+    for r in range(args.repeats):  # interleaved, so every side sees the same machine load
+        times["engine"].append(run_engine(path, work, r))
+        times["padded"].append(run_hf(hf, work))
+        times["bucketed"].append(run_hf_bucketed(hf, work, args.bucket_size))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    lens = sorted(n for _, n in work)
+    row = {"case": title, "requests": len(work), "useful_tokens": sum(lens), "max_new_tokens_p50": lens[len(lens) // 2],
+           "max_new_tokens_max": lens[-1], "padded_tokens": padded_tokens(work, None),
+           "bucketed_tokens": padded_tokens(work, args.bucket_size), "buckets": len(buckets(work, args.bucket_size)),
+           "engine_s": med["engine"], "padded_s": med["padded"], "bucketed_s": med["bucketed"],
+           "ratio_vs_padded": med["padded"] / med["engine"], "ratio_vs_bucketed": med["bucketed"] / med["engine"],
+           "times": times}
+    if not args.no_http:
+        row["http_s"] = bench_http(path, work, args.repeats)
+        row["http_ratio_vs_padded"] = med["padded"] / row["http_s"]
+        row["http_ratio_vs_bucketed"] = med["bucketed"] / row["http_s"]
+    print_case(row)
+    return row
+
+
+def print_case(r: dict) -> None:
+    useful = r["useful_tokens"]
+    print(f"\n{r['case']}")
+    print(f"  requests {r['requests']}, useful tokens {useful}, max_new_tokens p50 {r['max_new_tokens_p50']} max "
+          f"{r['max_new_tokens_max']}; transformers generates {r['padded_tokens']} padded to the longest, "
+          f"{r['bucketed_tokens']} in {r['buckets']} length bucket(s)")
+    for side in ("padded", "bucketed"):
+        seconds = r[f"{side}_s"]
+        print(f"  transformers generate, {side:<9}: {useful / seconds:10.0f} tok/s  ({seconds * 1e3:8.1f} ms)")
+    print(f"  CPU engine (in-proc)            : {useful / r['engine_s']:10.0f} tok/s  ({r['engine_s'] * 1e3:8.1f} ms)"
+          f"   ratio {r['ratio_vs_padded']:5.2f}x vs padded, {r['ratio_vs_bucketed']:5.2f}x vs bucketed")
+    if "http_s" in r:
+        print(f"  CPU engine (HTTP, SSE)          : {useful / r['http_s']:10.0f} tok/s  ({r['http_s'] * 1e3:8.1f} ms)"
+              f"   ratio {r['http_ratio_vs_padded']:5.2f}x vs padded, {r['http_ratio_vs_bucketed']:5.2f}x vs bucketed")
+    print(f"  (medians of {len(r['times']['engine'])} interleaved runs)", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--bucket-size", type=int, default=16,
+                    help="requests per length bucket of the bucketed baseline (16: the fastest of 4, 8, 16 here)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-http", action="store_true", help="skip the end-to-end HTTP measurements")
-    args = ap.parse_args()
+    ap.add_argument("--cases", default="tail,default", help="long tail (tail) and/or the embedded default (default)")
+    add_results_flag(ap, "engine")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    results = ResultsFile("engine", vars(args))
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    from transformers import AutoModelForCausalLM
-
     tmp = tempfile.mkdtemp(prefix="bench-engine-")
-    cases = [
-        ("long tail: tiny-llama h256 x4 layers, batch %d" % args.batch, "builtin:tiny-llama",
-         dict(num_layers=4, hidden_size=256, num_heads=4), workload(args.batch, 0, tail=True)),
-        ("embedded default: tiny-gpt h128 x2 layers, 256 requests, 5+5 tokens", "builtin:tiny-gpt",
-         dict(num_layers=2, hidden_size=128, num_heads=4), workload(256, 1, tail=False)),
-    ]
-    for title, name, shape, work in cases:
+    cases = {
+        "tail": ("long tail: tiny-llama h256 x4 layers, batch %d" % args.batch, "builtin:tiny-llama",
+                 dict(num_layers=4, hidden_size=256, num_heads=4), workload(args.batch, 0, tail=True)),
+        "default": ("embedded default: tiny-gpt h128 x2 layers, 256 requests, 5+5 tokens", "builtin:tiny-gpt",
+                    dict(num_layers=2, hidden_size=128, num_heads=4), workload(256, 1, tail=False)),
+    }
+    rows = []
+    for key in args.cases.split(","):
+        title, name, shape, work = cases[key]
         path = materialize_checkpoint(name, 0, os.path.join(tmp, name.split(":")[1]), **shape)
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        useful = sum(n for _, n in work)
-        lens = sorted(n for _, n in work)
-        run_engine(path, work[:4], 0)  # warm-up
-        run_hf(hf, work[:4])
-        t_engine = t_hf = float("inf")
-        for r in range(args.repeats):  # interleaved, so both sides see the same machine load
-            t_engine = min(t_engine, run_engine(path, work, r))
-            t_hf = min(t_hf, run_hf(hf, work))
-        print(f"\n{title}")
-        print(f"  requests {len(work)}, useful tokens {useful}, max_new_tokens p50 {lens[len(lens) // 2]} "
-              f"max {lens[-1]}; transformers generates {len(work) * lens[-1]} (padded to the longest)")
-        print(f"  transformers generate : {useful / t_hf:10.0f} tok/s  ({t_hf * 1e3:8.1f} ms)")
-        print(f"  CPU engine (in-proc)  : {useful / t_engine:10.0f} tok/s  ({t_engine * 1e3:8.1f} ms)"
-              f"   ratio {t_hf / t_engine:5.2f}x")
-        if not args.no_http:
-            t_http = bench_http(path, work, args.repeats)
-            print(f"  CPU engine (HTTP, SSE): {useful / t_http:10.0f} tok/s  ({t_http * 1e3:8.1f} ms)"
-                  f"   ratio {t_hf / t_http:5.2f}x")
+        rows.append({"key": key, **measure(title, path, work, args)})
+    figures = {f"{r['key']}_{k}": r[k] for r in rows for k in r if "ratio" in k}
+    figures |= {f"{r['key']}_{k}": r[k] for r in rows for k in ("engine_s", "padded_s", "bucketed_s")}
+    return results.write(args.results, figures, rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,10 @@ What it does, in one process (no Ray, no engines):
    trainer's dtype, torch AdamW, the same loss function) and prints trainer tokens/s against it
    (target ratio >= 1.5; reported, not enforced).
 Prints one line per phase and a final JSON summary (also written to `--out/gpu_check.json` when
-given). Exit status 1 when the checkpoint resume is not exact within tolerance, else 0.
+given, the file tests/gpu/check.sh brings back), and writes the figures in the benches' results
+schema (bench/results_file.py) to `--results` (default bench/results/gpu_check.json; with
+`--cpu-smoke` only when given, so CI never overwrites a device figure). Exit status 1 when the
+checkpoint resume is not exact within tolerance, else 0.
 
 The device machine has torch but not megatron-core: `tests/gpu/check.sh` puts a copy of it on
 PYTHONPATH (how to carry it: that script's header).
@@ -36,6 +39,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import results_file  # noqa: E402
 
 # ~0.48B parameters: 24 x (3.1M attention + 14.2M SwiGLU) + 2 x 32.8M untied embeddings.
 LLAMA_05B = dict(hidden_size=1024, intermediate_size=4608, num_hidden_layers=24, num_attention_heads=16,
@@ -269,7 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--loss-rtol", type=float, default=None,
                     help="resume tolerance on the next-step losses (default 1e-3 on GPU, 1e-6 on CPU)")
     ap.add_argument("--out", default=os.environ.get("OUT", ""), help="folder for gpu_check.json (default $OUT)")
+    results_file.add_results_flag(ap, "gpu_check", default=None)
     args = ap.parse_args(argv)
+    results = results_file.ResultsFile("gpu_check", vars(args))
+    results_path = args.results if args.results is not None else \
+        ("" if args.cpu_smoke else results_file.default_path("gpu_check"))
     if args.cpu_smoke:
         device, plan = torch.device("cpu"), CPU_SMOKE_PLAN
     elif not torch.cuda.is_available():
@@ -288,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
             f.write(text)
+    figures = {k: v for k, v in summary.items() if not isinstance(v, list)}
+    results.write(results_path, figures, [{"phase": "resume", "losses_uninterrupted": summary["losses_uninterrupted"],
+                                           "losses_resumed": summary["losses_resumed"]}])
     log(f"megatron {summary['megatron_tokens_per_s']:.0f} tok/s vs transformers "
         f"{summary['transformers_tokens_per_s']:.0f} tok/s: ratio {summary['ratio']:.2f} "
         f"({'meets' if summary['ratio_target_met'] else 'BELOW'} the 1.5 target); resume "

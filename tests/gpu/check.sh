@@ -16,7 +16,8 @@
 #
 #   run(command="bash tests/gpu/check.sh", carry=[".gpu_vendor"], timeout_s=600)
 #
-# Options: --bench-only (skip the tests), --tests-only. $OUT, when set, receives gpu_check.json and
+# Options: --bench-only (skip the tests), --tests-only. $OUT, when set, receives gpu_check.json, the
+# bench results file (gpu_check.results.json, docs/benchmarks.md) and
 # the logs. Exit status: the bench's (1 = checkpoint resume mismatch), else pytest's.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -34,7 +35,7 @@ python3 -c "import megatron.core, torch; print('megatron-core', megatron.core.__
   || { echo "megatron-core is not importable: carry .gpu_vendor (see the header of $0)"; exit 3; }
 rc=0
 if [[ "$mode" != "--tests-only" ]]; then
-  timeout 480 python3 bench/gpu_check.py --out "$out" 2>&1 | tee "$out/gpu_check.log"; rc=${PIPESTATUS[0]}
+  timeout 480 python3 bench/gpu_check.py --out "$out" --results "$out/gpu_check.results.json" 2>&1 | tee "$out/gpu_check.log"; rc=${PIPESTATUS[0]}
 fi
 if [[ "$mode" != "--bench-only" ]]; then
   timeout 300 python3 -m pytest -p no:cacheprovider -o addopts="" -m gpu -q -x tests/gpu 2>&1 | tee "$out/pytest.log"

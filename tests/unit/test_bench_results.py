@@ -1,0 +1,229 @@
+"""The benchmarks' results files, and the models their figures rest on (docs/benchmarks.md).
+
+Pins: every bench run at a tiny size writes one strict-JSON file in the schema of
+bench/results_file.py (bench, version, started_at, seconds, machine, config = the flags, figures,
+rows) holding its ratio figures; the committed bench/results/*.json follow the same schema. And
+what makes the figures honest: a weight push pauses every engine (an in-flight sample stalls for
+the pause, one started during it waits, its tokens after the pause carry the new version) and every
+driver pays the push; the buffer's raw baseline writes exactly the objects the buffer wrote; the
+bucketed transformers baseline keeps every request and pads less than the padded one.
+Guards: a bench that prints a ratio but never writes it, a file a reader cannot parse (NaN), a
+baseline that does less or different work than the project side, a push the async side alone pays.
+Sizes are tiny and nothing asserts on speed; bench/weights.py (~1 min) and the gpu_check file
+(~30 s) are `slow`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from bench import async_speedup, buffer, resume, results_file
+from bench.async_speedup import TimedEngines, WeightClock, Workload
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_strict(path: Path) -> dict:
+    def no_constants(name):
+        raise AssertionError(f"{path}: {name} is not JSON")
+
+    return json.loads(path.read_text(), parse_constant=no_constants)
+
+
+def check_schema(record: dict, bench: str, flags: tuple[str, ...] = ()) -> dict:
+    assert set(results_file.KEYS) <= set(record) <= set(results_file.KEYS) | {"notes"}
+    assert record["bench"] == bench and record["version"] == results_file.VERSION
+    assert datetime.fromisoformat(record["started_at"]).tzinfo is not None
+    assert record["seconds"] is None or record["seconds"] > 0
+    assert {"cpus", "platform", "python"} <= set(record["machine"])
+    assert set(flags) <= set(record["config"])
+    assert record["figures"] and all(isinstance(v, (int, float, str, type(None))) for v in record["figures"].values())
+    assert isinstance(record["rows"], list) and record["rows"] and all(isinstance(r, dict) for r in record["rows"])
+    return record
+
+
+def run_bench(name: str, *args: str, timeout: float = 120) -> None:
+    """`python bench/<name>.py ARGS` as a user runs it (its own process: torch threads, logging)."""
+    subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args], cwd=ROOT, check=True,
+                   timeout=timeout, capture_output=True)
+
+
+# ----------------------------------------------------------------------------- async_speedup
+
+TINY = ["--steps", "3", "--batch-size", "4", "--n", "2", "--engines", "2", "--slots-per-engine", "2", "--median-tokens",
+        "4", "--generation-step-seconds", "0.03", "--push-seconds", "0.02", "--pause-seconds", "0.01"]
+
+
+def test_async_speedup_writes_speedup_efficiency_and_the_sensitivity_table(tmp_path):
+    """Pins: speedup and each driver's efficiency are figures; the table has one row per (sigma, push cost)
+    with speedup = sync / fully async s/step; the staleness limit is the product default; every driver's
+    push phase lasts at least the push (sync and one-step-off pay it too)."""
+    out = tmp_path / "async.json"
+    async_speedup.main(TINY + ["--table-steps", "2", "--table-sigmas", "0.5,1.5", "--table-push",
+                               "0.01:0.005,0.02:0.02", "--results", str(out)])
+    record = check_schema(load_strict(out), "async_speedup", ("push_seconds", "max_weight_staleness", "table_push"))
+    figures = record["figures"]
+    assert figures["speedup"] > 0 and figures["push_seconds"] == 0.02 and figures["pause_seconds"] == 0.01
+    assert {f"{d}_efficiency" for d in async_speedup.DRIVERS} <= set(figures)
+    assert record["config"]["max_weight_staleness"] == 2 == async_speedup.PRODUCT_MAX_WEIGHT_STALENESS
+    drivers = [r for r in record["rows"] if r["kind"] == "driver"]
+    assert [r["driver"] for r in drivers] == list(async_speedup.DRIVERS)
+    assert all(r["phases"]["push"] >= 0.02 for r in drivers)
+    cells = [r for r in record["rows"] if r["kind"] == "sensitivity"]
+    assert [(c["sigma"], c["push"]) for c in cells] == [(s, p) for s in (0.5, 1.5) for p in ("0.01:0.005", "0.02:0.02")]
+    for c in cells:
+        assert c["speedup"] == pytest.approx(c["sync_step_seconds"] / c["fully_async_step_seconds"])
+        assert c["efficiency"] == pytest.approx(c["ideal_step_seconds"] / c["fully_async_step_seconds"])
+
+
+def test_push_costs_come_from_the_weights_results_file(tmp_path):
+    """Pins: a weights results row (model, transport, push_s, pause_s) becomes the push cost of that name;
+    names it lacks keep the documented defaults; PUSH:PAUSE literals parse."""
+    path = tmp_path / "weights.json"
+    path.write_text(json.dumps({"rows": [{"model": "smollm", "transport": "store", "push_s": 2.5, "pause_s": 0.3}]}))
+    costs = async_speedup.measured_push_costs(str(path))
+    assert (costs["smollm-store"].push_seconds, costs["smollm-store"].pause_seconds) == (2.5, 0.3)
+    assert costs["tiny-store"] == async_speedup.PUSH_COSTS["tiny-store"]
+    literal = async_speedup.push_cost("0.45:0.4", costs)
+    assert (literal.push_seconds, literal.pause_seconds) == (0.45, 0.4)
+
+
+def test_weight_clock_stalls_work_for_every_pause_and_versions_tokens_after_it():
+    """Pins the pause model: 1 s of work from t=0 with a pause over [0.5, 0.8] ends at 1.3; work that starts
+    inside the pause waits for its end; tokens produced after the pause carry the next version."""
+    clock = WeightClock(version=1)
+    clock.pauses.append((0.5, 0.8))
+    clock.changes.append((0.8, 2))
+    assert clock.finish_time(0.0, 1.0) == pytest.approx(1.3)
+    assert clock.finish_time(0.6, 1.0) == pytest.approx(1.8)
+    assert clock.finish_time(0.9, 1.0) == pytest.approx(1.9)
+    assert clock.token_versions(0.0, 1.3, 10) == [1] * 5 + [2] * 5
+    assert clock.token_versions(0.6, 1.8, 4) == [2] * 4
+
+
+def test_an_engine_sample_in_flight_stalls_for_a_push_from_another_thread():
+    """Pins: TimedEngines reads pauses announced while a sample sleeps (the trainer's thread), so the sample
+    takes its work plus the pause and straddles the versions. Guards: engines that ignore pushes."""
+    w = Workload(engines=1, slots_per_engine=1, median_tokens=100, sigma=0.01, batch_size=1, n=1,
+                 generation_step_seconds=1.0)  # one sample of ~1 s
+    clock = WeightClock(version=1)
+    engines = TimedEngines(w, clock)
+
+    async def sample_with_a_push():
+        task = asyncio.create_task(engines.generate([1, 2, 3]))
+        await asyncio.sleep(0.05)  # the sample holds its slot
+        await asyncio.to_thread(clock.pause, 0.2)
+        return await task
+
+    result = asyncio.run(sample_with_a_push())
+    work = len(result.output_ids) * w.token_seconds
+    assert result.seconds >= work + 0.2
+    assert result.token_versions[0] == 1 and result.token_versions[-1] == 2
+
+
+# ----------------------------------------------------------------------------- buffer
+
+
+def test_buffer_writes_ratio_tokens_per_second_and_index_memory(tmp_path):
+    """Pins: the ratio against raw writes, the buffer's tokens/s beside groups/s, the index measured over
+    `--index-groups` reopened groups."""
+    out = tmp_path / "buffer.json"
+    buffer.main(["--groups", "12", "--producers", "3", "--stores", "file", "--repeats", "1", "--index-groups", "300",
+                 "--index-groups-per-object", "16", "--results", str(out)])
+    record = check_schema(load_strict(out), "buffer", ("groups", "index_groups", "stores"))
+    figures = record["figures"]
+    assert figures["file_ratio"] > 0 and figures["file_buffer_tokens_per_s"] > figures["file_buffer_groups_per_s"]
+    assert figures["index_groups"] == 300 and figures["index_bytes_per_group"] > 0
+    index = record["rows"][-1]
+    assert index["kind"] == "index_memory" and index["objects"] == 19
+
+
+def test_the_raw_baseline_writes_the_objects_the_buffer_wrote(tmp_path):
+    """Pins: one round's raw store holds as many objects as the buffer committed, of the same sizes.
+    Guards: a baseline of one small object per group beside a buffer that coalesces."""
+    import argparse
+    import random
+
+    groups = [buffer.realistic_group(i, random.Random(i)) for i in range(10)]
+    args = argparse.Namespace(producers=4, coalesce_seconds=0.0)
+    row = buffer.one_round(f"file://{tmp_path}", groups, args)
+
+    def sizes(sub: str) -> list[int]:
+        return sorted(p.stat().st_size for p in tmp_path.glob(f"*/{sub}/**/*.arrow"))
+
+    committed = sizes("buffer/groups")
+    assert len(committed) == row["objects"] > 0
+    assert sizes("raw") == committed and row["bytes"] == sum(committed)
+
+
+# ----------------------------------------------------------------------------- engine, resume
+
+
+def test_engine_writes_ratios_against_both_baselines(tmp_path):
+    out = tmp_path / "engine.json"
+    run_bench("engine", "--repeats", "1", "--batch", "6", "--bucket-size", "2", "--no-http", "--cases", "tail",
+              "--results", str(out))
+    record = check_schema(load_strict(out), "engine", ("bucket_size", "repeats"))
+    assert record["figures"]["tail_ratio_vs_padded"] > 0 and record["figures"]["tail_ratio_vs_bucketed"] > 0
+    (row,) = record["rows"]
+    assert row["useful_tokens"] <= row["bucketed_tokens"] <= row["padded_tokens"]
+
+
+def test_length_buckets_keep_every_request_and_merge_equal_lengths():
+    from bench.engine import buckets, padded_tokens
+
+    work = [([1], n) for n in (9, 1, 5, 5, 2, 9, 7)]
+    out = buckets(work, 2)
+    assert sorted(n for b in out for _, n in b) == sorted(n for _, n in work)
+    assert [[n for _, n in b] for b in out] == [[1, 2], [5, 5], [7, 9, 9]]
+    assert padded_tokens(work, 2) == 2 * 2 + 2 * 5 + 3 * 9 < padded_tokens(work, None) == 7 * 9
+    assert len(buckets([([1], 5)] * 6, 2)) == 1
+
+
+def test_resume_writes_reopen_times_and_their_ratio(tmp_path):
+    out = tmp_path / "resume.json"
+    resume.main(["--consumed", "96", "--backlogs", "32", "--stores", "file", "--repeats", "1", "--results", str(out)])
+    record = check_schema(load_strict(out), "resume", ("consumed", "backlogs"))
+    assert record["figures"]["file_backlog_32_ratio_history_over_compacted"] > 0
+    assert record["rows"][0]["backlog"] == 32
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("*.json")), ids=lambda p: p.name)
+def test_committed_results_follow_the_schema(path):
+    check_schema(load_strict(path), path.stem)
+
+
+# ----------------------------------------------------------------------------- slow
+
+
+@pytest.mark.slow
+def test_weights_writes_push_pause_and_ratio(tmp_path):
+    out = tmp_path / "weights.json"
+    run_bench("weights", "--models", "tiny", "--transports", "store", "--repeats", "1", "--results", str(out),
+              timeout=300)
+    record = check_schema(load_strict(out), "weights", ("models", "transports"))
+    assert record["figures"]["tiny_store_ratio"] > 0
+    costs = async_speedup.measured_push_costs(str(out))
+    assert costs["tiny-store"].push_seconds == record["rows"][0]["push_s"]
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_writes_results_only_when_asked(tmp_path):
+    out = tmp_path / "gpu.json"
+    before = os.path.getmtime(results_file.default_path("gpu_check")) \
+        if os.path.exists(results_file.default_path("gpu_check")) else None
+    run_bench("gpu_check", "--cpu-smoke", "--results", str(out), timeout=300)
+    record = check_schema(load_strict(out), "gpu_check", ("cpu_smoke",))
+    assert record["figures"]["ratio"] > 0 and record["figures"]["resume_ok"] is True
+    run_bench("gpu_check", "--cpu-smoke", "--out", "", timeout=300)
+    after = os.path.getmtime(results_file.default_path("gpu_check")) \
+        if os.path.exists(results_file.default_path("gpu_check")) else None
+    assert before == after  # the smoke run never overwrites the device figures
