@@ -1,13 +1,16 @@
 """Named crash points for the chaos tests (tests/chaos): nothing happens unless MILES_CHAOS_POINT is set.
 
     MILES_CHAOS_POINT=name:n   the n-th time this process reaches point `name`, it writes
-                               $MILES_CHAOS_DIR/reached-{name} and blocks there for good
+                               $MILES_CHAOS_DIR/reached-{name} and blocks there for good; while
+                               that file exists the point does not fire again (in any process: a
+                               restarted engine inherits the setting)
 
 so the test can SIGKILL the whole run (driver, Ray, actors, engines) while it is inside that
 critical section. The points: `buffer.commit` (a group object encoded, not yet committed; puts
 waiting), `buffer.record` (groups got for a step, its consumption manifest not yet written),
 `checkpoint.write` (tensors written, no COMPLETE marker yet), `weights.push` (engines paused,
-the new weights not yet loaded).
+the new weights not yet loaded), `engine.generate` (a CPU engine streaming a response, its event
+loop held: every request on it is in flight).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import collections
 import os
 import threading
 
-POINTS = ("buffer.commit", "buffer.record", "checkpoint.write", "weights.push")
+POINTS = ("buffer.commit", "buffer.record", "checkpoint.write", "weights.push", "engine.generate")
 ENV = "MILES_CHAOS_POINT"
 DIR_ENV = "MILES_CHAOS_DIR"
 
@@ -28,10 +31,11 @@ def point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec or spec.rpartition(":")[0] != name:
         return
+    marker = os.path.join(os.environ[DIR_ENV], f"reached-{name}")
     with _lock:
         _reached[name] += 1
-        hit = _reached[name] == int(spec.rpartition(":")[2])
+        hit = _reached[name] == int(spec.rpartition(":")[2]) and not os.path.exists(marker)
     if hit:
-        with open(os.path.join(os.environ[DIR_ENV], f"reached-{name}"), "w") as f:
+        with open(marker, "w") as f:
             f.write(str(os.getpid()))
         threading.Event().wait()  # until the test kills the run

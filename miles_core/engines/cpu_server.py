@@ -71,6 +71,7 @@ from datetime import timedelta
 
 from aiohttp import web
 
+from miles_core import chaos
 from miles_core.engines.auth import authorized, engine_token
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
 from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_safetensors, read_spec
@@ -285,6 +286,7 @@ class CpuEngineServer:
                 return web.json_response(self._body(req, prog, want_logprob, t0, delta=False), dumps=_dumps)
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await resp.prepare(request)
+            chaos.point("engine.generate")
             pending = 0  # tokens absorbed but not yet sent
             while prog.finish is None:
                 for group in await _next_groups(prog.queue):

@@ -16,6 +16,7 @@ Timings are printed (`FAULT ...` lines; `pytest -s` shows them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.chaos.checker import check, metric_total
@@ -87,22 +89,20 @@ def test_s3_outage_of_10_seconds_is_waited_out(tmp_path):
     assert not left, left
 
 
-def _generating(seg) -> bool:
-    engines = seg.descendants("miles_core.engines.cpu_server")
-    return bool(engines) and engines[0].cpu_percent(interval=0.1) > 30
-
-
 def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_path):
     run = tmp_path / "runs" / "engfault"
-    seg = Segment(_flags(str(tmp_path), "engfault", "--async-unused-samples-handler", "retry"), tmp_path / "segment.log")
+    # The engine's 40th /generate holds its event loop once streaming (miles_core/chaos.py): every
+    # request on it is in flight when the test SIGKILLs it. The restarted engine does not stop again.
+    env = dict(os.environ, MILES_CHAOS_POINT="engine.generate:40", MILES_CHAOS_DIR=str(tmp_path))
+    marker = tmp_path / "reached-engine.generate"
+    seg = Segment(_flags(str(tmp_path), "engfault", "--async-unused-samples-handler", "retry"), tmp_path / "segment.log",
+                  env)
     try:
-        # Kill it mid-generation: after 2 trained steps, at a moment its process is busy (the producer
-        # pauses whenever it is --max-weight-staleness ahead of the trainer, and then nothing is in flight).
-        seg.wait_for(lambda: _manifests(run) >= 2 and _generating(seg), 300, "2 trained steps, the engine busy")
-        engine = seg.descendants("miles_core.engines.cpu_server")[0]
-        t0 = time.monotonic()
-        engine.send_signal(signal.SIGKILL)
-        restarted = seg.wait_for(lambda: any(p.pid != engine.pid for p in seg.descendants("miles_core.engines.cpu_server")),
+        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 300, "the engine inside a /generate")
+        pid, t0 = int(marker.read_text()), time.monotonic()
+        with contextlib.suppress(psutil.NoSuchProcess):  # its actor's health check may have killed it first
+            psutil.Process(pid).send_signal(signal.SIGKILL)
+        restarted = seg.wait_for(lambda: any(p.pid != pid for p in seg.descendants("miles_core.engines.cpu_server")),
                                  120, "a restarted engine") - (t0 - seg.started)
         assert seg.finish(300) == 0, seg.text()[-4000:]
         total = time.monotonic() - seg.started
