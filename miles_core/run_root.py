@@ -75,11 +75,11 @@ def read_config(store: Store, segment: int | None = None) -> dict | None:
         latest = status.segment if status is not None else 0
         # No listing: a run root also holds the buffer and checkpoints; STATUS names the segment.
         for seg in range(latest, -1, -1):
-            found = _get_json(store, segment_config_key(seg))
+            found = get_json_or_none(store, segment_config_key(seg))
             if found is not None:
                 return found.get("config", found)
         return None
-    found = _get_json(store, segment_config_key(segment))
+    found = get_json_or_none(store, segment_config_key(segment))
     return None if found is None else found.get("config", found)
 
 
@@ -102,7 +102,7 @@ def write_status(store: Store, state: str, *, last_step: int, segment: int, mess
 
 
 def read_status(store: Store) -> RunStatus | None:
-    d = _get_json(store, STATUS_KEY)
+    d = get_json_or_none(store, STATUS_KEY)
     if d is None:
         return None
     return RunStatus(d.get("state", ""), int(d.get("last_step", -1)), int(d.get("segment", 0)),
@@ -127,7 +127,8 @@ def require_run(store: Store) -> Store:
                       "{storage_root}/runs/{run_id} (e.g. file:///path/.miles/runs/default).")
 
 
-def _get_json(store: Store, key: str):
+def get_json_or_none(store: Store, key: str):
+    """The JSON object at `key`, or None when there is none."""
     try:
         return store.get_json(key)
     except ObjectNotFound:

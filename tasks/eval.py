@@ -7,7 +7,7 @@ definitions register without it. Contract with miles_core.eval:
                                                           [(step, name or "*", why skipped), ...])
     backfill.evaluate_snapshot(run_uri, step, name, uri, *, n_samples, temperature,
                                max_response_len) -> {metric name: value}   (writes eval/step_k/name.json)
-    backfill.backfill_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)
+    backfill.rows_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)
 """
 
 from __future__ import annotations
@@ -99,8 +99,7 @@ def eval_snapshot(job: EvalJob) -> EvalPoint:
 def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) -> StructuredDataset:
     """One row per (step, dataset, metric), saved in the run root under eval/backfill/{time}/ and
     returned; printed (with the skipped steps and why) for the console, and the eval curves as the Deck."""
-    from miles_core.eval.backfill import backfill_table as to_table
-    from miles_core.eval.backfill import backfill_table_uri, backfill_text
+    from miles_core.eval.backfill import backfill_table_uri, backfill_text, rows_table
     from miles_core.metrics.report import eval_figure
 
     rows = [{"step": p.step, "dataset": p.dataset, "metric": name, "value": value}
@@ -114,4 +113,4 @@ def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) ->
                f"eval/{r['dataset']}" if r["metric"] in ("", "mean") else f"eval/{r['dataset']}/{r['metric']}"}
               for r in rows]
     Deck("eval curves", eval_figure(events).to_html(full_html=False, include_plotlyjs=True))
-    return StructuredDataset(dataframe=to_table(rows), uri=uri)
+    return StructuredDataset(dataframe=rows_table(rows), uri=uri)

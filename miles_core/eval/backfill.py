@@ -7,7 +7,7 @@
     evaluate_snapshot(run_uri, step, datasets, ...) -> metrics
         the pieces a Flyte map_task fans out (workflows/eval_backfill.py).
     results_table(run_uri, datasets=None) -> rows;  eval_curves_html(rows) -> HTML (plotly)
-    backfill_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)   (the Flyte table)
+    rows_table(rows), backfill_table_uri(run_uri), backfill_text(rows, skipped, uri)   (the Flyte table)
 
 Steps default to every complete snapshot; a (step, dataset) that already has a result is skipped
 unless `force`. Datasets default to the run's --eval-prompt-data, sampling to the run's eval
@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 from typing import Sequence
+
+import pyarrow as pa
 
 from miles_core.eval.datasets import EvalSampling, load_eval_datasets, parse_dataset_specs, sampling_from_config
 from miles_core.eval.results import all_results, evaluated, requests, result_key
@@ -76,9 +78,13 @@ def plan_and_skips(run_uri: str, steps: Sequence[int] | None = None, datasets: S
     pairs = parse_dataset_specs(_specs(cfg, datasets))
     skipped = [(step, "*", f"no complete snapshot under {layout.root_uri} (retired by the ring, never exported, "
                            "or still being written)") for step in missing]
-    skipped += [(step, name, f"already evaluated ({result_key(step, name)}; force to redo)")
-                for step in chosen for name, _ in pairs if not force and name in done.get(step, set())]
-    plan = [(step, name, uri) for step in chosen for name, uri in pairs if force or name not in done.get(step, set())]
+    plan = []
+    for step in chosen:
+        for name, uri in pairs:
+            if force or name not in done.get(step, set()):
+                plan.append((step, name, uri))
+            else:
+                skipped.append((step, name, f"already evaluated ({result_key(step, name)}; force to redo)"))
     return plan, skipped
 
 
@@ -135,14 +141,13 @@ def results_table(run_uri: str, datasets: Sequence[str] | None = None) -> list[d
 
 
 BACKFILL_PREFIX = "eval/backfill"
-_TABLE_SCHEMA = (("step", "int64"), ("dataset", "string"), ("metric", "string"), ("value", "float64"))
+TABLE_SCHEMA = pa.schema([("step", pa.int64()), ("dataset", pa.string()), ("metric", pa.string()),
+                          ("value", pa.float64())])
 
 
-def backfill_table(rows: list[dict]):
-    """The rows as an Arrow table (step, dataset, metric, value)."""
-    import pyarrow as pa
-
-    return pa.Table.from_pylist(rows, schema=pa.schema([(name, getattr(pa, kind)()) for name, kind in _TABLE_SCHEMA]))
+def rows_table(rows: list[dict]) -> pa.Table:
+    """The backfill's rows (step, dataset, metric, value) as an Arrow table."""
+    return pa.Table.from_pylist(rows, schema=TABLE_SCHEMA)
 
 
 def backfill_table_uri(run_uri: str) -> str:

@@ -18,7 +18,7 @@ from miles_core.eval.results import all_results
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lease import LEASE_KEY, LeaseRecord
 from miles_core.lineage.recorded import FORK_KEY, RecordedRun
-from miles_core.run_root import read_status, segment_config_key
+from miles_core.run_root import get_json_or_none, read_status, segment_config_key
 from miles_core.storage import ObjectNotFound
 
 
@@ -38,14 +38,14 @@ def run_summary(run_uri: str) -> dict:
         "snapshots": SnapshotLayout.from_config(run.cfg, run.uri).complete_steps(),
         "buffer": inspect_buffer(run.uri),
         "eval": _evals(run),
-        "forked_from": _json_or_none(run, FORK_KEY),
+        "forked_from": get_json_or_none(run.store, FORK_KEY),
     }
 
 
 def _segments(run: RecordedRun, last: int) -> list[dict]:
     out = []
     for segment in range(last + 1):
-        record = _json_or_none(run, segment_config_key(segment))
+        record = get_json_or_none(run.store, segment_config_key(segment))
         if record is not None:
             out.append({"segment": segment, "config": segment_config_key(segment),
                         "written_at": record.get("written_at")})
@@ -69,13 +69,6 @@ def _evals(run: RecordedRun) -> dict[str, list[dict]]:
         keep = {k: v for k, v in row.items() if k == "mean_reward" or k.startswith("pass@")}
         out.setdefault(result.dataset, []).append({"step": result.step, **keep})
     return out
-
-
-def _json_or_none(run: RecordedRun, key: str):
-    try:
-        return run.store.get_json(key)
-    except ObjectNotFound:
-        return None
 
 
 # ----------------------------------------------------------------------------- text

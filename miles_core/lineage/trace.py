@@ -15,10 +15,10 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 
+from miles_core.buffer.objects import rows_to_group
 from miles_core.eval.results import all_results
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.recorded import LineageError, RecordedRun
-from miles_core.buffer.objects import rows_to_group
 
 
 def group_lineage(run_uri: str, group_id: str) -> dict:

@@ -199,10 +199,9 @@ def build_mirrors(cfg, store: Store) -> list[Mirror]:
 
 
 def _tensorboard(tensorboard_dir: str, store: Store) -> TensorBoardMirror:
-    if tensorboard_dir:
-        return TensorBoardMirror(tensorboard_dir)
-    if store.root_uri.startswith("file://"):
-        return TensorBoardMirror(os.path.join(store.root_uri[len("file://"):], TENSORBOARD_PREFIX))
+    local = tensorboard_dir or store.local_path(TENSORBOARD_PREFIX)  # None on object storage
+    if local:
+        return TensorBoardMirror(local)
     return TensorBoardMirror(tempfile.mkdtemp(prefix="miles-tensorboard-"), copy_to=store)
 
 

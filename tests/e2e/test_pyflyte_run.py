@@ -107,13 +107,13 @@ def _assert_runs_show_and_lineage(run: Path, consumed: list[str]) -> None:
 def _assert_mirrored(run: Path, wandb_dir: Path, rewards: dict[int, float]) -> None:
     """Both segments' events reached TensorBoard (event files in the run root) and W&B (offline runs
     of one run id), every step once, with the values of the run root's metrics."""
-    from tests.unit.test_metrics_mirrors import _scalars, _wandb_history
+    from tests.support.sinks import scalars, wandb_history
 
-    tb = dict(_scalars(str(run / "tensorboard"))["rollout/reward/mean"])
+    tb = dict(scalars(str(run / "tensorboard"))["rollout/reward/mean"])
     assert tb.keys() == rewards.keys() and all(abs(tb[s] - rewards[s]) < 1e-6 for s in rewards)
     segments = sorted(wandb_dir.glob("wandb/offline-run-*"))
     assert len(segments) == 2 and len({d.name.split("-", 3)[3] for d in segments}) == 1, segments  # one run id
-    logged = [(row["step"], row["rollout/reward/mean"]) for d in segments for row in _wandb_history(str(d))
+    logged = [(row["step"], row["rollout/reward/mean"]) for d in segments for row in wandb_history(str(d))
               if "rollout/reward/mean" in row]
     assert sorted(s for s, _ in logged) == sorted(rewards)
 

@@ -8,9 +8,7 @@ reader: TensorBoard's EventAccumulator, and the records of W&B's offline `.wandb
 from __future__ import annotations
 
 import glob
-import json
 import os
-import struct
 
 import pytest
 
@@ -18,6 +16,7 @@ from miles_core.config import parse_flags
 from miles_core.metrics import MetricsSink
 from miles_core.metrics.mirrors import MirrorError, MirrorFeed, TensorBoardMirror, WandbMirror, mirror_feed
 from miles_core.storage import Store
+from tests.support.sinks import scalars, wandb_history
 
 pytest.importorskip("tensorboard")
 
@@ -29,14 +28,6 @@ def _log_two_components(store: Store) -> None:
         r.log(1, {"rollout/reward/mean": 0.5})  # reaches storage after later trainer steps
 
 
-def _scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(logdir)
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def test_tensorboard_gets_every_component_and_not_the_earlier_segments(tmp_path):
     store = Store(f"file://{tmp_path}/run")
     with MetricsSink(store, "trainer", background=False) as old:
@@ -44,7 +35,7 @@ def test_tensorboard_gets_every_component_and_not_the_earlier_segments(tmp_path)
     feed = MirrorFeed(store, [TensorBoardMirror(str(tmp_path / "tb"))], interval_seconds=60)
     _log_two_components(store)
     feed.close()
-    assert _scalars(str(tmp_path / "tb")) == {"train/loss": [(2, 0.25), (3, 0.125)],
+    assert scalars(str(tmp_path / "tb")) == {"train/loss": [(2, 0.25), (3, 0.125)],
                                               "rollout/reward/mean": [(1, 0.5)]}
 
 
@@ -58,43 +49,19 @@ def test_tensorboard_files_are_copied_into_a_remote_run_root(tmp_path):
     assert len(copied) == 1 and copied[0].startswith("tensorboard/events.out.tfevents.")
     (tmp_path / "tb").mkdir()
     (tmp_path / "tb" / copied[0].split("/")[1]).write_bytes(store.get_bytes(copied[0]))
-    assert _scalars(str(tmp_path / "tb"))["train/loss"] == [(2, 0.25), (3, 0.125)]
+    assert scalars(str(tmp_path / "tb"))["train/loss"] == [(2, 0.25), (3, 0.125)]
 
 
 def test_a_file_run_root_gets_its_event_files_in_place(tmp_path):
     store = Store(f"file://{tmp_path}/run")
     with mirror_feed(parse_flags(["--use-tensorboard"]), store):
         _log_two_components(store)
-    assert _scalars(str(tmp_path / "run" / "tensorboard"))["rollout/reward/mean"] == [(1, 0.5)]
+    assert scalars(str(tmp_path / "run" / "tensorboard"))["rollout/reward/mean"] == [(1, 0.5)]
 
 
 def test_no_mirror_flag_no_feed(tmp_path):
     with mirror_feed(parse_flags([]), Store(f"file://{tmp_path}/run")) as feed:
         assert feed is None
-
-
-def _wandb_history(run_dir: str) -> list[dict]:
-    """History rows of an offline `.wandb` file: a 7-byte header, then LevelDB-log records
-    (crc32, length, type; 32 KiB blocks) each holding one protobuf Record."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = open(glob.glob(os.path.join(run_dir, "run-*.wandb"))[0], "rb").read()
-    assert data[:4] == b":W&B"
-    pos, chunks, rows = 7, b"", []
-    while pos + 7 <= len(data):
-        if 32768 - pos % 32768 < 7:  # block trailer
-            pos += 32768 - pos % 32768
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        chunks += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):  # FULL or LAST
-            record = pb.Record()
-            record.ParseFromString(chunks)
-            chunks = b""
-            if record.WhichOneof("record_type") == "history":
-                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return rows
 
 
 def test_wandb_offline_gets_every_event_against_the_step_metric_and_never_the_key(tmp_path, monkeypatch):
@@ -108,7 +75,7 @@ def test_wandb_offline_gets_every_event_against_the_step_metric_and_never_the_ke
         _log_two_components(store)
     run_dirs = glob.glob(str(tmp_path / "wb" / "wandb" / "offline-run-*"))
     assert len(run_dirs) == 1 and run_dirs[0].endswith("-" + _run_id(cfg, store))  # one W&B run per run root
-    rows = sorted((r["step"], k, v) for r in _wandb_history(run_dirs[0]) for k, v in r.items()
+    rows = sorted((r["step"], k, v) for r in wandb_history(run_dirs[0]) for k, v in r.items()
                   if k not in ("step", "_step", "_runtime", "_timestamp"))
     assert rows == [(1, "rollout/reward/mean", 0.5), (2, "train/loss", 0.25), (3, "train/loss", 0.125)]
     for path in glob.glob(str(tmp_path / "**"), recursive=True):
