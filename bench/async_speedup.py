@@ -79,11 +79,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import results_file  # noqa: E402
 from miles_core.buffer.metrics import STALE_GROUPS_FILTERED  # noqa: E402
-from miles_core.config import RunConfig, replace_fields, validate  # noqa: E402
+from miles_core.config import RunConfig, replace_fields  # noqa: E402
 from miles_core.driver.handles import LocalHandle  # noqa: E402
 from miles_core.driver.loop import LoopResult, run_loop  # noqa: E402
-from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, Progress, Roles, TrainerRole,  # noqa: E402
-                                     WeightPusher, batch_source)
+from miles_core.driver.roles import (  # noqa: E402
+    Checkpointer,
+    Deadline,
+    MetricsLog,
+    Progress,
+    Roles,
+    TrainerRole,
+    WeightPusher,
+    batch_source,
+)
+from miles_core.prepare.checks import validate  # noqa: E402
 from miles_core.rollout.builtin_tasks import builtin_rows  # noqa: E402
 from miles_core.rollout.manager import RolloutManager, digit_decode  # noqa: E402
 
@@ -461,7 +470,7 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
             driver=cfg.driver, start_step=0, end_step=cfg.run.num_rollout, end_reason="num_rollout",
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
             trainer=TrainerRole(trainer_h),
-            weights=WeightPusher(trainer_h, rollout, None, cfg.rollout.update_weights_interval, version_box),
+            weights=WeightPusher(trainer_h, rollout, cfg.rollout.update_weights_interval, version_box),
             checkpoints=Checkpointer(trainer_h, rollout, cfg.train.save_interval, enabled=False),
             evals=NoEvals(), metrics=MetricsLog(sink), progress=Progress(cfg.run.num_rollout, 0, enabled=False),
             deadline=Deadline(None))

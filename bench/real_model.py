@@ -46,7 +46,7 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
     from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
     from miles_core.eval.evaluate import evaluate
     from miles_core.eval.scheduler import launch_spec
-    from miles_core.node_local import localize
+    from miles_core.storage.node_local import localize
 
     dataset = load_eval_datasets(cfg)[0]
     server = EngineServer(launch_spec(cfg, localize(model_uri, "models"), 0), name="bench-baseline")
@@ -104,7 +104,7 @@ def main(argv=None) -> dict:
     run_id = f"real-{int(time.time())}"
     flags = f"--preset smollm2-arith --storage-root {root} --run-id {run_id} {a.flags}".strip()
     cfg = parse_flags(shlex.split(flags))
-    from miles_core.models.source import ensure_model
+    from miles_core.prepare.initial_model import ensure_model
 
     t0 = time.perf_counter()
     model_uri = ensure_model(cfg)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from flytekit import Resources, task
 
 from images import task_image
-from miles_core.data import DatasetError, dataset_fingerprint, prepare_dataset, stored_dataset_info
 from miles_core.models.source import tokenizer_source
+from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
+from miles_core.rollout.prompts import DatasetError, stored_dataset_info
 from miles_core.storage import Store
 from tasks.inputs import run_config
 from tasks.secrets import ENGINE_SECRETS

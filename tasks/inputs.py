@@ -12,7 +12,8 @@ import shlex
 from flytekit import FlyteContextManager
 from flytekit.core.context_manager import ExecutionState
 
-from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields, validate
+from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
+from miles_core.prepare.checks import validate
 from miles_core.storage import normalize_uri
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from flytekit import Resources, task
 
 from images import task_image
-from miles_core.models.source import MARKER, ensure_model, model_uri, needs_import
+from miles_core.models.source import MARKER, model_uri, needs_import
+from miles_core.prepare.initial_model import ensure_model
 from miles_core.storage import Store
 from tasks.inputs import run_config
 from tasks.secrets import ENGINE_SECRETS

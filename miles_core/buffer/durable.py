@@ -40,9 +40,8 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-from miles_core import chaos
-from miles_core.buffer import metrics as M
-from miles_core.buffer import objects as O
+import miles_core.buffer.metrics as M
+import miles_core.buffer.objects as O
 from miles_core.buffer.contract import (
     FILTER_FLAG,
     BufferClosed,
@@ -50,8 +49,9 @@ from miles_core.buffer.contract import (
     DataBufferError,
     UnusedSamplesHandler,
 )
+from miles_core.failures import chaos
 from miles_core.samples import Group, groups_to_batch
-from miles_core.storage import ObjectNotFound, Store, StorageError, validate_name
+from miles_core.storage import ObjectNotFound, StorageError, Store, validate_name
 
 log = logging.getLogger(__name__)
 

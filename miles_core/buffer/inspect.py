@@ -6,8 +6,8 @@ quarantined; undecodable objects are counted under `undecodable_objects`).
 
 from __future__ import annotations
 
-from miles_core.buffer import objects as O
-from miles_core.storage import ObjectNotFound, Store, StorageError
+import miles_core.buffer.objects as O
+from miles_core.storage import ObjectNotFound, StorageError, Store
 
 
 def inspect_buffer(run_uri: str) -> dict:

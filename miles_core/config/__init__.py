@@ -1,11 +1,15 @@
-"""One typed config for a run: the section tree, flag parsing and validation.
+"""One typed config for a run: the section tree, flag parsing and the config's own rules. Plain data:
+nothing here loads a plug-in, reads a model or touches a cluster.
 
-    cfg = parse_flags(["--rollout-batch-size", "16"])   # -> RunConfig, validated
+    cfg = parse_flags(["--rollout-batch-size", "16"])   # -> RunConfig, checked by the config's own rules
     cfg.rollout.rollout_batch_size
 
-`validate(cfg)` runs before any cluster starts and raises one `ConfigError` listing every problem.
+`check_config(cfg)` raises one `ConfigError` listing every problem with the values. The full check
+before a run starts, plug-ins and model specs included, is `miles_core.prepare.checks.validate`.
 """
 
+from miles_core.config.flags import parse_flags
+from miles_core.config.rules import check as check_config
 from miles_core.config.tree import (
     ConfigError,
     RunConfig,
@@ -14,14 +18,13 @@ from miles_core.config.tree import (
     config_to_dict,
     config_to_json,
     flag_table,
-    parse_flags,
     replace_fields,
 )
-from miles_core.config.validate import validate
 
 __all__ = [
     "ConfigError",
     "RunConfig",
+    "check_config",
     "config_from_dict",
     "config_from_json",
     "config_to_dict",
@@ -29,5 +32,4 @@ __all__ = [
     "flag_table",
     "parse_flags",
     "replace_fields",
-    "validate",
 ]

@@ -5,7 +5,7 @@ Field names are unique across sections; the flag is the field name in kebab case
 generated flag reference (docs/reference/flags.md); `metadata["choices"]` lists the allowed values.
 Defaults are the embedded default run (DESIGN §10), so an empty command line is a valid, runnable
 config. Each section checks only its own invariants (`problems()`); cross-section rules live in
-`miles_core.config.validate`.
+`miles_core.config.rules`.
 """
 
 from __future__ import annotations

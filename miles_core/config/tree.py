@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import difflib
 import json
@@ -10,6 +9,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_core.config.miles_flags import not_supported_message
 from miles_core.config.sections import (
     SECTIONS,
     BufferSection,
@@ -22,6 +22,7 @@ from miles_core.config.sections import (
     RunSection,
     TrainSection,
 )
+from miles_core.storage import run_root_uri
 
 
 class ConfigError(ValueError):
@@ -75,8 +76,6 @@ class RunConfig:
 
     @property
     def run_uri(self) -> str:
-        from miles_core.storage import run_root_uri
-
         return run_root_uri(self.run.storage_root, self.run.run_id)
 
 
@@ -120,79 +119,10 @@ def flag_table() -> list[FlagSpec]:
     return specs
 
 
-_SPECS_BY_NAME = {s.name: s for s in flag_table()}
+SPECS_BY_NAME = {s.name: s for s in flag_table()}
 
 
-# ----------------------------------------------------------------------------- flags
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse exits; we want one typed error the caller can print
-        raise ConfigError(message)
-
-
-def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="miles", add_help=False, allow_abbrev=False)
-    for s in flag_table():
-        kw: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": s.help}
-        if s.kind == "bool":
-            p.add_argument(s.flag, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if s.kind == "list":
-            kw["nargs"] = "*"
-        else:
-            kw["type"] = _optional(s) if s.optional else {"int": int, "float": float, "str": str}[s.kind]
-        if s.choices:
-            kw["choices"] = list(s.choices) + (["none"] if s.optional else [])
-            kw.pop("type", None)
-        p.add_argument(s.flag, **kw)
-    return p
-
-
-def _optional(s: FlagSpec):
-    base = {"int": int, "float": float, "str": str}[s.kind]
-
-    def conv(text: str):
-        return None if text.lower() in ("none", "") else base(text)
-
-    conv.__name__ = s.kind
-    return conv
-
-
-def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = True) -> RunConfig:
-    """Flags -> RunConfig (on top of `base`, default: the embedded default), validated unless check=False."""
-    known = _known_flags()  # once: flag_table() resolves type hints, too slow to redo per argument
-    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
-    if unknown:
-        raise ConfigError("\n".join(_unknown_flag_message(a.split("=")[0]) for a in unknown))
-    values = _parse_values(argv)
-    base = base or RunConfig()
-    if values.get("preset"):  # the preset first, then every flag given explicitly on top
-        from miles_core.config.presets import PresetError, preset_values
-
-        try:
-            base = replace_fields(base, **preset_values(values["preset"]))
-        except PresetError as e:
-            raise ConfigError(str(e)) from e
-    cfg = replace_fields(base, **values)
-    if check:
-        from miles_core.config.validate import validate
-
-        validate(cfg)
-    return cfg
-
-
-def _parse_values(argv: list[str]) -> dict[str, Any]:
-    """The fields the flags in `argv` set (only those given)."""
-    values = vars(_build_parser().parse_args(argv))
-    for name, v in list(values.items()):
-        s = _SPECS_BY_NAME[name]
-        if s.choices and s.optional and v == "none":
-            values[name] = None
-    return values
-
-
-def _known_flags() -> set[str]:
+def known_flags() -> set[str]:
     names = set()
     for s in flag_table():
         names.add(s.flag)
@@ -201,12 +131,10 @@ def _known_flags() -> set[str]:
     return names
 
 
-def _unknown_flag_message(flag: str) -> str:
-    from miles_core.config.miles_flags import not_supported_message
-
+def unknown_flag_message(flag: str) -> str:
     if refused := not_supported_message(flag):
         return refused
-    close = difflib.get_close_matches(flag, sorted(_known_flags()), n=1)
+    close = difflib.get_close_matches(flag, sorted(known_flags()), n=1)
     hint = f" Did you mean {close[0]}?" if close else " See `miles validate --help` or docs/reference/flags.md."
     return f"unknown flag {flag}.{hint}"
 
@@ -215,9 +143,9 @@ def replace_fields(cfg: RunConfig, **values) -> RunConfig:
     """A copy of cfg with fields (by flat name, e.g. rollout_batch_size=8) replaced."""
     per_section: dict[str, dict] = {}
     for name, v in values.items():
-        spec = _SPECS_BY_NAME.get(name)
+        spec = SPECS_BY_NAME.get(name)
         if spec is None:
-            raise ConfigError(_unknown_flag_message("--" + name.replace("_", "-")))
+            raise ConfigError(unknown_flag_message("--" + name.replace("_", "-")))
         per_section.setdefault(spec.section, {})[name] = v
     return dataclasses.replace(
         cfg, **{sec: dataclasses.replace(getattr(cfg, sec), **vals) for sec, vals in per_section.items()}

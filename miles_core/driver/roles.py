@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
+
 from miles_core.driver.loop import Batch
 from miles_core.metrics import names as N
 
@@ -84,10 +87,11 @@ class TrainerRole:
 
 class WeightPusher:
     """Pushes every --update-weights-interval steps (and at the last step), then publishes the
-    version to the rollout side and to the engine actors (which restart dead engines on it)."""
+    version to the rollout side. The engine actors that loaded the weights noted them themselves
+    (a restarted engine comes back on them)."""
 
-    def __init__(self, trainer, rollout, fleet, interval: int, version_box: list[int]):
-        self.trainer, self.rollout, self.fleet = trainer, rollout, fleet
+    def __init__(self, trainer, rollout, interval: int, version_box: list[int]):
+        self.trainer, self.rollout = trainer, rollout
         self.interval, self.version_box = interval, version_box
 
     def push(self, step: int, last: bool = False) -> tuple[int, dict]:
@@ -95,10 +99,7 @@ class WeightPusher:
             return self.version_box[0], {}
         out = self.trainer.call("push_weights", step).result()
         version = out.pop("version")
-        uri = out.pop("model_uri", None)
         self.rollout.call("set_version", version).result()
-        if self.fleet is not None and uri:
-            self.fleet.note_weights(uri, version)
         self.version_box[0] = version
         return version, out | {N.PUBLISHED_VERSION: version}
 
@@ -142,8 +143,6 @@ class Progress:
         self.enabled, self.total, self.start = enabled, total, start
         self.bar = None
         if enabled and sys.stderr.isatty():
-            from rich.progress import BarColumn, Progress as RichProgress, TextColumn, TimeElapsedColumn
-
             self.bar = RichProgress(TextColumn("step {task.completed}/{task.total}"), BarColumn(),
                                     TextColumn("{task.fields[info]}"), TimeElapsedColumn(), transient=False)
             self.task = self.bar.add_task("train", total=total, completed=start, info="")

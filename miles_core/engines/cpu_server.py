@@ -63,6 +63,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import threading
 import time
 import uuid
@@ -71,10 +72,11 @@ from datetime import timedelta
 
 from aiohttp import web
 
-from miles_core import chaos
 from miles_core.engines.auth import authorized, engine_token
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
 from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_safetensors, read_spec
+from miles_core.engines.weight_group import broadcast_bucket, init_custom_process_group
+from miles_core.failures import chaos
 
 log = logging.getLogger("miles_core.engines.cpu_server")
 
@@ -608,8 +610,6 @@ class CpuEngineServer:
             self.dist_busy -= 1
 
     def _join(self, address: str, port: int, rank: int, world_size: int, name: str):
-        from miles_core.weights.distributed import init_custom_process_group
-
         return init_custom_process_group(backend="gloo", init_method=f"tcp://{address}:{port}",
                                          timeout=timedelta(seconds=self.dist_timeout_seconds),
                                          world_size=world_size, rank=rank, group_name=name)
@@ -765,8 +765,6 @@ def _tensor_metas(names: list, dtypes: list, shapes: list) -> list:
 def _receive(group, metas: list) -> dict:
     """Receive each tensor by broadcast from rank 0 of `group`, in order (the CPU engine's TP is 1)."""
     import torch
-
-    from miles_core.weights.distributed import broadcast_bucket
 
     tensors = {name: torch.empty(shape, dtype=dt) for name, dt, shape in metas}
     broadcast_bucket(list(tensors.values()), group)
@@ -927,7 +925,6 @@ def main(argv: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         server.on_fatal = lambda: loop.call_later(args.exit_after_fault_seconds, stop.set)
-        import signal
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)

@@ -42,7 +42,7 @@ Naming: methods of `EngineFleet` are blocking (they wait on the actors). This mo
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import os
 import shlex
@@ -58,9 +58,16 @@ import urllib.request
 from dataclasses import dataclass
 
 from miles_core.engines.auth import auth_headers, engine_token, redact_command
-from miles_core.node_local import localize, require_uri
+from miles_core.engines.client import EngineClient, EngineControlError
+from miles_core.storage import COMPLETE_MARKER
+from miles_core.storage.node_local import localize, require_uri
 
 log = logging.getLogger(__name__)
+
+
+def custom_resource(name: str) -> dict[str, float]:
+    """A sliver of custom resource `name` (pins an actor to nodes offering it; many fit on one)."""
+    return {name: 0.001} if name else {}
 
 
 class EngineLoadError(RuntimeError):
@@ -205,23 +212,16 @@ class EngineServer:
     def load_weights(self, uri: str, weight_version: int, *, flush_cache: bool = False) -> None:
         """Copy the snapshot at `uri` to this node and load it (`/update_weights_from_disk` with the
         local path); the server reports `weight_version` from then on, and restarts load it too."""
-        from miles_core.weights.snapshot import MARKER
-
-        path = localize(uri, "weights", required=MARKER)
-        body = json.dumps({"model_path": path, "weight_version": str(weight_version), "flush_cache": flush_cache,
-                           "abort_all_requests": False}).encode()
-        req = urllib.request.Request(self.url + "/update_weights_from_disk", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **auth_headers()})
+        path = localize(uri, "weights", required=COMPLETE_MARKER)
         try:
-            with urllib.request.urlopen(req, timeout=self.spec.startup_timeout_seconds) as r:
-                answer = json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            raise EngineLoadError(f"{self.name}: loading {uri} failed: HTTP {e.code} {e.read()[:500]!r}") from e
-        except (urllib.error.URLError, OSError) as e:
+            asyncio.run(self._update_from_disk(path, weight_version, flush_cache))
+        except EngineControlError as e:
             raise EngineLoadError(f"{self.name}: loading {uri} failed: {e}") from e
-        if answer.get("success") is False:
-            raise EngineLoadError(f"{self.name}: loading {uri} failed: {answer.get('message')}")
         self.note_weights(uri, weight_version)
+
+    async def _update_from_disk(self, path: str, weight_version: int, flush_cache: bool) -> None:
+        async with EngineClient([self.url], control_timeout_seconds=self.spec.startup_timeout_seconds) as client:
+            await client.update_weights_from_disk(path, weight_version, flush_cache=flush_cache)
 
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
@@ -343,9 +343,6 @@ class EngineActor:
     def log_path(self) -> str:
         return self.server.log_path
 
-    def note_weights(self, model_uri: str, weight_version: int) -> None:
-        self.server.note_weights(require_uri(model_uri, f"{self.server.name} weights"), weight_version)
-
     def load_weights(self, uri: str, weight_version: int, flush_cache: bool = False) -> None:
         self.server.load_weights(require_uri(uri, f"{self.server.name} weights"), weight_version,
                                  flush_cache=flush_cache)
@@ -406,12 +403,6 @@ class EngineFleet:
         import ray
 
         return ray.get(self.actors[i].restart.remote())
-
-    def note_weights(self, model_uri: str, weight_version: int) -> None:
-        """Tell every actor the weights the engines now serve (call after each weight update)."""
-        import ray
-
-        ray.get([a.note_weights.remote(model_uri, weight_version) for a in self.actors])
 
     def load_weights(self, uri: str, weight_version: int, flush_cache: bool = False) -> None:
         """Every engine copies the snapshot at `uri` to its own node and loads it (blocking)."""

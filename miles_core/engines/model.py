@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
+
 
 class ModelLoadError(RuntimeError):
     def __init__(self, message: str):
@@ -99,8 +101,6 @@ def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:
 
 
 def read_safetensors(model_dir: str) -> dict[str, torch.Tensor]:
-    from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
-
     try:
         tensors = load_safetensors_dir(model_dir)
     except MissingWeights as e:

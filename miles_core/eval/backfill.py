@@ -19,23 +19,26 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import Sequence
 
 import pyarrow as pa
 
+from miles_core.config import RunConfig
+from miles_core.config.record import read_run_config
 from miles_core.eval.datasets import EvalSampling, load_eval_datasets, parse_dataset_specs, sampling_from_config
+from miles_core.eval.local_engine import SnapshotEvaluator
 from miles_core.eval.results import all_results, evaluated, requests, result_key
 from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.metrics.sink import MetricsSink
 from miles_core.storage import Store, normalize_uri
+from miles_core.storage.run_root import read_status
 
 log = logging.getLogger(__name__)
 
 
 def run_config_of(run_uri: str):
     """The run's resolved config (latest segment) from its run root; defaults when it has none."""
-    from miles_core.config import RunConfig
-    from miles_core.run_root import read_run_config
-
     cfg = read_run_config(Store(run_uri))
     return cfg if cfg is not None else RunConfig()
 
@@ -95,8 +98,6 @@ def evaluate_snapshot(run_uri: str, step: int, datasets: Sequence[str] | str | N
     """Evaluate the snapshot of `step` on `datasets` (name=uri items, or one name plus
     `dataset_uri`) on an engine started for it; returns the metrics (eval/skipped_* on failure).
     """
-    from miles_core.eval.local_engine import SnapshotEvaluator
-
     run_uri = normalize_uri(run_uri)
     cfg = run_config_of(run_uri)
     ds = load_eval_datasets(cfg, _specs(cfg, datasets, dataset_uri), run_uri=run_uri)
@@ -111,8 +112,6 @@ def backfill(run_uri: str, steps: Sequence[int] | None = None, datasets: Sequenc
              sampling: EvalSampling | dict | None = None, force: bool = False, metrics=None) -> list[dict]:
     """Evaluate what `backfill_plan` lists, in this process; returns the table rows of the
     requested steps and datasets (new and earlier results alike)."""
-    from miles_core.eval.local_engine import SnapshotEvaluator
-
     run_uri = normalize_uri(run_uri)
     cfg = run_config_of(run_uri)
     specs = _specs(cfg, datasets)
@@ -152,8 +151,6 @@ def rows_table(rows: list[dict]) -> pa.Table:
 
 def backfill_table_uri(run_uri: str) -> str:
     """Where a backfill's table goes: `eval/backfill/{time}/` in the run root (a plain path on file://)."""
-    import time
-
     store = Store(run_uri)
     key = f"{BACKFILL_PREFIX}/{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{time.time_ns() % 10**6:06d}"
     return store.local_path(key) or store.uri(key)
@@ -188,8 +185,6 @@ def _version_of(run_uri: str, step: int) -> int | None:
 
 
 def _latest(run_uri: str) -> int | None:
-    from miles_core.run_root import read_status
-
     status = read_status(Store(run_uri))
     return status.last_step if status is not None else None
 
@@ -203,7 +198,6 @@ class _sink:
     def __enter__(self):
         if self.given is not None:
             return self.given
-        from miles_core.metrics.sink import MetricsSink
 
         self.own = MetricsSink(Store(self.run_uri), "eval", background=False)
         return self.own

@@ -2,7 +2,7 @@
 
 `--eval-prompt-data name=uri ...` names each dataset; builtin URIs (builtin:reverse4-heldout, ...)
 come with their verifiable reward. Other URIs go through the same normalization as the training
-prompts (miles_core.data) and are scored by `--custom-rm-path`, or by the builtin reward of the
+prompts (miles_core.prepare.dataset) and are scored by `--custom-rm-path`, or by the builtin reward of the
 task a row names.
 """
 
@@ -13,7 +13,15 @@ import json
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Sequence
 
-from miles_core.samples import Sample
+from miles_core.models.source import tokenizer_source
+from miles_core.prepare.dataset import prepare_dataset
+from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
+from miles_core.rollout.episodes import GenerateArgs, load_generate_function
+from miles_core.rollout.manager import tokenizer_decode
+from miles_core.rollout.prompts import load_prompts
+from miles_core.rollout.rewards import Rewarder, load_reward, task_reward
+from miles_core.samples import Group, Sample
+from miles_core.storage import Store
 
 # A reward scores a list of finished samples (rows' labels are in sample.label): one float each.
 RewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
@@ -129,8 +137,6 @@ def load_eval_datasets(cfg, specs: Sequence[str] | None = None, reward: RewardFn
 
 def eval_episode(cfg) -> Callable[[Any, Sample, dict], Awaitable[list[Sample]]] | None:
     """The run's custom generate function as eval runs it (evaluation=True, on the eval engines), or None."""
-    from miles_core.rollout.episodes import GenerateArgs, load_generate_function
-
     fn = load_generate_function(cfg.rollout.custom_generate_function_path, cfg.rollout.custom_generate_timeout_seconds)
     if fn is None:
         return None
@@ -142,24 +148,19 @@ def eval_episode(cfg) -> Callable[[Any, Sample, dict], Awaitable[list[Sample]]] 
 
 
 def _load_rows(cfg, name: str, uri: str, run_uri: str) -> list[EvalRow]:
-    from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
-
     if uri.startswith("builtin:") and uri not in TEXT_BUILTIN_DATASETS:  # token ids; text ones are tokenized below
         try:
             return [EvalRow(list(r["prompt"]), r["label"], r.get("task", "")) for r in builtin_rows(uri)]
         except ValueError as e:
             raise EvalDataError(f"--eval-prompt-data {name}={uri}: {e}") from e
-    from miles_core import data as prompt_data
-    from miles_core.models.source import tokenizer_source
-    from miles_core.storage import Store
 
     # Non-builtin sources go through the training prompts' normalization (tokenization, label
     # keys, bad-row errors), cached in the run root under data/eval-{name}.arrow.
     source = dataclasses.replace(cfg.data, prompt_data=uri)  # the training prompts' keys, template, max_seq_len
     store = Store(run_uri)
     try:
-        prompt_data.prepare_dataset(source, store, tokenizer_source=tokenizer_source(cfg), name=f"eval-{name}")
-        rows = prompt_data.load_prompts(store, name=f"eval-{name}")
+        prepare_dataset(source, store, tokenizer_source=tokenizer_source(cfg), name=f"eval-{name}")
+        rows = load_prompts(store, name=f"eval-{name}")
     except Exception as e:  # noqa: BLE001 - named and chained for the user
         raise EvalDataError(f"--eval-prompt-data {name}={uri}: {e}") from e
     return [EvalRow(list(r["prompt"]), _label(r.get("label", "")), r.get("task", "")) for r in rows]
@@ -172,7 +173,6 @@ def _label(value) -> str:
 def _custom_reward(cfg) -> RewardFn | None:
     if not cfg.rollout.custom_rm_path:
         return None
-    from miles_core.rollout.rewards import load_reward
 
     return reward_from_function(load_reward(cfg.rollout.custom_rm_path), _decoder(cfg))
 
@@ -180,8 +180,6 @@ def _custom_reward(cfg) -> RewardFn | None:
 def _decoder(cfg):
     """Token ids -> text for rewards that need text: the rollout's decoder, so eval and training
     give a reward function the same text (digits for a builtin model, else the run's tokenizer)."""
-    from miles_core.rollout.manager import tokenizer_decode
-
     return tokenizer_decode(cfg)
 
 
@@ -191,9 +189,6 @@ def reward_from_function(fn, decode=None) -> RewardFn:
     Scoring goes through the rollout's `Rewarder`, so eval and training read a reward function
     the same way; a sample whose reward raises scores 0 (and is logged), it does not stop the eval.
     """
-    from miles_core.rollout.rewards import Rewarder
-    from miles_core.samples import Group
-
     rewarder = Rewarder(fn, decode)
 
     async def score(samples: list[Sample]) -> list[float]:
@@ -206,6 +201,4 @@ def reward_from_function(fn, decode=None) -> RewardFn:
 def builtin_reward(cfg) -> RewardFn:
     """The builtin reward of each sample's task (rollout.rewards.task_reward), text tasks (arith)
     reading the response through the run's tokenizer."""
-    from miles_core.rollout.rewards import task_reward
-
     return reward_from_function(task_reward, _decoder(cfg))

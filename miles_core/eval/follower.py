@@ -23,10 +23,12 @@ import threading
 import time
 
 from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
+from miles_core.eval.local_engine import SnapshotEvaluator
 from miles_core.eval.results import HEARTBEAT_KEY, SKIPPED_NAME, evaluated, record_skip, requests, write_heartbeat
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
-from miles_core.run_root import read_status
+from miles_core.metrics.sink import MetricsSink
 from miles_core.storage import Store
+from miles_core.storage.run_root import read_status
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,6 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
     segment's (pass 0 when train is known to have run already, as in a local workflow run).
     `max_seconds`: give up after this long (None: never).
     """
-    from miles_core.eval.local_engine import SnapshotEvaluator
-    from miles_core.metrics.sink import MetricsSink
-
     run_uri = run_uri or cfg.run_uri
     store = Store(run_uri)
     layout = SnapshotLayout.from_config(cfg, run_uri)

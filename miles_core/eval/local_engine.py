@@ -14,14 +14,17 @@ import logging
 import time
 from typing import Any
 
+from miles_core.engines.client import EngineClient
+from miles_core.engines.launcher import EngineServer, EngineStartError
 from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.evaluate import evaluate_all
-from miles_core.eval.modes import Outcome, record_failure, skip_reason
+from miles_core.eval.modes import EvalJob, Outcome, record_failure, skip_reason
 from miles_core.eval.pinning import EvalSkip, check_health, pin, verify_versions
 from miles_core.eval.results import record_evals
+from miles_core.eval.scheduler import launch_spec
 from miles_core.eval.snapshots import SnapshotLayout
-from miles_core.node_local import localize
 from miles_core.storage import Store
+from miles_core.storage.node_local import localize
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,6 @@ class SnapshotEvaluator:
     def evaluate(self, step: int, version: int | None, *, latest_step: int | None = None,
                  datasets: list[EvalDataset] | None = None) -> Outcome:
         """Evaluate the complete snapshot of `step` on `datasets` (default: all); record and return it."""
-        from miles_core.eval.modes import EvalJob
-
         datasets = self.datasets if datasets is None else datasets
         job = EvalJob(step, version, self.layout.uri(step))
         version = version if version is not None else step + 1
@@ -82,8 +83,6 @@ class SnapshotEvaluator:
         """Start the engine on this snapshot unless one runs; True when it was just started."""
         if self.server is not None:
             return False
-        from miles_core.engines.launcher import EngineServer, EngineStartError
-        from miles_core.eval.scheduler import launch_spec
 
         server = EngineServer(launch_spec(self.cfg, path, version), name="eval-engine")
         try:
@@ -95,8 +94,6 @@ class SnapshotEvaluator:
         return True
 
     async def _run(self, path: str, version: int, datasets: list[EvalDataset], fresh: bool):
-        from miles_core.engines.client import EngineClient
-
         async with EngineClient([self.server.url],
                                 request_timeout_seconds=self.cfg.rollout.engine_request_timeout_seconds) as client:
             if fresh:  # started on this very snapshot and version: loading it again would only cost time

@@ -27,12 +27,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+from miles_core.engines.client import EngineClient
 from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.evaluate import EvalAborted, evaluate_all
 from miles_core.eval.pinning import EvalSkip, check_health, pin, pin_by, verify_versions
 from miles_core.eval.results import record_evals, record_skip, write_request
-from miles_core.node_local import localize
 from miles_core.storage import Store
+from miles_core.storage.node_local import localize
 
 log = logging.getLogger(__name__)
 
@@ -113,8 +114,6 @@ def record_failure(ctx: EvalContext, job: EvalJob, e: BaseException) -> Outcome:
 
 
 def _client(urls: Sequence[str], timeout: float):
-    from miles_core.engines.client import EngineClient
-
     return EngineClient(list(urls), request_timeout_seconds=timeout)
 
 

@@ -9,7 +9,10 @@ wrongly attributed point.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Protocol
+
+from miles_core.engines.client import EngineControlError
 
 
 class EvalSkip(Exception):
@@ -39,8 +42,6 @@ async def check_health(client: PinnableClient) -> None:
 
 async def pin(client: PinnableClient, model_path: str, version: int) -> None:
     """Load `model_path` on every engine as `version`; raise EvalSkip(pin_violation|unhealthy)."""
-    from miles_core.engines.client import EngineControlError
-
     await check_health(client)
     try:
         await client.update_weights_from_disk(model_path, version, flush_cache=True)
@@ -53,10 +54,6 @@ async def pin(client: PinnableClient, model_path: str, version: int) -> None:
 async def pin_by(load, client: PinnableClient, uri: str, version: int) -> None:
     """Like `pin`, with `load(uri, version)` doing the loading (each engine's actor copies the
     snapshot to its own node: EngineFleet.load_weights); raise EvalSkip(pin_violation|unhealthy)."""
-    import asyncio
-
-    from miles_core.engines.client import EngineControlError
-
     await check_health(client)
     try:
         await asyncio.to_thread(load, uri, version, True)

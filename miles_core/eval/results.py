@@ -10,6 +10,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
+from miles_core.eval.metric_names import DURATION_SECONDS, LAG_STEPS, skipped_metric
 from miles_core.storage import ObjectNotFound, Store
 
 EVAL_PREFIX = "eval"
@@ -128,8 +129,6 @@ def record_evals(store: Store, evals, *, step: int, version: int | None, snapsho
     `evals`: DatasetEval list; `datasets`: the EvalDatasets they came from (for their URIs);
     `metrics`: a sink with log(step, dict), or None. Returns the metrics logged.
     """
-    from miles_core.eval.metric_names import DURATION_SECONDS, LAG_STEPS
-
     uris = {d.name: d.uri for d in datasets}
     logged: dict[str, float] = {}
     for ev in evals:
@@ -148,8 +147,6 @@ def record_evals(store: Store, evals, *, step: int, version: int | None, snapsho
 
 def record_skip(store: Store | None, step: int, reason: str, detail: str = "", metrics=None) -> dict[str, float]:
     """Count a skipped eval: `eval/skipped_{reason}` = 1 at `step`, and a `_skipped` marker when `store`."""
-    from miles_core.eval.metric_names import skipped_metric
-
     name = skipped_metric(reason)
     if store is not None:
         try:

@@ -23,13 +23,21 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datasets, sampling_from_config
 from miles_core.eval.metric_names import EXPORT_SECONDS
-from miles_core.eval.modes import (DedicatedEngines, EvalContext, EvalJob, EventLoopThread, Outcome,
-                                   SharedEngines, SnapshotTasks)
-from miles_core.eval.results import (follower_alive, record_skip, request_key, requests, settled_steps,
-                                     step_dir)
+from miles_core.eval.modes import (
+    DedicatedEngines,
+    EvalContext,
+    EvalJob,
+    EventLoopThread,
+    Outcome,
+    SharedEngines,
+    SnapshotTasks,
+)
+from miles_core.eval.results import follower_alive, record_skip, request_key, requests, settled_steps, step_dir
 from miles_core.eval.snapshots import MARKERS, SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.prepare.initial_model import ensure_model
 from miles_core.storage import Store
 
 log = logging.getLogger(__name__)
@@ -315,9 +323,7 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
     elif e.eval_mode == "dedicated":
         if not dedicated_engine_urls:  # start the fleet here; the scheduler owns it and stops it at close()
             if initial_model is None:
-                from miles_core.cluster import materialize_initial_model
-
-                initial_model = materialize_initial_model(cfg)
+                initial_model = ensure_model(cfg)
             fleet = start_dedicated_engines(cfg, initial_model)
             owned.append(fleet.shutdown)
             # each engine copies the snapshot to its own node (they may not share the driver's disk)
@@ -342,20 +348,14 @@ def start_dedicated_engines(cfg, initial_model_path: str):
     Returns a started EngineFleet (call .urls(); .shutdown() at the end). They never join the
     training weight push: every eval pins them to its snapshot.
     """
-    from miles_core.engines.launcher import EngineFleet
-
     spec = launch_spec(cfg, initial_model_path)
     per_engine = max(1, cfg.engine.rollout_num_gpus_per_engine) if cfg.engine.engine_backend == "sglang" else 1
     n = max(1, cfg.eval.eval_num_gpus // per_engine)
-    from miles_core.cluster import custom_resource
-
     return EngineFleet(spec, n, num_cpus_per_engine=cfg.run.num_cpus_per_engine, name_prefix="eval-engine",
                        resources=custom_resource(cfg.engine.engine_custom_resource)).start()
 
 
 def launch_spec(cfg, model_path: str, weight_version: int = 0):
-    from miles_core.engines.launcher import EngineLaunchSpec
-
     try:
         return EngineLaunchSpec.from_config(cfg.engine, model_path, weight_version)
     except AttributeError:  # an engine section without the launcher's newer fields

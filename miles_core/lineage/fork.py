@@ -34,8 +34,10 @@ from miles_core.config import RunConfig, parse_flags, replace_fields
 from miles_core.config.sections import DataSection, ModelSection
 from miles_core.lineage.command import FLAGS, changed_fields, continue_command, overrides, take_option
 from miles_core.lineage.recorded import FORK_KEY, READ_THREADS, LineageError, RecordedRun
-from miles_core.run_root import SEGMENT_DONE, write_config, write_status
+from miles_core.metrics.sink import METRICS_PREFIX, read_metrics
+from miles_core.prepare.checks import validate
 from miles_core.storage import Store, validate_name
+from miles_core.storage.run_root import SEGMENT_DONE, write_config, write_status
 from miles_core.train.checkpoint import LATEST, MARKER, CheckpointManager, step_dir
 
 log = logging.getLogger(__name__)
@@ -105,7 +107,7 @@ def fork_config(src: RecordedRun, at_step: int, new_run_id: str, flags: list[str
     """The source's config with the fork's id and FLAGS on top; LineageError on what a fork cannot change."""
     if any(a == "--run-id" or a.startswith("--run-id=") for a in flags):
         raise LineageError("--run-id: the fork's run id is --new-run")
-    cfg = parse_flags(flags, base=replace_fields(src.cfg, run_id=validate_name(new_run_id, "--new-run")))
+    cfg = validate(parse_flags(flags, base=replace_fields(src.cfg, run_id=validate_name(new_run_id, "--new-run"))))
     fixed = [f"{FLAGS[name]} ({before!r} -> {after!r})"
              for name, (before, after) in changed_fields(src.cfg, cfg).items() if name in FIXED_FIELDS]
     if fixed:
@@ -185,8 +187,6 @@ def _copy_checkpoint(src: CheckpointManager, dest: CheckpointManager, step: int)
 
 def _copy_metrics(src: RecordedRun, dest: Store, at_step: int) -> None:
     """The source's metric events of steps 0..at_step, one part per component (sorting first)."""
-    from miles_core.metrics.sink import METRICS_PREFIX, read_metrics
-
     per_component: dict[str, list[str]] = {}
     for e in read_metrics(src.store):
         if e["step"] <= at_step and e["component"]:

@@ -21,8 +21,9 @@ from typing import Iterator
 
 from miles_core.buffer import objects as O
 from miles_core.config import RunConfig, replace_fields
-from miles_core.run_root import read_run_config, require_run
-from miles_core.storage import ObjectNotFound, Store, StorageError, normalize_uri
+from miles_core.config.record import read_run_config
+from miles_core.storage import ObjectNotFound, StorageError, Store, normalize_uri
+from miles_core.storage.run_root import require_run
 from miles_core.train.checkpoint import CheckpointManager
 
 log = logging.getLogger(__name__)

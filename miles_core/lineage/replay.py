@@ -33,8 +33,16 @@ from miles_core.config import RunConfig, parse_flags, replace_fields
 from miles_core.config.sections import TrainSection
 from miles_core.lineage.command import FLAGS, changed_fields, overrides, take_option
 from miles_core.lineage.recorded import LineageError, RecordedRun
-from miles_core.run_root import write_config
+from miles_core.metrics.sink import MetricsSink, read_metrics
+from miles_core.prepare.checks import validate
+from miles_core.prepare.initial_model import ensure_model
+from miles_core.rollout.drain import apply_sample_filter, load_sample_filter
 from miles_core.storage import Store, normalize_uri
+from miles_core.storage.node_local import localize, require_uri
+from miles_core.storage.run_root import write_config
+from miles_core.train.checkpoint import CheckpointError
+from miles_core.train.initial_weights import apply_load, apply_ref_load
+from miles_core.train.trainer import Trainer, TrainError
 
 REPLAY_KEY = "REPLAY.json"
 LOSS = "train/loss"
@@ -82,8 +90,6 @@ def main(argv: list[str]) -> int:
     steps, rest = take_option(argv[1:], "--steps", int)
     from_step, rest = take_option(rest, "--from-step", int)
     out, flags = take_option(rest, "--out", str)
-    from miles_core.train.checkpoint import CheckpointError
-    from miles_core.train.trainer import TrainError
 
     try:
         result = replay_run(argv[0], steps=steps, from_step=from_step, out=out, flags=flags)
@@ -118,7 +124,7 @@ def replay_run(run_uri: str, *, steps: int | None = None, from_step: int | None 
 
 def replay_config(src: RecordedRun, flags: list[str]) -> RunConfig:
     """The recorded config with FLAGS on top; LineageError naming any flag a replay cannot honour."""
-    cfg = parse_flags(flags, base=src.cfg)
+    cfg = validate(parse_flags(flags, base=src.cfg))
     refused = sorted(FLAGS[name] for name in changed_fields(src.cfg, cfg) if name not in REPLAYABLE)
     if refused:
         raise LineageError(f"{', '.join(refused)}: a replay retrains one in-process trainer on the recorded groups "
@@ -171,16 +177,11 @@ def _stored_rows(src: RecordedRun, wanted: set[str]) -> dict:
 
 def _recorded_losses(src: RecordedRun) -> dict[int, float | None]:
     """train/loss per step as the run logged it (the last event of a step: a resumed segment's)."""
-    from miles_core.metrics.sink import read_metrics
-
     return {e["step"]: e["value"] for e in read_metrics(src.store, "trainer") if e["name"] == LOSS}
 
 
 def _train(src: RecordedRun, cfg: RunConfig, dest: Store, from_step: int | None, batches: list,
            recorded: dict) -> list[StepLoss]:
-    from miles_core.metrics.sink import MetricsSink
-    from miles_core.rollout.drain import apply_sample_filter, load_sample_filter
-
     sample_filter = load_sample_filter(cfg.rollout.rollout_sample_filter_path)
     losses = []
     with _trainer(src, cfg, from_step) as trainer, MetricsSink(dest, "trainer", background=False) as sink:
@@ -196,11 +197,6 @@ def _train(src: RecordedRun, cfg: RunConfig, dest: Store, from_step: int | None,
 def _trainer(src: RecordedRun, cfg: RunConfig, from_step: int | None):
     """A trainer set up as the run's trainer rank was at step 0, or restored from `from_step`."""
     import torch
-
-    from miles_core.models.source import ensure_model
-    from miles_core.node_local import localize, require_uri
-    from miles_core.train.initial_weights import apply_load, apply_ref_load
-    from miles_core.train.trainer import Trainer
 
     if not torch.cuda.is_available():  # as TrainerWorker: the same threads give the same float sums
         torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))

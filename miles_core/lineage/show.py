@@ -16,10 +16,10 @@ import time
 from miles_core.buffer.inspect import inspect_buffer
 from miles_core.eval.results import all_results
 from miles_core.eval.snapshots import SnapshotLayout
-from miles_core.lease import LEASE_KEY, LeaseRecord
 from miles_core.lineage.recorded import FORK_KEY, RecordedRun
-from miles_core.run_root import get_json_or_none, read_status, segment_config_key
 from miles_core.storage import ObjectNotFound
+from miles_core.storage.lease import LEASE_KEY, LeaseRecord
+from miles_core.storage.run_root import get_json_or_none, read_status, segment_config_key
 
 
 def run_summary(run_uri: str) -> dict:

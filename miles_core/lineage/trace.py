@@ -19,6 +19,7 @@ from miles_core.buffer.objects import rows_to_group
 from miles_core.eval.results import all_results
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.recorded import LineageError, RecordedRun
+from miles_core.rollout.manager import tokenizer_decode
 
 
 def group_lineage(run_uri: str, group_id: str) -> dict:
@@ -56,8 +57,6 @@ def _fate(run: RecordedRun, group_id: str) -> dict | None:
 
 
 def _describe(run: RecordedRun, key: str, stored) -> dict:
-    from miles_core.rollout.manager import tokenizer_decode
-
     decode = tokenizer_decode(run.cfg)
     group = rows_to_group(stored.rows)
     first = group.samples[0]

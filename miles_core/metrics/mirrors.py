@@ -34,6 +34,7 @@ import threading
 from collections import defaultdict
 from typing import Iterator, Mapping, Protocol
 
+from miles_core.config import config_to_dict
 from miles_core.metrics.sink import METRICS_PREFIX, part_events
 from miles_core.storage import Store
 
@@ -93,8 +94,6 @@ class WandbMirror:
 
     def __init__(self, cfg, run_uri: str):
         import wandb
-
-        from miles_core.config import config_to_dict
 
         m, self._wandb = cfg.metrics, wandb
         try:

@@ -15,8 +15,11 @@ import html
 import os
 from dataclasses import dataclass
 
+import fsspec
+
 from miles_core.metrics import names as N
 from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
+from miles_core.storage.run_root import read_config, read_status
 
 # A verdict needs the queue to sit at an end this often (after warm-up).
 PINNED_FRACTION = 0.6
@@ -141,8 +144,6 @@ def eval_figure(events: list[dict]):
 
 def render_report(run, title: str | None = None) -> str:
     """The report of run root `run` (a Store or URI) as one self-contained HTML string."""
-    from miles_core.run_root import read_config, read_status
-
     store = _as_store(run)
     events = read_metrics(store)
     run_config = read_config(store)
@@ -199,8 +200,6 @@ def write_report(run_uri: str, out_path: str) -> str:
     """Write the report of `run_uri` to `out_path` (a local path or a URI); returns where it went."""
     text = render_report(run_uri)
     if "://" in out_path and not out_path.startswith("file://"):
-        import fsspec
-
         with fsspec.open(out_path, "w", encoding="utf-8") as f:
             f.write(text)
         return out_path

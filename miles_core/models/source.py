@@ -9,18 +9,22 @@ Three kinds of value:
   `{storage root}/models/{stem}-{content hash}/`, so a changed file is a new model;
 - anything else: an HF directory, used as it is (a local path becomes a file:// URI).
 
-`model_uri(cfg)` is the one answer to "where are the initial weights"; `ensure_model(cfg)`
-also creates them when missing (builtin) or imports them (importable source).
+`model_uri(cfg)` is the one answer to "where are the initial weights";
+`miles_core.prepare.initial_model.ensure_model(cfg)` also creates them when missing (builtin) or
+imports them (importable source).
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 
-from miles_core.storage import Store, normalize_uri
+import fsspec
 
-MARKER = ".complete"
+from miles_core.storage import COMPLETE_MARKER, Store, normalize_uri
+
+MARKER = COMPLETE_MARKER
 # Bump when an import's output for the same source changes: old imports are then not reused.
 IMPORT_FORMAT_VERSION = "1"
 PACKAGED = {
@@ -51,7 +55,6 @@ def import_source(hf_checkpoint: str) -> str:
         raise ModelSourceError(f"{hf_checkpoint!r}: unknown packaged model; known: "
                                f"{', '.join('import:' + k for k in PACKAGED)}, or a path to a .gguf file.")
     package, filename, install = PACKAGED[name]
-    import importlib.util
 
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -64,8 +67,6 @@ def import_source(hf_checkpoint: str) -> str:
 
 def source_fingerprint(source: str) -> str:
     """sha256 of the source file's bytes (and the import format), 16 hex digits."""
-    import fsspec
-
     h = hashlib.sha256(f"miles-import-{IMPORT_FORMAT_VERSION}\0".encode())
     uri = normalize_uri(source)
     try:
@@ -92,35 +93,6 @@ def model_uri(cfg) -> str:
     if needs_import(m.hf_checkpoint):
         return imported_uri(cfg.run.storage_root, m.hf_checkpoint)
     return normalize_uri(m.hf_checkpoint)
-
-
-def ensure_model(cfg) -> str:
-    """`model_uri(cfg)`, creating a builtin model or importing a source first when it is not there."""
-    uri = model_uri(cfg)
-    m = cfg.model
-    if not (is_builtin(m.hf_checkpoint) or needs_import(m.hf_checkpoint)) or Store(uri).exists(MARKER):
-        return uri
-    if needs_import(m.hf_checkpoint):
-        from miles_core.models.imports import import_model
-
-        return import_model(import_source(m.hf_checkpoint), uri)
-    return _materialize_builtin(cfg, uri)
-
-
-def _materialize_builtin(cfg, uri: str) -> str:
-    import tempfile
-
-    from miles_core.models.builtin import materialize_checkpoint
-
-    m, store = cfg.model, Store(uri)
-    with tempfile.TemporaryDirectory(prefix="miles-initial-") as tmp:
-        materialize_checkpoint(m.hf_checkpoint, cfg.run.seed, tmp, num_layers=m.tiny_num_layers,
-                               hidden_size=m.tiny_hidden_size, num_heads=m.tiny_num_heads)
-        for name in sorted(os.listdir(tmp)):
-            with open(os.path.join(tmp, name), "rb") as f:
-                store.put_bytes(name, f.read())
-    store.put_bytes(MARKER, b"")
-    return uri
 
 
 def tokenizer_source(cfg) -> str:

@@ -5,17 +5,16 @@ from __future__ import annotations
 
 import functools
 
+from miles_core.models.builtin import digit_tokenizer
+from miles_core.storage.node_local import localize
+
 
 @functools.lru_cache(maxsize=4)
 def load_tokenizer(model: str):
     """A transformers tokenizer for `model`: a `builtin:*` name, or an HF directory URI or path."""
     if model.startswith("builtin:"):
-        from miles_core.models.builtin import digit_tokenizer
-
         return digit_tokenizer()
     from transformers import AutoTokenizer
-
-    from miles_core.node_local import localize
 
     path = localize(model, "models") if "://" in model else model
     return AutoTokenizer.from_pretrained(path)

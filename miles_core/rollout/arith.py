@@ -12,7 +12,7 @@ Why these choices (from a probe of that model, greedy, chat template applied):
   give no signal at all.
 
 Rows carry TEXT prompts, so `--apply-chat-template` and the model's tokenizer apply when the
-dataset is prepared (miles_core.data); the builtin digit models cannot read them. Of the 90 x 90
+dataset is prepared (miles_core.prepare.dataset); the builtin digit models cannot read them. Of the 90 x 90
 ordered pairs of 2-digit numbers, a fixed seeded 500 are held out (`builtin:arith-heldout`, the
 eval split, never trained on); both splits list pairs in (a, b) order.
 """

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 
-from miles_core.models.builtin import EOS_ID, SEP_ID
+from miles_core.models.builtin import DIGIT_VOCAB, EOS_ID, SEP_ID
 from miles_core.rollout import arith
 
 DIGIT_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
@@ -61,8 +61,6 @@ def random_policy_reward(name: str, max_response_len: int, samples: int = 4000) 
     """Mean reward of uniformly random tokens on builtin dataset `name` (generation stops at <eos>,
     as on the engines): the level a learning run has to beat. NaN for a dataset that is not a digit
     task (arith: random tokens of a real vocabulary say nothing useful)."""
-    from miles_core.models.builtin import DIGIT_VOCAB
-
     if name not in DIGIT_DATASETS:
         return float("nan")
 

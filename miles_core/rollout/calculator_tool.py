@@ -28,6 +28,7 @@ import json
 import operator
 import re
 
+from miles_core.rollout.arith import arith_reward
 from miles_core.rollout.episodes import append_environment, append_generated
 from miles_core.samples import Sample, SampleStatus
 
@@ -91,8 +92,6 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict, evalua
         env = tool_message(tool_result(call.group(1)), turn_closed=turn.rstrip().endswith(END_OF_TURN))
         append_environment(sample, tok.encode(env, add_special_tokens=False))
     if sample.status != SampleStatus.ABORTED and _task(sample) == "arith":
-        from miles_core.rollout.arith import arith_reward
-
         sample.reward = arith_reward(sample, turn.replace(END_OF_TURN, ""))
     return sample
 

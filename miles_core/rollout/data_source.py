@@ -1,6 +1,6 @@
 """The data source: which prompt group the producer generates next, with a durable cursor.
 
-It owns the order in which the normalized prompt rows of a run (`miles_core.data.load_prompts`:
+It owns the order in which the normalized prompt rows of a run (`miles_core.rollout.prompts.load_prompts`:
 dicts {prompt: token ids, label: str, task: str, metadata: JSON str}) are served, and nothing
 else: generation, rewards and storage belong to the producer and the buffer.
 

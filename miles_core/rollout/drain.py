@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from miles_core.plugins import load_optional
+from miles_core.config.plugins import load_optional
 from miles_core.rollout import metrics as M
 from miles_core.samples import Group
 

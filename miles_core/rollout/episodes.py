@@ -36,7 +36,9 @@ import inspect
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.plugins import PluginError, load_plugin
+from miles_core.config.plugins import PluginError, load_plugin
+from miles_core.models.source import tokenizer_source
+from miles_core.models.tokenizer import load_tokenizer
 from miles_core.samples import Sample, SampleStatus
 
 FLAG = "--custom-generate-function-path"
@@ -70,8 +72,6 @@ class GenerateArgs:
         if self.text_tokenizer is None:
             if self.config is None:
                 raise GenerateFunctionError("GenerateArgs.tokenizer(): no config to load the model's tokenizer from")
-            from miles_core.models.source import tokenizer_source
-            from miles_core.models.tokenizer import load_tokenizer
 
             self.text_tokenizer = load_tokenizer(tokenizer_source(self.config))
         return self.text_tokenizer

@@ -26,13 +26,25 @@ import logging
 import threading
 from typing import Any, Callable
 
+from miles_core.buffer import build_buffer, build_unused_handler
+from miles_core.engines.client import EngineClient
+from miles_core.models.source import is_builtin, tokenizer_source
+from miles_core.models.tokenizer import load_tokenizer
 from miles_core.rollout.data_source import DataSource
-from miles_core.rollout.drain import DrainedBatch, ProducerGuardedBuffer, drain_batch, generate_batch, load_sample_filter
+from miles_core.rollout.drain import (
+    DrainedBatch,
+    ProducerGuardedBuffer,
+    drain_batch,
+    generate_batch,
+    load_sample_filter,
+)
 from miles_core.rollout.episodes import GenerateArgs, load_generate_function
 from miles_core.rollout.producer import Producer
+from miles_core.rollout.prompts import load_prompts
 from miles_core.rollout.rewards import Rewarder, load_reward
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
 from miles_core.samples import Group
+from miles_core.storage import Store
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +98,6 @@ def tokenizer_decode(cfg) -> Callable[[list[int]], str]:
     tokenizer of `tokenizer_source(cfg)` (object storage, an imported GGUF's directory, a path),
     loaded on first use (only text rewards need it). Thread-safe: the Rewarder calls it from its
     worker threads."""
-    from miles_core.models.source import is_builtin
-
     if is_builtin(cfg.model.hf_checkpoint):
         return digit_decode
     lock, tok = threading.Lock(), []
@@ -95,9 +105,6 @@ def tokenizer_decode(cfg) -> Callable[[list[int]], str]:
     def decode(ids: list[int]) -> str:
         with lock:
             if not tok:
-                from miles_core.models.source import tokenizer_source
-                from miles_core.models.tokenizer import load_tokenizer
-
                 tok.append(load_tokenizer(tokenizer_source(cfg)))
         return tok[0].decode(ids, skip_special_tokens=True)
 
@@ -117,14 +124,9 @@ class RolloutManager:
         self.batch_size = r.rollout_batch_size
         self.batch_mode = cfg.driver != "fully-async"
         if engine is None:
-            from miles_core.engines.client import EngineClient
-
             engine = EngineClient(list(engine_urls or []), request_timeout_seconds=r.engine_request_timeout_seconds)
         self.engine = engine
         if rows is None:
-            from miles_core.data import load_prompts
-            from miles_core.storage import Store
-
             rows = load_prompts(Store(cfg.run_uri))
         source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle)
         rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg),
@@ -139,8 +141,6 @@ class RolloutManager:
                                  generate_args=GenerateArgs(engine=engine, config=cfg))
         handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
         if buffer_factory is None:
-            from miles_core.buffer import build_buffer
-
             if consumed_through_step is None:
                 raise ValueError("RolloutManager needs consumed_through_step (the resume checkpoint's step, -1 "
                                  "without one) to open the run's buffer")
@@ -162,8 +162,6 @@ class RolloutManager:
         self.stopping = False
 
     def _unused_handler(self, mode: str) -> RejectionNotifier:
-        from miles_core.buffer import build_unused_handler
-
         inner = build_unused_handler(mode, recycle=self.producer.recycle if mode == "retry" else None)
         return RejectionNotifier(inner, self.producer.on_rejected)
 

@@ -38,7 +38,8 @@ import re
 import weakref
 from typing import Any, Callable
 
-from miles_core.plugins import load_plugin
+from miles_core.config.plugins import load_plugin
+from miles_core.rollout.arith import arith_reward
 from miles_core.rollout.builtin_tasks import digits_reward
 from miles_core.rollout.reward_workers import RewardWorkers
 from miles_core.samples import Group, Sample, SampleStatus
@@ -127,8 +128,6 @@ def task_reward(sample: Sample, text: str) -> float:
     if task == "math":
         return math_answer(sample, text)
     if task == "arith":
-        from miles_core.rollout.arith import arith_reward
-
         return arith_reward(sample, text)
     raise RewardError(f"no built-in reward for task {task!r} (known: reverse4, copy4, exact_match, math, arith); "
                       "set --custom-rm-path module:function")

@@ -18,8 +18,9 @@ import re
 
 from safetensors.torch import load as load_tensors
 
-from miles_core import chaos
+from miles_core.failures import chaos
 from miles_core.storage import ObjectNotFound, Store
+from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.tensor_files import put_tensors
 
 MARKER = "COMPLETE"
@@ -90,8 +91,6 @@ class CheckpointManager:
         if self.save_hf and not _layout()[1]:
             trainer.join_export()  # rank 0 writes the HF checkpoint; its TP peers help gather it
         elif self.save_hf:
-            from miles_core.weights.snapshot import export_snapshot
-
             if "{step" in self.save_hf:  # {step} or a formatted {step:08d}, as eval's SnapshotLayout reads it
                 export_snapshot(trainer, Store(self.save_hf.format(step=step)), step, key="")
             else:

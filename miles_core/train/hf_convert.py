@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 from miles_core.train.megatron_model import ModelSpec
 
 Tensor = torch.Tensor
@@ -38,8 +39,6 @@ def read_hf_config(hf_dir: str) -> dict:
 
 def load_hf_state(hf_dir: str) -> dict[str, Tensor]:
     """All tensors of an HF safetensors checkpoint (single file or sharded with an index)."""
-    from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
-
     try:
         return load_safetensors_dir(hf_dir)
     except MissingWeights as e:

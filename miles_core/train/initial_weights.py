@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 from miles_core.storage import Store, normalize_uri
+from miles_core.storage.node_local import localize
 from miles_core.train.checkpoint import CheckpointError, CheckpointManager
 
 log = logging.getLogger(__name__)
@@ -24,8 +25,6 @@ def apply_ref_load(trainer, ref_load: str) -> None:
         return
     store = Store(normalize_uri(ref_load))
     if store.exists("config.json"):
-        from miles_core.node_local import localize
-
         trainer.load_hf_weights(localize(store.uri(), "models"))
         return
     manager = CheckpointManager(store)

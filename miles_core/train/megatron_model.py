@@ -19,6 +19,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_core.train.cpu_shim import install_cpu_shim, seed_model_parallel_rng
+from miles_core.train.process_groups import ensure_process_groups
+from miles_core.train.token_logprobs import token_logprobs
+
 FAMILIES = ("llama", "qwen2", "gpt2")
 
 
@@ -117,9 +121,6 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from miles_core.train.cpu_shim import install_cpu_shim, seed_model_parallel_rng
-    from miles_core.train.process_groups import ensure_process_groups
-
     install_cpu_shim()
     ensure_process_groups(tensor_model_parallel_size)
     seed_model_parallel_rng(seed)
@@ -188,8 +189,6 @@ def masked_token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor,
     is non-zero, 0 elsewhere: the output layer runs on those positions only, chunk by chunk, over
     the vocab-parallel shards (miles_core.train.token_logprobs); no full-vocabulary logits."""
     from megatron.core import parallel_state as ps
-
-    from miles_core.train.token_logprobs import token_logprobs
 
     hidden = forward_hidden(model, tokens)  # [seq, batch, hidden]
     rows, cols = mask.nonzero(as_tuple=True)

@@ -8,7 +8,7 @@ group), runs micro-batches of `micro_batch_size` samples with the loss over resp
 checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what checkpoint.py stores.
 On CPU: fp32, plain `torch.optim.AdamW`. On GPU: bf16 Megatron DDP + Megatron's optimizer.
 
-One Trainer per rank (miles_core.cluster places them). Every rank gets the whole batch and trains
+One Trainer per rank (miles_core.driver.placement places them). Every rank gets the whole batch and trains
 on its data-parallel shard (miles_core.train.data_parallel); the loss is normalised by the global
 token count and gradients are summed over DP ranks, so DP=N makes the DP=1 update. Collectives
 (`train_step`, `hf_state_dict`, `logprobs`, checkpoint save) must be called on every rank.
@@ -29,8 +29,7 @@ from miles_core.train import data_parallel as DP
 from miles_core.train import hf_convert
 from miles_core.train import metric_names as TM
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
-from miles_core.train.megatron_model import (ModelSpec, build_gpu_training, build_model, masked_token_logprobs,
-                                             unwrap)
+from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, masked_token_logprobs, unwrap
 from miles_core.train.state_tree import flatten, unflatten
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")

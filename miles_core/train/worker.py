@@ -1,6 +1,6 @@
 """One trainer rank as a Ray actor body: its Megatron model and optimizer, checkpoints, weight pushes.
 
-`miles_core.cluster.TrainerGroup` creates one `TrainerWorker` per rank and calls every method on
+`miles_core.driver.placement.TrainerGroup` creates one `TrainerWorker` per rank and calls every method on
 every rank (collectives need all of them). Roles inside a call:
 - every rank trains on its data-parallel shard and takes part in checkpoint saves (barriers);
 - exporting weights (engine pushes, eval snapshots, --save-hf) is sourced by global rank 0; the
@@ -8,7 +8,7 @@ every rank (collectives need all of them). Roles inside a call:
 - only rank 0 talks to the engines: `--weight-transport store` (a snapshot in the run root that each
   engine's actor copies to its own node and loads) or `distributed` (SGLang's weight-update group,
   NCCL on GPU and gloo on CPU).
-Inputs arrive as URIs and are copied to this node (miles_core.node_local); nothing handed out is a
+Inputs arrive as URIs and are copied to this node (miles_core.storage.node_local); nothing handed out is a
 local path.
 Methods block until done. Weight pushes talk to the engines over HTTP from a private event loop
 kept for the actor's lifetime (the engine client's connections belong to that loop).
@@ -20,14 +20,24 @@ import asyncio
 import logging
 import os
 
+from miles_core.engines.client import EngineClient
+from miles_core.engines.launcher import free_port
+from miles_core.metrics import names as N
+from miles_core.storage import Store
+from miles_core.storage.node_local import localize, require_uri
+from miles_core.train.checkpoint import CheckpointManager
+from miles_core.train.initial_weights import apply_load, apply_ref_load
+from miles_core.train.trainer import Trainer
+from miles_core.weights.distributed import DistributedWeightTransport
+from miles_core.weights.snapshot import export_snapshot
+from miles_core.weights.sync import StoreWeightTransport, WeightSync
+
 log = logging.getLogger(__name__)
 
 
 def rendezvous_address() -> tuple[str, int]:
     """This node's address and a free port on it: rank 0's MASTER_ADDR / MASTER_PORT."""
     import ray
-
-    from miles_core.engines.launcher import free_port
 
     return ray.util.get_node_ip_address(), free_port("")
 
@@ -42,11 +52,6 @@ class TrainerWorker:
                            "LOCAL_RANK": str(rank % cfg.train.actor_num_gpus_per_node)})
         if not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
-        from miles_core.node_local import localize, require_uri
-        from miles_core.storage import Store
-        from miles_core.train.checkpoint import CheckpointManager
-        from miles_core.train.initial_weights import apply_ref_load
-        from miles_core.train.trainer import Trainer
 
         self.cfg, self.rank = cfg, rank
         self.trainer = Trainer(cfg.train, localize(require_uri(hf_uri, "--hf-checkpoint"), "models"),
@@ -59,9 +64,6 @@ class TrainerWorker:
             self._connect_engines(engine_urls, engine_actors or [])
 
     def _connect_engines(self, engine_urls: list[str], engine_actors: list) -> None:
-        from miles_core.engines.client import EngineClient
-        from miles_core.weights.sync import WeightSync
-
         self.loop = asyncio.new_event_loop()
         # An engine that dies mid-run is restarted by its actor; the push waits for it (control calls
         # retried 0.5 s doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
@@ -75,8 +77,6 @@ class TrainerWorker:
         if e.weight_transport == "distributed":
             import ray
 
-            from miles_core.weights.distributed import DistributedWeightTransport
-
             return DistributedWeightTransport(
                 self.trainer.hf_state_dict, list(engine_urls), master_address=ray.util.get_node_ip_address(),
                 backend="nccl" if self.trainer.cuda else "gloo", bucket_bytes=e.update_weight_buffer_size,
@@ -84,8 +84,6 @@ class TrainerWorker:
                 engine_generations=lambda: ray.get([a.restart_count.remote() for a in engine_actors]),
                 restart_engine=lambda i: ray.get(engine_actors[i].restart.remote()))
         import ray
-
-        from miles_core.weights.sync import StoreWeightTransport
 
         # Weights staged for the engines live under weights/ (only the newest is kept); eval
         # snapshots under snapshots/ are exported at the eval cadence by the eval scheduler.
@@ -103,11 +101,9 @@ class TrainerWorker:
         result = self.loop.run_until_complete(self.sync.push(step))
         if self.transport.key is not None:
             self._drop_staged_except(self.transport.key)
-        from miles_core.metrics import names as N
 
-        return {"version": result.version, "model_uri": getattr(self.transport, "uri", None),
-                N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.WEIGHT_EXPORT_SECONDS: result.export_seconds,
-                N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+        return {"version": result.version, N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
+                N.WEIGHT_EXPORT_SECONDS: result.export_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
     def set_version(self, version: int) -> None:
         if self.sync is not None:
@@ -121,8 +117,6 @@ class TrainerWorker:
     def restore_latest(self) -> tuple[int, dict] | None:
         """(step, extras) of this run's latest checkpoint, restored; else --load from elsewhere
         (weights and optimizer only) and None: the run starts at step 0."""
-        from miles_core.train.initial_weights import apply_load
-
         restored = None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
         if restored is None:
             apply_load(self.trainer, self.cfg.train.load, self.checkpoints.store)
@@ -130,9 +124,6 @@ class TrainerWorker:
 
     def export_hf(self, step: int, dest_uri: str) -> None:
         """Write the current weights as an HF directory at dest_uri (`.complete` last)."""
-        from miles_core.storage import Store
-        from miles_core.weights.snapshot import export_snapshot
-
         if self.rank != 0:
             self.trainer.join_export()
             return

@@ -2,19 +2,18 @@
 
 `export_snapshot(trainer, store, step)` writes model.safetensors, config.json and tokenizer files,
 then `.complete` last (readers never trust a directory without it, DESIGN §3).
-Engines get the snapshot's URI and copy it to their own node (`miles_core.node_local.localize`).
+Engines get the snapshot's URI and copy it to their own node (`miles_core.storage.node_local.localize`).
 """
 
 from __future__ import annotations
 
 import re
-
 from concurrent.futures import ThreadPoolExecutor
 
-from miles_core.storage import Store
+from miles_core.storage import COMPLETE_MARKER, Store
 from miles_core.weights.tensor_files import put_tensors
 
-MARKER = ".complete"
+MARKER = COMPLETE_MARKER
 _STEP = re.compile(r"^step_(\d{8})$")
 
 

@@ -38,9 +38,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
-from miles_core import chaos
+from miles_core.failures import chaos
 from miles_core.storage import Store
-from miles_core.node_local import localize
+from miles_core.storage.node_local import localize
 from miles_core.weights.snapshot import MARKER, export_snapshot
 
 log = logging.getLogger(__name__)

@@ -19,16 +19,17 @@ import pyarrow as pa
 import pytest
 
 from miles_core.buffer import DropUnused, DurableBuffer
-from miles_core.buffer.contract import DataBufferError
 from miles_core.buffer import objects as O
+from miles_core.buffer.contract import DataBufferError
 from miles_core.cli import main as miles
-from miles_core.data import DatasetError, prepare_dataset
 from miles_core.engines.model import CausalLM, ModelLoadError
-from miles_core.node_local import HandoffError, localize
+from miles_core.prepare.dataset import prepare_dataset
 from miles_core.rollout.episodes import GenerateArgs, GenerateFunctionError, load_generate_function
+from miles_core.rollout.prompts import DatasetError
 from miles_core.rollout.rewards import Rewarder
 from miles_core.samples import SAMPLE_SCHEMA, SampleStatus, SchemaError, groups_to_batch, ipc_to_groups
 from miles_core.storage import InvalidName, Store
+from miles_core.storage.node_local import HandoffError, localize
 from tests.integration.test_buffer_durable import make_group
 
 # (flags, what the message must name). Ranges of numeric flags, unknown values, malformed values.

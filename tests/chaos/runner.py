@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # The segment as a Flyte task runs it, minus flytekit: an infrastructure failure exits 75 ("retry me").
 SCRIPT = """import sys
 from miles_core.config import parse_flags
-from miles_core.driver import run_training
+from miles_core.driver.segment import run_training
 from miles_core.failures import is_infrastructure
 try:
     run_training(parse_flags(sys.argv[1:]))

@@ -1,7 +1,7 @@
 """Chaos: a real run SIGKILLed inside its critical sections, resumed each time (issue 16 item 1).
 
 The run (driver, its private local Ray, the rollout and trainer actors, the CPU engine server) is
-started as `run_training` in a subprocess with MILES_CHAOS_POINT=name:n (miles_core/chaos.py): when
+started as `run_training` in a subprocess with MILES_CHAOS_POINT=name:n (miles_core/failures/chaos.py): when
 it reaches that point it blocks there, the test sees the marker and SIGKILLs every process of the
 run. The points: a group object encoded but not committed (`buffer.commit`), a step's groups got
 but its manifest not written (`buffer.record`), a checkpoint's tensors written without COMPLETE

@@ -91,7 +91,7 @@ def test_s3_outage_of_10_seconds_is_waited_out(tmp_path):
 
 def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_path):
     run = tmp_path / "runs" / "engfault"
-    # The engine's 40th /generate holds its event loop once streaming (miles_core/chaos.py): every
+    # The engine's 40th /generate holds its event loop once streaming (miles_core/failures/chaos.py): every
     # request on it is in flight when the test SIGKILLs it. The restarted engine does not stop again.
     env = dict(os.environ, MILES_CHAOS_POINT="engine.generate:40", MILES_CHAOS_DIR=str(tmp_path))
     marker = tmp_path / "reached-engine.generate"

@@ -26,7 +26,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ("import sys; from miles_core.config import parse_flags; from miles_core.driver import run_training; "
+SCRIPT = ("import sys; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
           "run_training(parse_flags(sys.argv[1:]))")
 
 

@@ -44,7 +44,7 @@ SCRIPT = """
 import contextlib, io, json, shlex, shutil, sys
 from miles_core import cli
 from miles_core.config import parse_flags
-from miles_core.driver import run_training
+from miles_core.driver.segment import run_training
 storage = sys.argv[1]
 run_training(parse_flags(["--storage-root", storage, "--run-id", "src", "--num-rollout", "4", *sys.argv[2:]]))
 out = io.StringIO()

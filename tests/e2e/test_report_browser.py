@@ -24,8 +24,8 @@ import pytest
 from miles_core.cli import main
 from miles_core.metrics.report import buffer_capacity, report_figures
 from miles_core.metrics.sink import read_metrics
-from miles_core.run_root import read_config
 from miles_core.storage import Store
+from miles_core.storage.run_root import read_config
 from tests.support.browser import Browser, chromium  # noqa: F401 - chromium is a fixture
 from tests.support.report_run import run_report_task, write_full_run
 

@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
-RUN = ("import sys, ray; from miles_core.config import parse_flags; from miles_core.driver import run_training; "
+RUN = ("import sys, ray; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
        "r = run_training(parse_flags(sys.argv[1:])); print('RESULT', r.state, r.steps_run, 'ray', ray.is_initialized())")
 TINY = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
         "--no-progress", "--save-interval", "1"]
@@ -40,7 +40,7 @@ TINY = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prom
 KILL_TRAINER_AFTER_STEP_2 = """
 import sys, ray
 from miles_core.config import parse_flags
-from miles_core.driver import run_training
+from miles_core.driver.segment import run_training
 from miles_core.driver.roles import Checkpointer
 from miles_core.failures import is_infrastructure
 from tasks.failures import recoverable_infrastructure

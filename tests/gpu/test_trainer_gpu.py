@@ -47,7 +47,7 @@ def _weights(group, out):
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
 def test_ddp_over_nccl_matches_one_rank_and_checkpoint_resumes(tmp_path):
     pytest.importorskip("ray")
-    from miles_core.cluster import TrainerGroup, ensure_ray
+    from miles_core.driver.placement import TrainerGroup, ensure_ray
 
     ensure_ray()
     hf = "file://" + materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))

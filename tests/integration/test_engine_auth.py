@@ -22,6 +22,7 @@ from miles_core.engines.auth import TOKEN_ENV, authorized, redact_command
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer, server_command
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.prepare.checks import validate
 from miles_core.weights.snapshot import MARKER
 
 TOKEN = "canary-engine-token-7f3a9c"
@@ -99,10 +100,10 @@ def test_a_client_without_the_token_is_refused(guarded_engine, monkeypatch):
 def test_binding_beyond_loopback_needs_a_token(monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match=rf"--engine-bind-host=0.0.0.0 .*{TOKEN_ENV}"):
-        parse_flags(["--engine-bind-host", "0.0.0.0"])
-    parse_flags(["--engine-bind-host", "127.0.0.1"])
+        validate(parse_flags(["--engine-bind-host", "0.0.0.0"]))
+    validate(parse_flags(["--engine-bind-host", "127.0.0.1"]))
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    parse_flags(["--engine-bind-host", "0.0.0.0"])
+    validate(parse_flags(["--engine-bind-host", "0.0.0.0"]))
 
 
 def test_sglang_gets_the_token_as_api_key_and_the_log_masks_it(monkeypatch):

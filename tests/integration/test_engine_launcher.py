@@ -20,6 +20,7 @@ from miles_core.config.sections import EngineSection
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, server_command, server_env
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.storage import COMPLETE_MARKER
 
 PROMPT = [1, 2, 3, 4, 10]
 
@@ -51,8 +52,10 @@ def test_sglang_command_from_config():
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-fleet")
-    return (materialize_checkpoint("builtin:tiny-gpt", 1, str(root / "v1")),
-            materialize_checkpoint("builtin:tiny-gpt", 2, str(root / "v2")))
+    v1 = materialize_checkpoint("builtin:tiny-gpt", 1, str(root / "v1"))
+    v2 = materialize_checkpoint("builtin:tiny-gpt", 2, str(root / "v2"))
+    (root / "v2" / COMPLETE_MARKER).touch()  # a snapshot the fleet loads is whole
+    return v1, v2
 
 
 @pytest.mark.slow  # Ray start-up plus three engine processes: about a minute on two busy cores
@@ -71,8 +74,7 @@ def test_fleet_restarts_a_killed_engine(ray_local, ckpts):
         async def go():
             async with EngineClient(urls) as c:
                 assert all((await c.health_all()).values())
-                await c.update_weights_from_disk(v2, 2)
-                fleet.note_weights(f"file://{v2}", 2)
+                await asyncio.to_thread(fleet.load_weights, f"file://{v2}", 2)  # loads and notes them
                 await c.pause_generation("in_place")
                 tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 4}, url=urls[0]))
                          for _ in range(3)]

@@ -28,7 +28,7 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
         import pyarrow as pa
         from miles_core.config import parse_flags
         from miles_core.models.builtin import materialize_checkpoint
-        from miles_core.run_root import FINISHED, write_config, write_status
+        from miles_core.storage.run_root import FINISHED, write_config, write_status
         from miles_core.storage import Store
         from tests.integration.eval_support import copy_snapshot
         from workflows.eval_backfill import eval_backfill

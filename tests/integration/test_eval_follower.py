@@ -16,12 +16,19 @@ import time
 
 import pytest
 
-from miles_core.eval import backfill, backfill_plan, build_eval_scheduler, eval_curves_html, evaluate_snapshot, follow_snapshots
+from miles_core.eval import (
+    backfill,
+    backfill_plan,
+    build_eval_scheduler,
+    eval_curves_html,
+    evaluate_snapshot,
+    follow_snapshots,
+)
 from miles_core.eval.results import EvalResult, read_result, write_request, write_result
 from miles_core.metrics.sink import MetricsSink, read_metrics
 from miles_core.models.builtin import materialize_checkpoint
-from miles_core.run_root import FINISHED, RUNNING, write_config, write_status
 from miles_core.storage import Store
+from miles_core.storage.run_root import FINISHED, RUNNING, write_config, write_status
 from tests.integration.eval_support import config, copy_snapshot, exporter_from
 
 

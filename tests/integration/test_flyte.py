@@ -241,8 +241,8 @@ def test_arrow_round_trip_s3(s3_bucket, seaweed):
 STUBS = textwrap.dedent('''
     import sys, types
     from miles_core.metrics import MetricsSink
-    from miles_core.run_root import FINISHED, RUNNING, next_segment, write_config, write_status
-    from miles_core.data import load_prompts
+    from miles_core.storage.run_root import FINISHED, RUNNING, next_segment, write_config, write_status
+    from miles_core.rollout.prompts import load_prompts
     from miles_core.storage import Store
 
     def run_training(cfg):
@@ -256,8 +256,8 @@ STUBS = textwrap.dedent('''
                 s.log(k, {"rollout/reward/mean": 0.1 * k, "rollout/fully_async/queue_size": 0})
         write_status(st, FINISHED, last_step=5, segment=seg)
 
-    driver = types.ModuleType("miles_core.driver"); driver.run_training = run_training
-    sys.modules["miles_core.driver"] = driver
+    segment = types.ModuleType("miles_core.driver.segment"); segment.run_training = run_training
+    sys.modules["miles_core.driver.segment"] = segment
 ''')
 
 

@@ -23,8 +23,8 @@ import torch
 
 from miles_core.cli import main
 from miles_core.models.builtin import materialize_checkpoint
-from miles_core.models.imports import RECORD, ModelImportError, import_model
 from miles_core.models.source import MARKER
+from miles_core.prepare.model_import import RECORD, ModelImportError, import_model
 from miles_core.storage import Store
 
 torch.set_num_threads(1)

@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_core.cluster import TrainerGroup
 from miles_core.config import parse_flags
+from miles_core.driver.placement import TrainerGroup
 from miles_core.models.builtin import materialize_checkpoint
 from tests.unit.test_train import make_groups
 
@@ -157,7 +157,7 @@ def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_t
 
 
 def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, tiny_gpt):
-    from miles_core.cluster import TrainerPlacementError
+    from miles_core.driver.placement import TrainerPlacementError
 
     cfg = parse_flags(["--run-id", "big", "--storage-root", f"file://{tmp_path}", "--actor-num-gpus-per-node", "8",
                        "--num-cpus-trainer", "1", "--save", "", "--save-interval", "none"])

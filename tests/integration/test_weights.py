@@ -24,10 +24,10 @@ from miles_core.config.sections import TrainSection
 from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.samples import Sample
 from miles_core.storage import Store
+from miles_core.storage.node_local import localize
 from miles_core.train.trainer import Trainer
-from miles_core.node_local import localize
 from miles_core.weights.snapshot import MARKER, complete_snapshots
-from miles_core.weights.sync import StoreWeightTransport, EngineControl, WeightSync, WeightSyncError
+from miles_core.weights.sync import EngineControl, StoreWeightTransport, WeightSync, WeightSyncError
 from tests.unit.test_train import make_groups
 
 torch.set_num_threads(1)

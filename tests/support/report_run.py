@@ -13,8 +13,8 @@ from pathlib import Path
 from miles_core.config import RunConfig, replace_fields
 from miles_core.metrics import MetricsSink
 from miles_core.metrics.report import PANELS
-from miles_core.run_root import FINISHED, write_config, write_status
 from miles_core.storage import Store
+from miles_core.storage.run_root import FINISHED, write_config, write_status
 
 EVAL_METRICS = ("eval/heldout", "eval/heldout/pass@1")
 # How plotly's Figure.to_html calls the library: Plotly.newPlot("div id", [traces], {layout}, {config}).

@@ -23,10 +23,11 @@ from miles_core.buffer import (
 )
 from miles_core.buffer import metrics as M
 from miles_core.buffer.contract import retry_group_id
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
-from miles_core.plugins import PluginError
+from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config.plugins import PluginError
+from miles_core.prepare.checks import validate
 from miles_core.samples import Group, Sample, SampleStatus
-from miles_core.storage import Store, StorageUnavailable
+from miles_core.storage import StorageUnavailable, Store
 
 
 def make_group(i: int, version: int = 1) -> Group:

@@ -23,8 +23,8 @@ from miles_core.config import (
     flag_table,
     parse_flags,
     replace_fields,
-    validate,
 )
+from miles_core.prepare.checks import validate
 
 SPECS = flag_table()
 # Values for free-text fields: argparse reads a leading '-' as an option, so keep to `--flag=value`

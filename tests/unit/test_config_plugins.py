@@ -12,8 +12,9 @@ import uuid
 
 import pytest
 
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
-from miles_core.plugins import PLUGIN_SLOTS, PluginError, load_plugin
+from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config.plugins import PLUGIN_SLOTS, PluginError, load_plugin
+from miles_core.prepare.checks import validate
 
 # (field, flag) of every slot validate resolves.
 SLOTS = [

@@ -1,4 +1,4 @@
-"""The validation matrix (DESIGN §11): every rule in miles_core/config/validate.py, both sides.
+"""The validation matrix (DESIGN §11): every rule in miles_core/config/rules.py and miles_core/prepare/checks.py, both sides.
 
 Each case is (overrides that break the rule, overrides that satisfy it, flags the error must name).
 The valid side must pass `validate` with no problem at all, so a case also guards against a rule
@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields, validate
+from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
+from miles_core.prepare.checks import validate
 
 EVAL_DS = ["heldout=builtin:reverse4-heldout"]
 SYNC = {"fully_async": False}

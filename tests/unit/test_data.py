@@ -1,4 +1,4 @@
-"""Prompt dataset normalization (miles_core.data, DESIGN §8.1).
+"""Prompt dataset normalization (miles_core.prepare.dataset, DESIGN §8.1).
 
 Pins: every accepted source format lands as the same normalized Arrow table in the run root;
 bad rows fail with file, row and field named (never a bare stack trace, DESIGN §14); an
@@ -15,15 +15,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from miles_core.config.sections import DataSection
-from miles_core.data import (
+from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
+from miles_core.rollout.prompts import (
     PROMPT_SCHEMA,
     DatasetError,
     data_key,
-    dataset_fingerprint,
     hash_key,
     load_prompt_table,
     load_prompts,
-    prepare_dataset,
     stored_dataset_info,
 )
 from miles_core.storage import Store

@@ -1,4 +1,4 @@
-"""Text prompts through the run's tokenizer: --apply-chat-template and --max-seq-len (miles_core.data).
+"""Text prompts through the run's tokenizer: --apply-chat-template and --max-seq-len (miles_core.prepare.dataset).
 
 Pins: a string prompt becomes one user message and a message list is used as it is, both rendered
 by the tokenizer's chat template with the generation prompt last; a message list without the flag
@@ -15,7 +15,8 @@ import logging
 import pytest
 
 from miles_core.config.sections import DataSection
-from miles_core.data import DatasetError, dataset_fingerprint, load_prompts, prepare_dataset, stored_dataset_info
+from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
+from miles_core.rollout.prompts import DatasetError, load_prompts, stored_dataset_info
 from miles_core.storage import Store
 
 WORDS = ["<pad>", "<eos>", "<system>", "<user>", "<assistant>", "+", "what", "is"] + [str(d) for d in range(10)]
@@ -115,7 +116,7 @@ def test_max_seq_len_drops_and_counts_prompts_without_room_for_a_response(tmp_pa
         {"prompt": [1, 2, 3, 4], "label": "b"},   # 4: no room for one response token
         {"prompt": "1 + 2", "label": "c"},        # templated: 6 tokens
     ])
-    with caplog.at_level(logging.WARNING, logger="miles_core.data"):
+    with caplog.at_level(logging.WARNING, logger="miles_core.prepare.dataset"):
         info = prepare_dataset(section(src, apply_chat_template=True, max_seq_len=4), store, tokenizer_source=chat_tok)
     assert info.num_rows == 1 and [r["label"] for r in load_prompts(store)] == ["a"]
     meta = store.get_json("data/prompts.hash.json")

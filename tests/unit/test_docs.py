@@ -1,7 +1,7 @@
 """The generated references in docs/reference/ cannot drift from the code (DESIGN §13, STYLE e).
 
 If a test here fails after you changed a flag, a help text or a metric name, regenerate with
-`python -m miles_core.docs_gen` and commit docs/reference/ together with the code change.
+`python -m miles_core.cli.docs_gen` and commit docs/reference/ together with the code change.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core import docs_gen
+from miles_core.cli import docs_gen
 from miles_core.config import flag_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -48,11 +48,16 @@ def test_flag_rows_escape_pipes():
 
 
 def test_check_mode_names_stale_files(tmp_path, capsys):
-    """Pins: `python -m miles_core.docs_gen --check` exits 1 naming each stale file and the command to fix
-    it; after regeneration it exits 0. Guards: a CI check that fails without telling how to fix it."""
+    """Pins: `python -m miles_core.cli.docs_gen --check` exits 1 naming each stale file and the command to fix
+    it (a generated section inside a hand-written page too); after regeneration it exits 0. Guards: a CI check
+    that fails without telling how to fix it."""
+    for rel, (name, _) in docs_gen.SECTIONS.items():  # the hand-written page, its generated section emptied
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(docs_gen.with_section((ROOT / rel).read_text(), name, ""))
     assert docs_gen.main(["--check", "--root", str(tmp_path)]) == 1
     err = capsys.readouterr().err
     assert "docs/reference/flags.md is stale" in err and docs_gen.REGENERATE in err
+    assert "docs/architecture.md is stale" in err
     assert docs_gen.main(["--root", str(tmp_path)]) == 0
     assert docs_gen.main(["--check", "--root", str(tmp_path)]) == 0
 

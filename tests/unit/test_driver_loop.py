@@ -17,8 +17,16 @@ from __future__ import annotations
 import concurrent.futures
 
 from miles_core.driver.loop import Batch, run_loop
-from miles_core.driver.roles import (Checkpointer, Deadline, MetricsLog, OnDemandBatches, PrefetchedBatches, Roles,
-                                     WeightPusher, batch_source)
+from miles_core.driver.roles import (
+    Checkpointer,
+    Deadline,
+    MetricsLog,
+    OnDemandBatches,
+    PrefetchedBatches,
+    Roles,
+    WeightPusher,
+    batch_source,
+)
 
 
 def done(value=None) -> concurrent.futures.Future:
@@ -209,30 +217,21 @@ def test_every_step_logs_train_batch_push_source_and_step_time_metrics():
 # ----------------------------------------------------------------------------- WeightPusher
 
 
-def pusher(interval: int, fleet=None):
+def pusher(interval: int):
     log: list = []
     versions = iter(range(2, 100))
     trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": next(versions),
-                                                                     "model_uri": f"mem://w/{step}",
                                                                      "perf/weight_update_seconds": 0.2})
     rollout = FakeHandle(log, "rollout")
     box = [1]
-    return WeightPusher(trainer, rollout, fleet, interval, box), trainer, rollout, box
+    return WeightPusher(trainer, rollout, interval, box), trainer, rollout, box
 
 
 def test_weight_pusher_pushes_every_interval_and_at_the_last_step():
-    class Fleet:
-        noted: list = []
-
-        def note_weights(self, path, version):
-            self.noted.append((path, version))
-
-    fleet = Fleet()
-    wp, trainer, rollout, box = pusher(interval=3, fleet=fleet)
+    wp, trainer, rollout, box = pusher(interval=3)
     out = [wp.push(step, last=step == 7) for step in range(8)]
     assert [c[1] for c in trainer.calls] == [2, 5, 7]  # (step + 1) % 3 == 0, and the last step
     assert rollout.calls == [("set_version", 2), ("set_version", 3), ("set_version", 4)]
-    assert fleet.noted == [("mem://w/2", 2), ("mem://w/5", 3), ("mem://w/7", 4)]
     assert [v for v, _ in out] == [1, 1, 2, 2, 2, 3, 3, 4] and box == [4]
     assert out[0][1] == {} and out[2][1] == {"perf/weight_update_seconds": 0.2, "rollout/published_version": 2}
 

@@ -16,12 +16,18 @@ import json
 
 import pytest
 
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
+from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config.plugins import PluginError
 from miles_core.models.builtin import EOS_ID, SEP_ID
-from miles_core.plugins import PluginError
+from miles_core.prepare.checks import validate
 from miles_core.rollout.drain import drain_batch
-from miles_core.rollout.episodes import (GenerateArgs, GenerateFunction, append_environment, append_generated,
-                                         load_generate_function)
+from miles_core.rollout.episodes import (
+    GenerateArgs,
+    GenerateFunction,
+    append_environment,
+    append_generated,
+    load_generate_function,
+)
 from miles_core.rollout.multiturn import reverse4_two_turns, reverse4_two_turns_unmasked, two_turn_reward
 from miles_core.samples import Sample, SampleStatus
 from tests.unit.test_producer import Result, ScriptedEngine, TokenEngine, rig, run, settle

@@ -11,7 +11,6 @@ import os
 import threading
 import time
 
-
 from miles_core.eval.modes import EvalContext, Outcome, SnapshotTasks
 from miles_core.eval.results import HEARTBEAT_KEY, EvalResult, requests, write_heartbeat, write_result
 from miles_core.eval.scheduler import EvalScheduler
@@ -306,7 +305,7 @@ def test_snapshots_on_object_storage_are_fetched_to_a_local_dir(tmp_path):
     (engines load from a filesystem path); an unmarked directory is not complete."""
     import uuid
 
-    from miles_core.node_local import localize
+    from miles_core.storage.node_local import localize
 
     root = f"memory://eval-{uuid.uuid4().hex[:8]}/snapshots"
     store = Store(root)

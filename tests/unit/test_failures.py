@@ -17,13 +17,13 @@ from flytekit.exceptions.base import FlyteRecoverableException as AnyRecoverable
 from flytekit.exceptions.user import FlyteRecoverableException
 
 from miles_core.config import ConfigError
-from miles_core.data import DatasetError
 from miles_core.engines.client import EngineUnavailableError
 from miles_core.engines.launcher import EngineStartError
 from miles_core.failures import is_infrastructure
-from miles_core.lease import LeaseHeld, LeaseLost
+from miles_core.rollout.prompts import DatasetError
 from miles_core.samples import SchemaError
 from miles_core.storage import InvalidName, ObjectNotFound, StorageUnavailable
+from miles_core.storage.lease import LeaseHeld, LeaseLost
 from miles_core.weights.distributed import WeightPushError
 from tasks.failures import recoverable_infrastructure
 
@@ -112,19 +112,19 @@ def test_tasks_let_user_errors_through_unchanged(exc):
 
 
 def test_the_train_task_maps_a_lost_node(monkeypatch, tmp_path):
-    import miles_core.driver
+    import miles_core.driver.segment
     from tasks.train import train
 
     def lost(cfg):
         raise rx.NodeDiedError("node died")
 
-    monkeypatch.setattr(miles_core.driver, "run_training", lost)
+    monkeypatch.setattr(miles_core.driver.segment, "run_training", lost)
     with pytest.raises(FlyteRecoverableException, match="NodeDiedError"):
         train.task_function(flags="", run_id="t", storage_root=str(tmp_path), segment_steps=0)
 
     def held(cfg):
         raise LeaseHeld("held by someone", holder="someone")
 
-    monkeypatch.setattr(miles_core.driver, "run_training", held)
+    monkeypatch.setattr(miles_core.driver.segment, "run_training", held)
     with pytest.raises(LeaseHeld):
         train.task_function(flags="", run_id="t", storage_root=str(tmp_path), segment_steps=0)

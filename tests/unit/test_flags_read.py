@@ -19,8 +19,9 @@ import pathlib
 
 import pytest
 
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
+from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.config.tree import FlagSpec, flag_table
+from miles_core.prepare.checks import validate
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNTIME_DIRS = ("miles_core", "tasks", "workflows")
@@ -112,7 +113,7 @@ def test_every_flag_is_read_or_refused(spec, read_names):
     for driver in ({}, {"fully_async": False}):
         assert _refusal(spec, **driver), (
             f"{spec.flag} is neither read outside miles_core/config/ nor refused with 'not supported' "
-            f"when set (driver overrides {driver}): implement it or refuse it in miles_core/config/validate.py")
+            f"when set (driver overrides {driver}): implement it or refuse it in miles_core/config/rules.py and miles_core/prepare/checks.py")
 
 
 REFUSED = ["colocate", "partial_rollout", "multi_lora", "prefill_logprob_recompute", "rollout_function_path",

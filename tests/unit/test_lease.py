@@ -1,4 +1,4 @@
-"""One writer per run root (miles_core.lease, DESIGN §15), on file:// and on a real S3 server (SeaweedFS).
+"""One writer per run root (miles_core.storage.lease, DESIGN §15), on file:// and on a real S3 server (SeaweedFS).
 
 Pins: a second writer is refused with an error naming the holder; a holder that stops renewing (as
 if SIGKILLed; also a real SIGKILLed process) is taken over once its lease expires, and it is fenced
@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from miles_core import conditional
-from miles_core.conditional import FileObject, ReadBackObject, S3Object, conditional_object
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
-from miles_core.lease import LEASE_KEY, Lease, LeaseHeld, LeaseLost, LeaseRecord
-from miles_core.storage import Store, StorageUnavailable
+from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.prepare.checks import validate
+from miles_core.storage import StorageUnavailable, Store, conditional
+from miles_core.storage.conditional import FileObject, ReadBackObject, S3Object, conditional_object
+from miles_core.storage.lease import LEASE_KEY, Lease, LeaseHeld, LeaseLost, LeaseRecord
 
 ROOT = Path(__file__).resolve().parents[2]
 FAST = dict(ttl_seconds=3.0, renew_seconds=0.5)
@@ -155,7 +155,7 @@ def test_of_many_contenders_exactly_one_wins_create_and_takeover(storage_root):
 
 HOLDER_SCRIPT = """
 import sys, time
-from miles_core.lease import Lease
+from miles_core.storage.lease import Lease
 from miles_core.storage import Store
 lease = Lease.acquire(Store(sys.argv[1]), ttl_seconds=3.0, renew_seconds=0.5)
 print("HELD", lease.holder, flush=True)

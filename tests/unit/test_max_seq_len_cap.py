@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from miles_core.config import ConfigError, RunConfig, replace_fields, validate
+from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.prepare.checks import validate
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.producer import Producer, sample_params
 from miles_core.rollout.rewards import Rewarder

@@ -1,4 +1,4 @@
-"""config.json / STATUS.json helpers (miles_core.run_root, DESIGN §3, §8.3).
+"""config.json / STATUS.json helpers (miles_core.storage.run_root, DESIGN §3, §8.3).
 
 Pins: segment 0 writes config.json and a resumed segment writes config_segment_{n}.json without
 touching it; STATUS.json round-trips; next_segment counts from the recorded status.
@@ -9,18 +9,18 @@ from __future__ import annotations
 import pytest
 
 from miles_core.config import RunConfig, replace_fields
-from miles_core.run_root import (
+from miles_core.config.record import read_run_config
+from miles_core.storage import Store
+from miles_core.storage.run_root import (
     FAILED,
     FINISHED,
     RUNNING,
     next_segment,
     read_config,
-    read_run_config,
     read_status,
     write_config,
     write_status,
 )
-from miles_core.storage import Store
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The one place that decides what crosses a node (miles_core.node_local).
+"""The one place that decides what crosses a node (miles_core.storage.node_local).
 
 Pins: a local path handed to a role is refused with an error naming it; file:// URIs are used in
 place; object-store URIs are copied into this node's cache, trusted only with their marker,
@@ -14,9 +14,8 @@ import uuid
 
 import pytest
 
-from miles_core import node_local
-from miles_core.node_local import HandoffError, localize, require_uri
-from miles_core.storage import Store
+from miles_core.storage import Store, node_local
+from miles_core.storage.node_local import HandoffError, localize, require_uri
 
 
 @pytest.fixture()

@@ -14,8 +14,8 @@ import pytest
 from miles_core.config import RunConfig, replace_fields
 from miles_core.metrics import MetricsSink
 from miles_core.metrics.report import diagnose_bottleneck, render_report, write_report
-from miles_core.run_root import FINISHED, write_config, write_status
 from miles_core.storage import Store
+from miles_core.storage.run_root import FINISHED, write_config, write_status
 
 CURVES = ["rollout/reward/mean", "rollout/fully_async/avg_staleness", "rollout/fully_async/queue_size",
           "perf/tokens_per_second", "perf/train_wait_seconds", "perf/producer_blocked_seconds", "eval/heldout"]

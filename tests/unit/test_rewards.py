@@ -9,11 +9,11 @@ import types
 
 import pytest
 
+from miles_core.config.plugins import PluginError
 from miles_core.models.builtin import EOS_ID
-from miles_core.plugins import PluginError
 from miles_core.rollout.rewards import (
-    RewardError,
     Rewarder,
+    RewardError,
     exact_match,
     extract_math_answer,
     load_reward,
@@ -168,11 +168,12 @@ def test_decoder_loads_the_run_tokenizer_lazily(monkeypatch, which):
     use (object storage, imported GGUF, HF dir), not AutoTokenizer on the raw flag; builtin models
     decode digits. Guards: a tokenizer loaded at build time or from `--hf-checkpoint` as it is."""
     from miles_core.config import RunConfig, replace_fields
-    from miles_core.eval.datasets import _decoder
-    from miles_core.models import source, tokenizer
-    from miles_core.rollout.manager import digit_decode, tokenizer_decode
+    from miles_core.eval import datasets
+    from miles_core.rollout import manager
+    from miles_core.rollout.manager import digit_decode
 
-    build = tokenizer_decode if which == "rollout" else _decoder
+    owner = manager  # eval's decoder is the rollout's
+    build = manager.tokenizer_decode if which == "rollout" else datasets._decoder
     loaded = []
 
     class FakeTokenizer:
@@ -180,8 +181,8 @@ def test_decoder_loads_the_run_tokenizer_lazily(monkeypatch, which):
             assert skip_special_tokens
             return "|".join(map(str, ids))
 
-    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda model: loaded.append(model) or FakeTokenizer())
-    monkeypatch.setattr(source, "tokenizer_source", lambda cfg: f"resolved:{cfg.model.hf_checkpoint}")
+    monkeypatch.setattr(owner, "load_tokenizer", lambda model: loaded.append(model) or FakeTokenizer())
+    monkeypatch.setattr(owner, "tokenizer_source", lambda cfg: f"resolved:{cfg.model.hf_checkpoint}")
     assert build(replace_fields(RunConfig(), hf_checkpoint="builtin:tiny-gpt")) is digit_decode
     decode = build(replace_fields(RunConfig(), hf_checkpoint="s3://bucket/model.gguf"))
     assert loaded == []

@@ -13,7 +13,7 @@ import pytest
 
 from miles_core.engines.model import ModelLoadError
 from miles_core.engines.model import ModelSpec as EngineSpec
-from miles_core.models.imports import ModelImportError, normalize_config
+from miles_core.prepare.model_import import ModelImportError, normalize_config
 from miles_core.train.megatron_model import ModelSpec as TrainSpec
 from miles_core.train.megatron_model import UnsupportedModel
 

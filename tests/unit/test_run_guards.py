@@ -15,15 +15,13 @@ import time
 
 import pytest
 
-import miles_core.cluster
-import miles_core.driver
-from miles_core import run_root
+import miles_core.driver.segment
 from miles_core.config import RunConfig, replace_fields
-from miles_core.driver import run_training
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import run_loop
-from miles_core.lease import LEASE_KEY, Lease, LeaseHeld, LeaseLost, LeaseRecord
-from miles_core.storage import Store, StorageUnavailable
+from miles_core.driver.segment import run_training
+from miles_core.storage import StorageUnavailable, Store, run_root
+from miles_core.storage.lease import LEASE_KEY, Lease, LeaseHeld, LeaseLost, LeaseRecord
 from tests.unit.test_driver_loop import Recorder, build_roles
 
 
@@ -41,8 +39,8 @@ def no_cluster(monkeypatch):
             raise Started(name)
         return f
 
-    for name in ("ensure_ray", "start_cluster", "materialize_initial_model"):
-        monkeypatch.setattr(miles_core.cluster, name, refuse(name))
+    for name in ("ensure_ray", "start_cluster", "ensure_model"):
+        monkeypatch.setattr(miles_core.driver.segment, name, refuse(name))
     return calls
 
 
@@ -97,14 +95,14 @@ def test_a_failed_segment_releases_its_lease_and_the_retry_takes_over_at_once(tm
     def storage_down(*a, **k):
         raise StorageUnavailable("storage at test unreachable")
 
-    monkeypatch.setattr(miles_core.cluster, "ensure_ray", storage_down)
+    monkeypatch.setattr(miles_core.driver.segment, "ensure_ray", storage_down)
     cfg = replace_fields(_cfg(tmp_path), lease_ttl_seconds=600.0, lease_renew_seconds=None)
     with pytest.raises(StorageUnavailable):
         run_training(cfg)
     store = Store(cfg.run_uri)
     assert LeaseRecord.from_bytes(store.get_bytes(LEASE_KEY), LEASE_KEY).released
     assert run_root.read_status(store).state == run_root.FAILED
-    monkeypatch.setattr(miles_core.cluster, "ensure_ray", lambda *a, **k: (_ for _ in ()).throw(Started()))
+    monkeypatch.setattr(miles_core.driver.segment, "ensure_ray", lambda *a, **k: (_ for _ in ()).throw(Started()))
     t0 = time.monotonic()
     with pytest.raises(Started):
         run_training(cfg)  # the retry: not held up by the failed attempt's 600 s lease
@@ -117,7 +115,7 @@ def test_a_writer_that_lost_its_lease_leaves_status_alone(tmp_path, monkeypatch)
         lease._mark_lost("taken over by another writer")
         lease.check()
 
-    monkeypatch.setattr(miles_core.driver, "_run_segment", lose)
+    monkeypatch.setattr(miles_core.driver.segment, "_run_segment", lose)
     cfg = _cfg(tmp_path)
     with pytest.raises(LeaseLost, match="taken over"):
         run_training(cfg)

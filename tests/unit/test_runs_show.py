@@ -11,8 +11,8 @@ from miles_core.buffer import DropUnused, DurableBuffer
 from miles_core.cli import main
 from miles_core.config import parse_flags
 from miles_core.eval.results import EvalResult, write_result
-from miles_core.run_root import FINISHED, write_config, write_status
 from miles_core.storage import Store
+from miles_core.storage.run_root import FINISHED, write_config, write_status
 from tests.integration.test_buffer_durable import make_group
 
 

@@ -18,6 +18,8 @@ import contextlib
 import os
 
 from miles_core.driver.handles import RayActorHandle
+from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.rollout.manager import rollout_manager_actor
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -33,11 +35,6 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
              configure_logging=False, namespace="miles")
-
-
-def custom_resource(name: str) -> dict[str, float]:
-    """A sliver of custom resource `name` (pins an actor to nodes offering it; many fit on one)."""
-    return {name: 0.001} if name else {}
 
 
 class TrainerPlacementError(RuntimeError):
@@ -71,6 +68,7 @@ class TrainerGroup:
                  placement_timeout_seconds: float = 600.0):
         import ray
 
+        # torch and Megatron: only the trainer's rank processes need them, not the driver
         from miles_core.train.worker import TrainerWorker, rendezvous_address
 
         t = cfg.train
@@ -124,20 +122,9 @@ class TrainerGroup:
             remove_placement_group(self.pg)
 
 
-def materialize_initial_model(cfg) -> str:
-    """The URI of the run's initial weights, which every role copies to its own node: created (a
-    builtin model) or imported (a GGUF) first when missing (`miles_core.models.source`)."""
-    from miles_core.models.source import ensure_model
-
-    return ensure_model(cfg)
-
-
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     """Engines, trainer ranks (restored from the latest checkpoint) and the rollout manager, in the
     order that lets the producer start on the trainer's current weights. Teardown goes on `stack`."""
-    from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
-    from miles_core.rollout.manager import rollout_manager_actor
-
     fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
                         num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                         resources=custom_resource(cfg.engine.engine_custom_resource)).start()
@@ -149,10 +136,7 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     # The checkpoint holds the weights of its own version (the loop pushes before it saves), so a
     # resume serves them again under that version; a fresh run's first push makes version 1.
     trainer.call("set_version", max(0, int(extras.get("weight_version", 0)) - 1)).result()
-    first_push = trainer.call("push_weights", start_step - 1).result()
-    version_box = [first_push["version"]]
-    if first_push["model_uri"]:
-        fleet.note_weights(first_push["model_uri"], first_push["version"])
+    version_box = [trainer.call("push_weights", start_step - 1).result()["version"]]
 
     rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
         cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),

@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import time
 import uuid
 from pathlib import Path
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 TMP_MARK = ".tmp-"
+# Written last into a directory of objects (a snapshot, an imported model): readers trust only a
+# directory that has it (a half copy has not).
+COMPLETE_MARKER = ".complete"
 DEADLINE_SECONDS = 60.0  # how long a storage operation keeps retrying transient errors
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
 
@@ -302,8 +306,6 @@ class Store:
         for key in reversed(self.list(prefix)):
             self.delete(key)
         if self.protocol == "file":
-            import shutil
-
             shutil.rmtree(self.path(prefix), ignore_errors=True)
 
     def move(self, src: str, dst: str) -> None:

@@ -60,9 +60,7 @@ def write_config(store: Store, cfg, segment: int = 0) -> str:
     if segment < 0:
         raise ValueError(f"segment must be >= 0, got {segment}")
     if not isinstance(cfg, dict):
-        from miles_core.config import config_to_dict
-
-        cfg = config_to_dict(cfg)
+        cfg = dataclasses.asdict(cfg)  # a RunConfig (a dataclass tree): the config's own dict form
     key = segment_config_key(segment)
     store.put_json(key, {"segment": segment, "written_at": time.time(), "config": cfg})
     return key
@@ -81,16 +79,6 @@ def read_config(store: Store, segment: int | None = None) -> dict | None:
         return None
     found = get_json_or_none(store, segment_config_key(segment))
     return None if found is None else found.get("config", found)
-
-
-def read_run_config(store: Store, segment: int | None = None):
-    """Like read_config, as a RunConfig (None when absent)."""
-    d = read_config(store, segment)
-    if d is None:
-        return None
-    from miles_core.config import config_from_dict
-
-    return config_from_dict(d)
 
 
 def write_status(store: Store, state: str, *, last_step: int, segment: int, message: str = "") -> RunStatus:

@@ -29,6 +29,7 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+from miles_core.models.safetensors_dir import MissingWeights, safetensors_files
 from miles_core.models.source import IMPORT_FORMAT_VERSION, MARKER, ModelSourceError, source_fingerprint
 from miles_core.storage import Store, normalize_uri
 
@@ -107,8 +108,6 @@ def _fingerprint(path: str) -> str:
 
 def _from_hf_dir(src: str, out: str) -> tuple[dict[str, str], dict]:
     """Files to publish (name -> local path) and the record of what changed."""
-    from miles_core.models.safetensors_dir import MissingWeights, safetensors_files
-
     try:
         weights = safetensors_files(src)
     except MissingWeights as e:
@@ -214,6 +213,7 @@ def normalize_config(cfg: dict, source: str) -> tuple[dict, list[str]]:
 
 def _check_readers(cfg: dict, source: str) -> None:
     """Both the CPU engine and the trainer must read the config; their refusal, named."""
+    # torch and Megatron: only an import pays for them (the driver and tasks import this module)
     from miles_core.engines.model import ModelLoadError
     from miles_core.engines.model import ModelSpec as EngineSpec
     from miles_core.train.megatron_model import ModelSpec as TrainSpec

@@ -1,18 +1,24 @@
-"""The validation matrix (DESIGN §11): every rule, checked before anything starts.
+"""The config's own rules: every rule that needs nothing but the config's values.
 
-`validate(cfg)` collects all problems and raises one ConfigError; each line names the offending
-flags and says what to do. It never rewrites the config.
+    check(cfg)              # one ConfigError listing every problem, each naming its flags
+    type_problems(cfg)      # wrong value types (the other rules compare values)
+    rule_problems(cfg)      # ranges, exclusions, names, schemes, local inputs
+
+Rules that load a plug-in or read a model spec run above the config, where those live
+(`miles_core.prepare.checks.validate`, which also runs these). Nothing here rewrites the config.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 
+import fsspec
+
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
-from miles_core.engines.auth import bind_problem
-from miles_core.plugins import PluginError, load_plugin
-from miles_core.rollout.episodes import load_generate_function
+from miles_core.storage import InvalidName, validate_name
+from miles_core.storage.lease import check_timings
 
 # Features the fully async driver cannot honour, with the flag that turns each on (DESIGN §11).
 # The sync drivers of this project do not implement them either: under every driver they are
@@ -31,32 +37,34 @@ BUILTIN_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:cop
 BUILTIN_MODELS = ("builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2")
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    problems = _types(cfg)
-    if problems:  # the other rules compare values; with a wrong type they would raise TypeError
-        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    for check in (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-                  _batch_and_load_rules, _names, _plugins, _engine_exposure, _local_inputs, _uri_schemes,
-                  _metric_mirrors):
-        problems.extend(check(cfg))
+def check(cfg: RunConfig) -> RunConfig:
+    """`cfg` when it keeps every rule of this module, else one ConfigError listing every problem."""
+    raise_problems(type_problems(cfg))  # the other rules compare values; a wrong type would raise TypeError
+    raise_problems(rule_problems(cfg))
+    return cfg
+
+
+def raise_problems(problems: list[str]) -> None:
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-    return cfg
+
+
+def type_problems(cfg: RunConfig) -> list[str]:
+    return _types(cfg)
+
+
+def rule_problems(cfg: RunConfig) -> list[str]:
+    rules = (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
+             _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors)
+    return [problem for rule in rules for problem in rule(cfg)]
 
 
 def _metric_mirrors(cfg: RunConfig) -> list[str]:
     """A mirror that is asked for has its package installed (found now, not at the first metric)."""
-    import importlib.util
-
     m = cfg.metrics
     wanted = [("--use-tensorboard", "tensorboard", m.use_tensorboard), ("--use-wandb", "wandb", m.use_wandb)]
     return [f"{flag} needs the `{package}` package: pip install 'miles-flyte[{package}]' (or drop {flag})."
             for flag, package, on in wanted if on and importlib.util.find_spec(package) is None]
-
-
-def _engine_exposure(cfg: RunConfig) -> list[str]:
-    problem = bind_problem(cfg.engine.engine_bind_host)
-    return [problem] if problem else []
 
 
 _KIND_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list, tuple)}
@@ -173,8 +181,6 @@ def _finite(cfg: RunConfig) -> list[str]:
 
 
 def _lease_timings(run) -> list[str]:
-    from miles_core.lease import check_timings
-
     try:
         check_timings(run.lease_ttl_seconds, run.lease_renew_seconds)
     except ValueError as e:
@@ -283,10 +289,8 @@ def _save_eval_rules(cfg: RunConfig) -> list[str]:
     return p
 
 
-def _batch_and_load_rules(cfg: RunConfig) -> list[str]:
-    """miles' --global-batch-size, and what --hf-checkpoint may name."""
-    from miles_core.models.source import PACKAGED
-
+def _batch_rules(cfg: RunConfig) -> list[str]:
+    """miles' --global-batch-size."""
     t, r = cfg.train, cfg.rollout
     p = []
     samples = r.rollout_batch_size * r.n_samples_per_prompt
@@ -296,16 +300,10 @@ def _batch_and_load_rules(cfg: RunConfig) -> list[str]:
         elif samples % t.global_batch_size:
             p.append(f"--global-batch-size={t.global_batch_size} must divide --rollout-batch-size x "
                      f"--n-samples-per-prompt = {samples} (a rollout gives that / it optimizer steps).")
-    m = cfg.model.hf_checkpoint
-    if m.startswith("import:") and m[len("import:"):] not in PACKAGED:
-        p.append(f"--hf-checkpoint={m!r}: unknown packaged model; known: "
-                 f"{', '.join('import:' + k for k in PACKAGED)} (or a path to a .gguf file).")
     return p
 
 
 def _names(cfg: RunConfig) -> list[str]:
-    from miles_core.storage import InvalidName, validate_name
-
     p = []
     try:
         validate_name(cfg.run.run_id, "--run-id")
@@ -355,8 +353,6 @@ def _local_inputs(cfg: RunConfig) -> list[str]:
 def _uri_schemes(cfg: RunConfig) -> list[str]:
     """Every URI's scheme names a filesystem this install can open (a typo such as `s4://` or `htps://`
     would otherwise surface only when the first task reads it). No network call: cheap at validation."""
-    import fsspec
-
     p = []
     for flag, value in [("--storage-root", cfg.run.storage_root), *_inputs(cfg)]:
         if "://" not in (value or ""):
@@ -375,25 +371,3 @@ def _local_path(value: str) -> str | None:
     if value.startswith("file://"):
         return value[len("file://"):]
     return None if "://" in value else value
-
-
-def _plugins(cfg: RunConfig) -> list[str]:
-    """Every plugin path the run will call resolves now (the refused hook paths are not loaded)."""
-    slots = [
-        (cfg.rollout.custom_rm_path, "--custom-rm-path", ()),
-        (cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", ()),
-        (cfg.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path", ()),
-        (cfg.buffer.custom_async_data_buffer_path, "--custom-async-data-buffer-path", ("put", "get", "get_metrics")),
-    ]
-    p = []
-    for path, flag, methods in slots:
-        if path:
-            try:
-                load_plugin(path, flag, methods)
-            except PluginError as ex:
-                p.append(str(ex))
-    try:  # resolved and signature-checked: async, callable as fn(args, sample, sampling_params)
-        load_generate_function(cfg.rollout.custom_generate_function_path)
-    except PluginError as ex:
-        p.append(str(ex))
-    return p

@@ -8,7 +8,7 @@
 The lease is `LEASE.json` in the run root: holder (host/pid/token, plus the Flyte execution when
 there is one), a random token, a renewal counter, acquired/renewed/expires-at (the holder's wall
 clock), the TTL and renewal interval. It is created and replaced only by compare-and-swap
-(miles_core.conditional: S3 `If-None-Match: *` / `If-Match: <ETag>`, link(2)+flock(2) on file://),
+(miles_core.storage.conditional: S3 `If-None-Match: *` / `If-Match: <ETag>`, link(2)+flock(2) on file://),
 so of two contenders at most one wins, whether both create or both take over the same expired record.
 
 Timings (`--lease-ttl-seconds`, default 60; `--lease-renew-seconds`, default TTL/4 = 15):
@@ -41,8 +41,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from miles_core.conditional import ConditionalObject, conditional_object
 from miles_core.storage import Store
+from miles_core.storage.conditional import ConditionalObject, conditional_object
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ class Lease:
             current = self.obj.read()
             if claims >= 10:
                 raise LeaseError(f"could not take the lease {self.store.uri(self.key)} in {claims} attempts; the "
-                                 "store's conditional writes do not behave (see miles_core.conditional)")
+                                 "store's conditional writes do not behave (see miles_core.storage.conditional)")
             if current is None:
                 claims += 1
                 if self._claim(None):

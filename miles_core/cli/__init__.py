@@ -16,8 +16,16 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
+from miles_core.buffer.inspect import inspect_buffer
 from miles_core.config import ConfigError, config_to_json, flag_table, parse_flags
+from miles_core.metrics.report import write_report
+from miles_core.models.source import import_source
+from miles_core.prepare.checks import validate
+from miles_core.prepare.model_import import import_model
+from miles_core.storage import StorageError, Store
+from miles_core.storage.run_root import require_run
 
 USAGE = __doc__
 
@@ -30,7 +38,7 @@ def _validate(argv: list[str]) -> int:
             print(f"  {s.flag}{choices}  (default {s.default!r})\n      {s.help}")
         return 0
     try:
-        cfg = parse_flags(argv)
+        cfg = validate(parse_flags(argv))
     except ConfigError as e:
         print(f"miles validate: {e}", file=sys.stderr)
         return 2
@@ -42,7 +50,6 @@ def _buffer(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "inspect":
         print("usage: miles buffer inspect RUN_URI", file=sys.stderr)
         return 2
-    from miles_core.buffer.inspect import inspect_buffer
 
     print(json.dumps(inspect_buffer(_existing_run(argv[1])), indent=2, sort_keys=True))
     return 0
@@ -52,7 +59,6 @@ def _report(argv: list[str]) -> int:
     if not argv or argv[-1] == "-o":
         print("usage: miles report RUN_URI [-o FILE]", file=sys.stderr)
         return 2
-    from miles_core.metrics.report import write_report
 
     out = argv[argv.index("-o") + 1] if "-o" in argv else "report.html"
     print(write_report(_existing_run(argv[0]), out))
@@ -60,9 +66,6 @@ def _report(argv: list[str]) -> int:
 
 
 def _existing_run(run_uri: str) -> str:
-    from miles_core.run_root import require_run
-    from miles_core.storage import Store
-
     require_run(Store(run_uri))
     return run_uri
 
@@ -72,11 +75,6 @@ def _import_model(argv: list[str]) -> int:
         print("usage: miles import-model SRC DEST_URI\n  SRC: a .gguf file (path or URI), import:NAME, "
               "or a local HF directory with safetensors weights", file=sys.stderr)
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-    import time
-
-    from miles_core.models.imports import import_model
-    from miles_core.models.source import import_source
-    from miles_core.storage import StorageError
 
     started = time.time()
     try:
@@ -90,12 +88,14 @@ def _import_model(argv: list[str]) -> int:
 
 
 def _fork(argv: list[str]) -> int:
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
     from miles_core.lineage.fork import main as fork_main
 
     return fork_main(argv)
 
 
 def _replay(argv: list[str]) -> int:
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
     from miles_core.lineage.replay import main as replay_main
 
     return replay_main(argv)
@@ -106,6 +106,7 @@ def _runs(argv: list[str]) -> int:
     if len(args) != 2 or args[0] != "show":
         print("usage: miles runs show RUN_URI [--json]", file=sys.stderr)
         return 2
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
     from miles_core.lineage.show import render_summary, run_summary
 
     return _emit(run_summary(args[1]), render_summary, "--json" in argv)
@@ -116,6 +117,7 @@ def _lineage(argv: list[str]) -> int:
     if len(args) != 2:
         print("usage: miles lineage RUN_URI GROUP_ID [--json]", file=sys.stderr)
         return 2
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
     from miles_core.lineage.trace import group_lineage, render_lineage
 
     return _emit(group_lineage(*args), render_lineage, "--json" in argv)
@@ -138,7 +140,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[argv[0]](argv[1:])
     except Exception as e:  # noqa: BLE001 - one clear line for users, not a stack trace
-        from miles_core.storage import StorageError
 
         if isinstance(e, (StorageError, ValueError, FileNotFoundError)):
             print(f"miles {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)

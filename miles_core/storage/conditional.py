@@ -1,4 +1,4 @@
-"""Compare-and-swap on one small object in a Store: the primitive under the run-root lease (miles_core.lease).
+"""Compare-and-swap on one small object in a Store: the primitive under the run-root lease (miles_core.storage.lease).
 
     obj = conditional_object(store, "LEASE.json")
     obj.read()                  -> (data, version), or None when there is no object
@@ -29,12 +29,15 @@ what they write. The Store retries transient errors; since a retried conditional
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import threading
 import time
 import uuid
+
+from fsspec.asyn import sync
 
 from miles_core.storage import TMP_MARK, ObjectNotFound, Store, fsync_dir, fsynced_temp
 
@@ -115,8 +118,6 @@ class FileObject(LockedObject):
 
     @contextlib.contextmanager
     def _lock(self):
-        import fcntl
-
         path = self.store.path(self.key) + ".lock"
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
@@ -165,8 +166,6 @@ class S3Object(ConditionalObject):
         self.bucket, self.object_key, _ = store.fs.split_path(store.path(key))
 
     def read(self) -> tuple[bytes, str] | None:
-        from fsspec.asyn import sync
-
         async def get():
             resp = await self.store.fs._call_s3("get_object", Bucket=self.bucket, Key=self.object_key)
             try:
@@ -232,7 +231,7 @@ def s3_honours_conditional_writes(obj: S3Object) -> bool:
         _S3_PROBED[where] = obj.store._retry("probe conditional writes", lambda: _probe(obj))
         if not _S3_PROBED[where]:
             log.warning("S3 at %s ignores conditional writes (If-None-Match); the run-root lease falls back to "
-                        "write-and-read-back, which is weaker (see miles_core.conditional)", where)
+                        "write-and-read-back, which is weaker (see miles_core.storage.conditional)", where)
     return _S3_PROBED[where]
 
 

@@ -31,13 +31,13 @@ INFRASTRUCTURE = frozenset({
     "miles_core.engines.launcher.EngineStartError",
     "miles_core.engines.client.EngineUnavailableError",
     "miles_core.weights.distributed.WeightPushError",
-    "miles_core.lease.LeaseLost",
+    "miles_core.storage.lease.LeaseLost",
 })
 
 USER = frozenset({
     "builtins.ValueError",  # ConfigError, DatasetError, SchemaError, InvalidName, PluginError, ...
     "builtins.TypeError",
-    "miles_core.lease.LeaseHeld",
+    "miles_core.storage.lease.LeaseHeld",
     "miles_core.train.checkpoint.CheckpointError",
 })
 

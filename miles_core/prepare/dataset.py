@@ -38,53 +38,30 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
+import fsspec
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from miles_core.storage import Store, normalize_uri, validate_name
+from miles_core.models.tokenizer import load_tokenizer
+from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
+from miles_core.rollout.prompts import (
+    FORMAT_VERSION,
+    PROMPT_SCHEMA,
+    DatasetError,
+    DatasetInfo,
+    data_key,
+    hash_key,
+    stored_dataset_info,
+)
+from miles_core.storage import Store, normalize_uri
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = "1"
 MAX_REPORTED_ERRORS = 20
 _INT32_MAX = 2**31 - 1
 
-PROMPT_SCHEMA = pa.schema(
-    [
-        pa.field("prompt", pa.list_(pa.int32()), nullable=False),
-        pa.field("label", pa.string(), nullable=False),
-        pa.field("task", pa.string(), nullable=False),
-        pa.field("metadata", pa.string(), nullable=False),
-    ],
-    metadata={b"miles.prompts_format": FORMAT_VERSION.encode()},
-)
-
 # A prompt (text, or a list of {role, content} messages) -> token ids.
 Tokenizer = Callable[[Any], list[int]]
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be normalized. The message names the file, row and field."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    """Where a normalized dataset lives and what it holds."""
-
-    uri: str
-    content_hash: str
-    num_rows: int
-    source: str
-
-
-def data_key(name: str) -> str:
-    return f"data/{validate_name(name, 'dataset name')}.arrow"
-
-
-def hash_key(name: str) -> str:
-    return f"data/{validate_name(name, 'dataset name')}.hash.json"
 
 
 # ----------------------------------------------------------------------------- public API
@@ -135,50 +112,17 @@ def dataset_fingerprint(data, *, tokenizer_source: str = "builtin:tiny-gpt") -> 
     return _content_hash(read_source_bytes(settings.source), settings, tokenizer_source)
 
 
-def stored_dataset_info(store: Store, name: str = "prompts") -> DatasetInfo | None:
-    """The normalized dataset in the run root, or None when there is none (or it is incomplete)."""
-    if not store.exists(hash_key(name)):
-        return None
-    meta = store.get_json(hash_key(name))
-    return DatasetInfo(store.uri(data_key(name)), meta["content_hash"], int(meta["num_rows"]), meta["source"])
-
-
-def load_prompt_table(store: Store, name: str = "prompts") -> pa.Table:
-    if stored_dataset_info(store, name) is None:
-        raise DatasetError(
-            f"no normalized dataset {name!r} in {store.uri()}: {hash_key(name)} is missing. "
-            "Run prepare_data (or miles_core.data.prepare_dataset) first."
-        )
-    raw = store.get_bytes(data_key(name))
-    try:
-        table = pa.ipc.open_file(pa.py_buffer(raw)).read_all()
-    except pa.ArrowInvalid as e:
-        raise DatasetError(f"{store.uri(data_key(name))} is not a readable Arrow file: {e}") from e
-    missing = [f.name for f in PROMPT_SCHEMA if f.name not in table.column_names]
-    if missing:
-        raise DatasetError(f"{store.uri(data_key(name))} lacks columns {missing}; re-run prepare_data.")
-    return table
-
-
-def load_prompts(store: Store, name: str = "prompts") -> list[dict]:
-    """Rows {prompt: [ids], label: str, task: str, metadata: str} of the normalized dataset, in order."""
-    return load_prompt_table(store, name).to_pylist()
-
-
 # ----------------------------------------------------------------------------- reading sources
 
 
 def read_source_bytes(source: str) -> bytes:
     """The bytes the content hash covers: the file, or the canonical JSON of a builtin dataset."""
     if source.startswith("builtin:"):
-        from miles_core.rollout.builtin_tasks import builtin_rows
-
         try:
             rows = builtin_rows(source)
         except ValueError as e:
             raise DatasetError(f"--prompt-data={source!r}: {e}") from e
         return json.dumps(rows, sort_keys=True, separators=(",", ":")).encode()
-    import fsspec
 
     uri = normalize_uri(source)
     try:
@@ -241,8 +185,6 @@ def _raw_rows(source: str, raw: bytes) -> Iterator[tuple[str, Any]]:
 def _read_table(source: str, raw: bytes, fmt: str) -> pa.Table:
     try:
         if fmt == "parquet":
-            import pyarrow.parquet as pq
-
             return pq.read_table(pa.BufferReader(raw))
         try:
             return pa.ipc.open_file(pa.py_buffer(raw)).read_all()
@@ -413,8 +355,6 @@ class _LazyTokenizer:
 
 def tokenizer_for(tokenizer_source: str, apply_chat_template: bool = False) -> Tokenizer:
     """prompt -> token ids with the tokenizer of `tokenizer_source` (see the module docstring)."""
-    from miles_core.models.tokenizer import load_tokenizer
-
     return _hf_prompt_tokenizer(load_tokenizer(tokenizer_source), tokenizer_source, apply_chat_template)
 
 
@@ -478,8 +418,6 @@ class _Settings:
 
 
 def _check_text_builtin(source: str, tokenizer_source: str) -> None:
-    from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS
-
     if source in TEXT_BUILTIN_DATASETS and tokenizer_source.startswith("builtin:"):
         raise DatasetError(f"--prompt-data={source!r} holds text prompts for a real (instruct) model; the digit "
                            f"tokenizer of --hf-checkpoint={tokenizer_source!r} cannot encode them. Set "

@@ -1,0 +1,154 @@
+"""Run one training segment of a run: build the roles on Ray, run the loop, leave a clean state.
+
+    result = run_training(cfg)      # the Flyte `train` task calls exactly this
+
+Resumes from the latest complete checkpoint when there is one (trainer, data-source cursor,
+started-groups count, buffer consumption, weight version), so a retry after a lost node and the
+next scheduled segment continue the same lineage with no group trained twice or lost.
+
+Before anything is written or started (DESIGN §15):
+- finished is final: when STATUS.json says `finished` at step >= --num-rollout - 1 the segment
+  returns that outcome at once: no write, no Ray, no actor (raise --num-rollout to continue);
+- one writer: the run root's lease (miles_core.storage.lease) is acquired, or LeaseHeld names the holder.
+  Every step's commits check it (driver.fenced) and it is released on exit, failed or not, so a
+  retry takes over at once; a killed writer's lease is taken over when it expires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from miles_core.config import RunConfig
+from miles_core.driver.fenced import Fenced
+from miles_core.driver.loop import LoopResult, run_loop
+from miles_core.driver.placement import ensure_ray, start_cluster
+from miles_core.driver.roles import (
+    Checkpointer,
+    Deadline,
+    MetricsLog,
+    Progress,
+    Roles,
+    TrainerRole,
+    WeightPusher,
+    batch_source,
+)
+from miles_core.eval.scheduler import build_eval_scheduler
+from miles_core.metrics.mirrors import mirror_feed
+from miles_core.metrics.names import RANDOM_POLICY_REWARD
+from miles_core.metrics.sink import MetricsSink
+from miles_core.models.source import tokenizer_source
+from miles_core.prepare.checks import validate
+from miles_core.prepare.dataset import prepare_dataset
+from miles_core.prepare.initial_model import ensure_model
+from miles_core.rollout.builtin_tasks import random_policy_reward
+from miles_core.rollout.prompts import stored_dataset_info
+from miles_core.storage import Store, run_root
+from miles_core.storage.lease import Lease
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_uri: str
+    state: str  # finished | segment_done
+    first_step: int
+    last_step: int | None
+    steps_run: int
+    weight_version: int  # -1 when nothing ran (a finished run)
+    seconds: float
+
+
+def run_training(cfg: RunConfig) -> TrainResult:
+    validate(cfg)
+    store = Store(cfg.run_uri)
+    done = _finished(cfg, store)
+    if done is not None:
+        return done
+    lease = Lease.acquire(store, ttl_seconds=cfg.run.lease_ttl_seconds, renew_seconds=cfg.run.lease_renew_seconds)
+    with lease:
+        done = _finished(cfg, store)  # another writer may have finished it while we waited for the lease
+        return done if done is not None else _train(cfg, store, lease)
+
+
+def _finished(cfg: RunConfig, store) -> TrainResult | None:
+    """The outcome of a run that already reached --num-rollout, else None."""
+    status = run_root.read_status(store)
+    if status is None or status.state != run_root.FINISHED or status.last_step < cfg.run.num_rollout - 1:
+        return None
+    log.info("run %s finished at step %d: nothing to train (raise --num-rollout to continue it)", cfg.run_uri,
+             status.last_step)
+    return TrainResult(cfg.run_uri, run_root.FINISHED, status.last_step + 1, status.last_step, 0, -1, 0.0)
+
+
+def _train(cfg: RunConfig, store, lease) -> TrainResult:
+    segment = run_root.next_segment(store)
+    run_root.write_config(store, cfg, segment)
+    run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)
+    try:
+        result, version = _run_segment(cfg, store, segment, lease)
+    except BaseException as e:
+        if lease.held:  # a writer that lost the lease writes nothing more
+            status = run_root.read_status(store)
+            run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
+                                  segment=segment, message=f"{type(e).__name__}: {e}"[:2000])
+        raise
+    lease.check()
+    state = run_root.FINISHED if result.last_step == cfg.run.num_rollout - 1 else run_root.SEGMENT_DONE
+    run_root.write_status(store, state, last_step=-1 if result.last_step is None else result.last_step,
+                          segment=segment)
+    return TrainResult(cfg.run_uri, state, result.first_step, result.last_step, result.steps_run,
+                       version, result.seconds)
+
+
+def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult, int]:
+    ensure_ray()
+    if stored_dataset_info(store) is None:
+        prepare_dataset(cfg.data, store, tokenizer_source=tokenizer_source(cfg))
+    initial_model = ensure_model(cfg)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part
+        fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
+        sink = stack.enter_context(MetricsSink(store, "trainer"))
+        evals = build_eval_scheduler(
+            cfg, exporter=lambda step, uri: trainer.call("export_hf", step, uri).result(),
+            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls(),
+            pause_submission=lambda: rollout.call("pause").result(),
+            resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model)
+        stack.callback(evals.close)
+        end_step, end_reason = _end_step(cfg, start_step)
+        progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
+        stack.callback(progress.close)
+        if start_step == 0:
+            sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
+        roles = Roles(
+            driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
+            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
+            trainer=TrainerRole(trainer),
+            weights=Fenced(WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box),
+                           lease.check, "push"),
+            checkpoints=Fenced(Checkpointer(
+                trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
+                on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
+                lease.check, "save"),
+            evals=evals, metrics=MetricsLog(sink), progress=progress,
+            deadline=Deadline(cfg.run.deadline_seconds))
+        log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
+        result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
+        return result, version_box[0]
+
+
+def _random_policy_level(cfg: RunConfig) -> float:
+    """The reward level learning must beat; NaN unless a builtin model runs a builtin task."""
+    if not cfg.data.prompt_data.startswith("builtin:") or not cfg.model.hf_checkpoint.startswith("builtin:"):
+        return float("nan")
+    return random_policy_reward(cfg.data.prompt_data, cfg.rollout.rollout_max_response_len)
+
+
+def _end_step(cfg: RunConfig, start_step: int) -> tuple[int, str]:
+    end, reason = cfg.run.num_rollout, "num_rollout"
+    if cfg.run.segment_steps is not None and start_step + cfg.run.segment_steps < end:
+        end, reason = start_step + cfg.run.segment_steps, "segment_steps"
+    return end, reason

@@ -1,0 +1,73 @@
+"""A half copy in the node cache is not trusted (miles_core.storage.node_local.localize, DESIGN §15).
+
+A node-cache entry is trusted only with its completion marker (`node_local.MARKER`, written last).
+A copy interrupted before the marker (a killed process, a full disk, a copy left by an older
+version) leaves the directory in place with partial content.
+
+Pins: when the entry's directory exists with truncated and missing files and a leftover file, but
+no marker, the next `localize` downloads again and returns the same path holding exactly the
+source's content plus the marker; the copy after it is served from the cache (the source is not
+read again).
+
+Guards: trusting the directory's existence instead of its marker (serving the half copy), and
+re-downloading without clearing the half copy first (the new copy then fails to move into place,
+or keeps the broken copy's leftovers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+
+import pytest
+
+from miles_core.storage import Store, node_local
+from miles_core.storage.node_local import MARKER, localize
+
+CONTENT = {"config.json": b'{"hidden_size": 64}', "sub/tokenizer.json": b"tok" * 100,
+           "model.safetensors": b"w" * 4096}
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _tree(root: str) -> dict[str, bytes]:
+    out = {}
+    for d, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root).replace(os.sep, "/")] = open(p, "rb").read()
+    return out
+
+
+def test_a_half_copy_without_its_marker_is_downloaded_again(cache, monkeypatch):
+    """Pins: no marker -> re-download and the complete content; guards against trusting a
+    half-copied cache directory by its existence."""
+    store = Store(f"memory://node-cache-{uuid.uuid4().hex[:8]}/model")
+    for key, data in CONTENT.items():
+        store.put_bytes(key, data)
+    uri = store.uri()
+
+    # where localize keeps this URI (its documented layout: {cache}/{kind}/{hash of the URI})
+    dest = cache / "models" / hashlib.sha256(uri.encode()).hexdigest()[:20]
+    dest.mkdir(parents=True)
+    (dest / "config.json").write_bytes(CONTENT["config.json"][:5])  # truncated mid-write
+    (dest / "stale.bin").write_bytes(b"left by the broken copy")  # sub/ and the weights never arrived
+    assert not (dest / MARKER).exists()
+
+    reads = []
+    get_bytes = Store.get_bytes
+    monkeypatch.setattr(Store, "get_bytes", lambda self, key: reads.append(key) or get_bytes(self, key))
+
+    path = localize(uri, "models")
+    assert path == str(dest)
+    assert sorted(reads) == sorted(CONTENT), "the half copy was trusted: nothing was downloaded"
+    assert _tree(path) == {**CONTENT, MARKER: b""}  # complete, and nothing of the half copy left
+
+    reads.clear()
+    assert localize(uri, "models") == path and reads == []  # complete now: served from the cache
+    assert node_local.node_cache_dir() == str(cache)
