@@ -9,6 +9,7 @@ from miles_core.models.source import tokenizer_source
 from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
 from miles_core.rollout.prompts import DatasetError, stored_dataset_info
 from miles_core.storage import Store
+from tasks.cluster import TRAIN_CLUSTER
 from tasks.inputs import run_config
 from tasks.secrets import ENGINE_SECRETS
 from tasks.types import PreparedData
@@ -24,7 +25,7 @@ def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     Including the run root's current dataset makes a deleted or replaced run root miss the cache,
     so a cache hit always means the normalized data is in place.
     """
-    cfg = run_config(flags, run_id, storage_root)
+    cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     stored = stored_dataset_info(Store(cfg.run_uri))
     source = dataset_fingerprint(cfg.data, tokenizer_source=tokenizer_source(cfg))
     return f"{source}:{stored.content_hash if stored else 'absent'}"
@@ -37,7 +38,7 @@ def prepare_data(flags: str, run_id: str, storage_root: str, fingerprint: str) -
     {run root}/data/prompts.arrow. Bad rows fail the task with every bad row named (file, row, field).
     Cached by `fingerprint` (data_fingerprint's content hash) together with the run inputs.
     """
-    cfg = run_config(flags, run_id, storage_root)
+    cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     info = prepare_dataset(cfg.data, Store(cfg.run_uri), tokenizer_source=tokenizer_source(cfg))
     if not fingerprint.startswith(info.content_hash):
         raise DatasetError(f"{info.source} changed while the run was starting (hash {fingerprint[:12]} -> "

@@ -14,10 +14,14 @@ from flytekit.core.context_manager import ExecutionState
 
 from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
 from miles_core.prepare.checks import validate
+from miles_core.prepare.resources import ClusterShape
 from miles_core.storage import normalize_uri
 
 
-def run_config(flags: str, run_id: str = "", storage_root: str = "", segment_steps: int = 0) -> RunConfig:
+def run_config(flags: str, run_id: str = "", storage_root: str = "", segment_steps: int = 0,
+               cluster: ClusterShape | None = None) -> RunConfig:
+    """The validated RunConfig. `cluster`: the Ray cluster the run's training will get on Flyte; on a cluster
+    a run that cannot be placed on it is refused here (locally, `run_training` checks the local Ray)."""
     try:
         argv = shlex.split(flags)
     except ValueError as e:
@@ -39,7 +43,7 @@ def run_config(flags: str, run_id: str = "", storage_root: str = "", segment_ste
             f"--storage-root={cfg.run.storage_root!r} is a local path, but this task runs on a Flyte cluster where "
             "tasks do not share a disk: set storage_root to object storage (s3://bucket/prefix, gs://...)."
         )
-    return validate(replace_fields(cfg, storage_root=root))
+    return validate(replace_fields(cfg, storage_root=root), cluster=cluster if on_cluster() else None)
 
 
 def on_cluster() -> bool:

@@ -14,6 +14,7 @@ from images import task_image
 from miles_core.models.source import MARKER, model_uri, needs_import
 from miles_core.prepare.initial_model import ensure_model
 from miles_core.storage import Store
+from tasks.cluster import TRAIN_CLUSTER
 from tasks.inputs import run_config
 from tasks.secrets import ENGINE_SECRETS
 
@@ -24,7 +25,7 @@ IMPORT_MODEL_CACHE_VERSION = "1"
 @task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"), secret_requests=ENGINE_SECRETS)
 def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     """Where the initial model lives and whether it is there: import_model's cache key."""
-    cfg = run_config(flags, run_id, storage_root)
+    cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     if not needs_import(cfg.model.hf_checkpoint):
         return "no-import"
     uri = model_uri(cfg)
@@ -35,5 +36,5 @@ def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
       secret_requests=ENGINE_SECRETS, requests=Resources(cpu="2", mem="6Gi"))
 def import_model(flags: str, run_id: str, storage_root: str, fingerprint: str) -> str:
     """The URI of the run's initial HF directory, imported first when --hf-checkpoint is a GGUF."""
-    cfg = run_config(flags, run_id, storage_root)
+    cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     return ensure_model(cfg) if needs_import(cfg.model.hf_checkpoint) else model_uri(cfg)

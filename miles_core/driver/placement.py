@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 
+from miles_core.config import ConfigError
 from miles_core.driver.handles import RayActorHandle
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
 from miles_core.rollout.manager import rollout_manager_actor
 
 
@@ -35,6 +37,39 @@ def ensure_ray(num_cpus: int | None = None) -> None:
         return
     ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
              configure_logging=False, namespace="miles")
+
+
+def ray_resources(bundle: Bundle) -> dict[str, float]:
+    """A bundle as Ray resources (a placement-group bundle)."""
+    return {"CPU": bundle.cpus, **({"GPU": bundle.gpus} if bundle.gpus else {}), **custom_resource(bundle.custom)}
+
+
+def cluster_shape() -> ClusterShape:
+    """The connected Ray cluster's alive nodes, with their total CPUs, GPUs and custom resources."""
+    import ray
+
+    nodes = []
+    alive = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: (n.get("NodeManagerAddress", ""),
+                                                                            n.get("NodeID", "")))
+    for i, n in enumerate(alive):
+        res = n.get("Resources", {})
+        custom = frozenset(k for k in res
+                           if k not in _BUILTIN_RESOURCES and not k.startswith(("node:", "accelerator_type:")))
+        name = f"node {i} ({n.get('NodeManagerAddress', '?')})"
+        nodes.append(Node(name, float(res.get("CPU", 0)), float(res.get("GPU", 0)), custom))
+    where = "the Ray cluster at RAY_ADDRESS" if os.environ.get("RAY_ADDRESS") else "this machine's Ray instance"
+    return ClusterShape(tuple(nodes), where)
+
+
+_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_fits(cfg) -> None:
+    """ConfigError naming both sides when the run's engines, trainer ranks and eval engines cannot all be
+    placed on the connected cluster (checked before any of them starts)."""
+    problems = fit_problems(cfg, cluster_shape())
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 
 
 class TrainerPlacementError(RuntimeError):
@@ -86,9 +121,8 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        gpus = 1 if cfg.engine.engine_backend == "sglang" else 0
-        bundle = {"CPU": cfg.run.num_cpus_trainer, **({"GPU": gpus} if gpus else {}),
-                  **custom_resource(cfg.engine.trainer_custom_resource)}
+        spec = trainer_bundle(cfg)
+        bundle = ray_resources(spec)
         self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
         try:
             ray.get(self.pg.ready(), timeout=timeout_seconds)
@@ -98,7 +132,7 @@ class TrainerGroup:
                 f"the trainer's {self.world_size} ranks ({bundle} each) could not be placed within "
                 f"{timeout_seconds:.0f} s; the cluster has {ray.available_resources()} free. Lower "
                 "--actor-num-gpus-per-node / --actor-num-nodes or --num-cpus-trainer, or add nodes.") from None
-        return [dict(num_cpus=cfg.run.num_cpus_trainer, num_gpus=gpus,
+        return [dict(num_cpus=spec.cpus, num_gpus=spec.gpus,
                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
                 for r in range(self.world_size)]
 

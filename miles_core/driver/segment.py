@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from miles_core.config import RunConfig
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import LoopResult, run_loop
-from miles_core.driver.placement import ensure_ray, start_cluster
+from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
 from miles_core.driver.roles import (
     Checkpointer,
     Deadline,
@@ -105,6 +105,7 @@ def _train(cfg: RunConfig, store, lease) -> TrainResult:
 
 def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult, int]:
     ensure_ray()
+    check_fits(cfg)  # before any actor starts: a run that cannot be placed is refused, never left waiting
     if stored_dataset_info(store) is None:
         prepare_dataset(cfg.data, store, tokenizer_source=tokenizer_source(cfg))
     initial_model = ensure_model(cfg)

@@ -3,8 +3,9 @@
 The config's own rules (`miles_core.config.rules`) plus the checks that need what lives above the
 config: every `--*-path` plug-in is imported and checked against its slot's contract, a packaged
 `--hf-checkpoint` is one this install knows, and engines bound beyond loopback have their API
-token. Raises one ConfigError listing every problem, each naming its flags and what to do; it never
-rewrites the config.
+token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
+(`miles_core.prepare.resources`). Raises one ConfigError listing every problem, each naming its flags
+and what to do; it never rewrites the config.
 """
 
 from __future__ import annotations
@@ -14,13 +15,16 @@ from miles_core.config.plugins import PluginError, load_plugin
 from miles_core.config.rules import raise_problems, rule_problems, type_problems
 from miles_core.engines.auth import bind_problem
 from miles_core.models.source import PACKAGED
+from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.rollout.episodes import load_generate_function
 
 
-def validate(cfg: RunConfig) -> RunConfig:
-    """`cfg` when every check passes, else one ConfigError listing every problem."""
+def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
+    """`cfg` when every check passes (with `cluster`: also that the run fits it), else one ConfigError
+    listing every problem."""
     raise_problems(type_problems(cfg))  # the other checks compare values; a wrong type would raise TypeError
-    raise_problems(rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + _engine_exposure(cfg))
+    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + _engine_exposure(cfg)
+    raise_problems(problems + (fit_problems(cfg, cluster) if cluster is not None and not problems else []))
     return cfg
 
 

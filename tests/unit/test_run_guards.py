@@ -15,11 +15,13 @@ import time
 
 import pytest
 
+import miles_core.driver.placement
 import miles_core.driver.segment
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import run_loop
 from miles_core.driver.segment import run_training
+from miles_core.prepare.resources import ClusterShape, Node
 from miles_core.storage import StorageUnavailable, Store, run_root
 from miles_core.storage.lease import LEASE_KEY, Lease, LeaseHeld, LeaseLost, LeaseRecord
 from tests.unit.test_driver_loop import Recorder, build_roles
@@ -108,6 +110,21 @@ def test_a_failed_segment_releases_its_lease_and_the_retry_takes_over_at_once(tm
         run_training(cfg)  # the retry: not held up by the failed attempt's 600 s lease
     assert time.monotonic() - t0 < 10
     assert run_root.read_status(store).segment == 1
+
+
+def test_a_run_that_cannot_be_placed_is_refused_before_any_actor_starts(tmp_path, monkeypatch, no_cluster):
+    """Pins: two CPU ranks beside the engine on a two-core machine fail at once with the ConfigError that
+    names both sides (not after a 600 s placement wait), and nothing starts. Guards: a check that only
+    validation of remote runs makes."""
+    monkeypatch.setattr(miles_core.driver.segment, "ensure_ray", lambda *a, **k: None)
+    monkeypatch.setattr(miles_core.driver.placement, "cluster_shape",
+                        lambda: ClusterShape((Node("this machine", 2, 0),), "this machine's Ray instance"))
+    cfg = _cfg(tmp_path, actor_num_gpus_per_node=2)
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"does not fit this machine's Ray instance.*--num-cpus-trainer 0.5"):
+        run_training(cfg)
+    assert time.monotonic() - t0 < 10 and no_cluster == []
+    assert run_root.read_status(Store(cfg.run_uri)).state == run_root.FAILED
 
 
 def test_a_writer_that_lost_its_lease_leaves_status_alone(tmp_path, monkeypatch):

@@ -1,0 +1,48 @@
+"""The Ray cluster of the `train` task, and its shape for validation.
+
+The shape is read once, at registration, from MILES_RAY_* variables (docs/deployment.md):
+    MILES_RAY_GPU_WORKERS       GPU worker pods (default 1)
+    MILES_RAY_GPUS_PER_WORKER   GPUs per worker pod (default 8)
+`TRAIN_CLUSTER` describes the same cluster to `miles_core.prepare.checks.validate`, so the first task
+of a remote execution refuses a run whose engines, trainer ranks and eval engines cannot be placed on
+it, before the Ray cluster is even requested.
+"""
+
+from __future__ import annotations
+
+import os
+
+from flytekit import Resources
+from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
+
+from miles_core.prepare.resources import ClusterShape, Node
+
+GPU_WORKERS = int(os.environ.get("MILES_RAY_GPU_WORKERS", "1"))
+GPUS_PER_WORKER = int(os.environ.get("MILES_RAY_GPUS_PER_WORKER", "8"))
+HEAD_CPUS = 4
+CPUS_PER_GPU = 8
+
+RAY_CLUSTER = RayJobConfig(
+    head_node_config=HeadNodeConfig(
+        ray_start_params={"num-gpus": "0", "log-color": "false"},
+        requests=Resources(cpu=str(HEAD_CPUS), mem="16Gi"),
+    ),
+    worker_node_config=[
+        WorkerNodeConfig(
+            group_name="gpu",
+            replicas=GPU_WORKERS,
+            requests=Resources(cpu=str(CPUS_PER_GPU * GPUS_PER_WORKER), mem=f"{64 * GPUS_PER_WORKER}Gi",
+                               gpu=str(GPUS_PER_WORKER)),
+            limits=Resources(gpu=str(GPUS_PER_WORKER)),
+        )
+    ],
+    shutdown_after_job_finishes=True,
+    ttl_seconds_after_finished=600,
+)
+
+# Ray counts a pod's CPU request as its CPUs and the head starts with num-gpus 0.
+TRAIN_CLUSTER = ClusterShape(
+    (Node("head", HEAD_CPUS, 0),
+     *(Node(f"gpu worker {i}", CPUS_PER_GPU * GPUS_PER_WORKER, GPUS_PER_WORKER) for i in range(GPU_WORKERS))),
+    f"the train task's Ray cluster ({GPU_WORKERS} x {GPUS_PER_WORKER}-GPU worker; MILES_RAY_GPU_WORKERS, "
+    "MILES_RAY_GPUS_PER_WORKER)")

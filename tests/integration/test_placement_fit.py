@@ -1,0 +1,95 @@
+"""The placement check agrees with Ray: on clusters of Ray's logical GPUs (nodes started with
+`num_gpus=8`, no GPU needed), a run the check accepts is placed by Ray, bundle for bundle, and a run
+it refuses is one Ray cannot place either (miles_core.prepare.resources, driver.placement).
+
+Guards: a check that refuses what Ray would place (a run needlessly refused) or accepts what Ray
+cannot place (the 600 s wait it exists to prevent); and `cluster_shape` misreading Ray's nodes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_core.config import parse_flags
+from miles_core.driver.placement import cluster_shape, ray_resources
+from miles_core.prepare.resources import demand, fit_problems
+
+pytestmark = pytest.mark.slow  # a Ray cluster of three or four nodes starts in ~20 s on two cores
+
+SGLANG = ["--engine-backend", "sglang"]
+
+
+@pytest.fixture
+def logical_cluster(monkeypatch):
+    """start(nodes) -> a Ray cluster on this machine of those nodes ({num_cpus, num_gpus, resources}),
+    connected; the first node is the head."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    if ray.is_initialized():
+        ray.shutdown()
+    clusters = []
+
+    def start(nodes: list[dict]):
+        c = Cluster(initialize_head=True, head_node_args={**nodes[0], "include_dashboard": False})
+        clusters.append(c)
+        for node in nodes[1:]:
+            c.add_node(**node)
+        ray.init(address=c.address)
+        c.wait_for_nodes()
+        return c
+
+    yield start
+    ray.shutdown()
+    for c in clusters:
+        c.shutdown()
+
+
+def ray_places(cfg, timeout_seconds: float = 20.0) -> bool:
+    """Ask Ray for every bundle of the run the way the driver does: each engine on one node, then the
+    trainer's ranks as one PACK placement group, then the eval engines; True when all are placed."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = demand(cfg)
+    trainer = [ray_resources(b) for b in bundles if b.role.startswith("trainer")]
+    engines = [b for b in bundles if not b.role.startswith("trainer")]
+    groups = [placement_group([ray_resources(b)], strategy="STRICT_PACK")
+              for b in engines if b.role.startswith("engine")]
+    groups += [placement_group(trainer, strategy="PACK")] if trainer else []
+    groups += [placement_group([ray_resources(b)], strategy="STRICT_PACK")
+               for b in engines if b.role.startswith("eval")]
+    try:
+        ray.get([g.ready() for g in groups], timeout=timeout_seconds)
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False
+    finally:
+        for g in groups:
+            remove_placement_group(g)
+
+
+def test_an_eight_gpu_worker_with_engines(logical_cluster):
+    logical_cluster([{"num_cpus": 4, "num_gpus": 0}, {"num_cpus": 16, "num_gpus": 8}])
+    shape = cluster_shape()
+    assert sorted((n.cpus, n.gpus) for n in shape.nodes) == [(4, 0), (16, 8)]
+    fits = parse_flags([*SGLANG, "--actor-num-gpus-per-node", "6", "--rollout-num-engines", "2"], check=False)
+    too_big = parse_flags([*SGLANG, "--actor-num-gpus-per-node", "8"], check=False)
+    assert fit_problems(fits, shape) == [] and ray_places(fits)
+    assert "trainer rank 7" in fit_problems(too_big, shape)[0]
+    assert not ray_places(too_big, timeout_seconds=5)
+
+
+def test_two_eight_gpu_workers_tp2_dp8_with_an_engine_node(logical_cluster):
+    logical_cluster([{"num_cpus": 4, "num_gpus": 0}, {"num_cpus": 16, "num_gpus": 8}, {"num_cpus": 16, "num_gpus": 8},
+                     {"num_cpus": 4, "num_gpus": 2, "resources": {"engine_node": 1}}])
+    shape = cluster_shape()
+    assert sum(n.gpus for n in shape.nodes) == 18 and any("engine_node" in n.custom for n in shape.nodes)
+    flags = [*SGLANG, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+             "--rollout-num-engines", "2", "--engine-custom-resource", "engine_node"]
+    fits = parse_flags(flags, check=False)
+    assert fit_problems(fits, shape) == [] and ray_places(fits)
+    one_more = parse_flags([*flags, "--rollout-num-engines", "3"], check=False)
+    assert "engine 2" in fit_problems(one_more, shape)[0]
+    assert not ray_places(one_more, timeout_seconds=5)

@@ -1,0 +1,93 @@
+"""What a run asks of its Ray cluster, checked against the cluster's shape before anything starts
+(miles_core.prepare.resources).
+
+Guards: `--actor-num-gpus-per-node 2` on a two-core machine waiting 600 s for a placement group that
+can never be satisfied, and `--actor-num-gpus-per-node 8` beside an engine on the default 1 x 8-GPU
+Flyte cluster doing the same after the engines started.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_core.config import ConfigError, parse_flags
+from miles_core.prepare.checks import validate
+from miles_core.prepare.resources import ClusterShape, Node, demand, fit_problems
+
+TWO_CORES = ClusterShape((Node("this machine", 2, 0),), "this machine's Ray instance")
+FLYTE_DEFAULT = ClusterShape((Node("head", 4, 0), Node("gpu worker 0", 64, 8)), "the train task's Ray cluster")
+SGLANG = ["--engine-backend", "sglang"]
+
+
+def cfg(*flags):
+    return parse_flags(list(flags), check=False)
+
+
+def test_the_embedded_default_fits_two_cores():
+    assert fit_problems(cfg(), TWO_CORES) == []
+
+
+def test_two_cpu_ranks_on_two_cores_are_refused_naming_the_share_that_fits():
+    """Pins: 1 engine (1 CPU) + 2 ranks (1 CPU each) on 2 CPUs is refused, naming both sides and the
+    --num-cpus-trainer that fits; with that share the run fits."""
+    problems = fit_problems(cfg("--actor-num-gpus-per-node", "2"), TWO_CORES)
+    assert len(problems) == 1
+    assert "2 x trainer rank (1 CPU)" in problems[0] and "= 3 CPU" in problems[0]
+    assert "this machine: 2 CPU" in problems[0] and "--num-cpus-trainer 0.5" in problems[0]
+    assert fit_problems(cfg("--actor-num-gpus-per-node", "2", "--num-cpus-trainer", "0.5"), TWO_CORES) == []
+
+
+def test_eight_trainer_gpus_beside_an_engine_do_not_fit_one_eight_gpu_worker():
+    problems = fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "8"), FLYTE_DEFAULT)
+    assert len(problems) == 1 and "= 9 CPU, 9 GPU" in problems[0] and "trainer rank 7" in problems[0]
+    assert "gpu worker 0: 64 CPU, 8 GPU" in problems[0] and "at most 7 trainer ranks" in problems[0]
+    assert fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "7"), FLYTE_DEFAULT) == []
+
+
+def test_an_engine_keeps_its_gpus_on_one_node():
+    """Two nodes of 2 free GPUs each hold 4 GPUs, but not one 4-GPU engine (SGLang's TP is within a node)."""
+    two_small = ClusterShape((Node("a", 8, 2), Node("b", 8, 2)), "two small nodes")
+    flags = [*SGLANG, "--rollout-num-gpus-per-engine", "4", "--actor-num-gpus-per-node", "0"]
+    assert "engine 0" in fit_problems(cfg(*flags), two_small)[0]
+
+
+def test_custom_resources_pin_roles_to_nodes():
+    """Engines asking for `engine_node` go only where it is; the trainer fills the other nodes."""
+    shape = ClusterShape((Node("head", 4, 0), Node("t0", 16, 8), Node("t1", 16, 8),
+                          Node("e", 8, 2, frozenset({"engine_node"}))), "three workers")
+    flags = [*SGLANG, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
+             "--rollout-num-engines", "2", "--engine-custom-resource", "engine_node"]
+    assert fit_problems(cfg(*flags), shape) == []
+    assert "engine 2" in fit_problems(cfg(*flags[:-4], "--rollout-num-engines", "3", *flags[-2:]), shape)[0]
+
+
+def test_dedicated_eval_engines_count():
+    flags = [*SGLANG, "--actor-num-gpus-per-node", "6", "--eval-mode", "dedicated", "--eval-num-gpus", "2"]
+    roles = [b.role for b in demand(cfg(*flags))]
+    assert roles.count("eval engine 0") == 1 and sum(r.startswith("eval engine") for r in roles) == 2
+    assert "eval engine 1" in fit_problems(cfg(*flags), FLYTE_DEFAULT)[0]
+
+
+def test_validate_refuses_with_the_cluster_and_ignores_it_without():
+    c = cfg(*SGLANG, "--actor-num-gpus-per-node", "8")
+    validate(c)  # no cluster known: nothing to compare
+    with pytest.raises(ConfigError, match="does not fit the train task's Ray cluster"):
+        validate(c, cluster=FLYTE_DEFAULT)
+
+
+def test_every_documented_remote_command_fits_the_default_train_cluster():
+    """Pins: the `pyflyte run --remote ... --flags "..."` commands in docs/ fit the train task's default
+    cluster. Guards: a documented command that the cluster it is documented for cannot place."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tasks.cluster import TRAIN_CLUSTER
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    commands = [m.group(1) for f in sorted(docs.glob("*.md"))
+                for block in re.findall(r"```bash\n(.*?)```", f.read_text(), re.S) if "--remote" in block
+                for m in re.finditer(r'--flags "([^"]*)"', block.replace("\\\n", " "))]
+    assert len(commands) >= 2
+    for flags in commands:
+        assert fit_problems(parse_flags(shlex.split(flags), check=False), TRAIN_CLUSTER) == [], flags
