@@ -2,8 +2,10 @@
 
 - `cpu_image`: Python 3.11 + torch (CPU wheel) + the pinned dependency set + this project.
   Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.
-- `gpu_image`: a CUDA base image + the same pinned set (requirements.lock, but SGLang's CUDA
-  torch) + SGLang + this project. Runs `train` (engines and trainer) and GPU evals.
+- `gpu_image`: a CUDA 13.0 base image (the CUDA of SGLang's torch) + the same pinned set
+  (requirements.lock, but SGLang's CUDA torch) + SGLang + this project. Runs `train` (engines and
+  trainer) and GPU evals. tests/unit/test_gpu_pins.py checks that SGLang's and megatron-core's own
+  requirements hold in the lock and resolves this set for linux x86_64.
 
 Tasks take their image from `task_image("cpu" | "gpu")`:
 - by default the ImageSpec itself: `pyflyte run --remote` / `pyflyte register` build and push it
@@ -26,9 +28,17 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = os.environ.get("MILES_IMAGE_REGISTRY", "ghcr.io/miles-flyte")
 
 LOCK = PROJECT_ROOT / "requirements.lock"
-# Pins the GPU image takes from SGLang instead of the lock: its CUDA build of torch.
+# Pins the GPU image takes from SGLang instead of the lock: its CUDA build of torch (sglang 0.5.23
+# pins torch==2.14.1, a CUDA 13.0 build; the CPU set keeps torch 2.13.0, whose CPU wheel is the one
+# the project's machines can install). Every other pin is the lock's.
 GPU_OWN = ("torch",)
-GPU_EXTRAS = ["sglang[all]==0.5.23"]  # pyproject.toml's `gpu` extra
+# pyproject.toml's `gpu` extra. Plain SGLang: its `all` extra adds image/video generation
+# (`diffusion`: cloudpickle==3.1.2 and PyYAML==6.0.1, which contradict the lock) and servers this
+# project does not run.
+GPU_EXTRAS = ["sglang==0.5.23"]
+# CUDA 13.0 like SGLang's torch (cuda-toolkit 13.0.x); devel for the kernels SGLang compiles at run
+# time; Ubuntu 24.04's glibc 2.39 (SGLang 0.5.23's wheels are manylinux_2_34).
+GPU_BASE_IMAGE = "nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04"
 
 
 def gpu_packages() -> list[str]:
@@ -54,7 +64,7 @@ cpu_image = ImageSpec(
 gpu_image = ImageSpec(
     name="miles-flyte-gpu",
     registry=REGISTRY,
-    base_image="nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04",
+    base_image=GPU_BASE_IMAGE,
     python_version="3.11",
     apt_packages=["git", "build-essential", "libnuma1"],
     # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch.

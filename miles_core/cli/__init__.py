@@ -22,7 +22,8 @@ from miles_core.buffer.inspect import inspect_buffer
 from miles_core.config import ConfigError, config_to_json, flag_table, parse_flags
 from miles_core.metrics.report import write_report
 from miles_core.models.source import import_source
-from miles_core.prepare.checks import validate
+from miles_core.prepare.checks import local_hf_config, validate
+from miles_core.prepare.memory import estimate
 from miles_core.prepare.model_import import import_model
 from miles_core.storage import StorageError, Store
 from miles_core.storage.run_root import require_run
@@ -43,6 +44,10 @@ def _validate(argv: list[str]) -> int:
         print(f"miles validate: {e}", file=sys.stderr)
         return 2
     print(config_to_json(cfg))
+    hf_config = local_hf_config(cfg) if cfg.engine.engine_backend == "sglang" else None
+    if hf_config is not None:
+        print(f"miles validate: trainer memory per GPU (estimate): {estimate(hf_config, cfg).describe()}",
+              file=sys.stderr)
     return 0
 
 

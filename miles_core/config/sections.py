@@ -112,7 +112,7 @@ class EngineSection:
     update_weight_buffer_size: int = opt(512 << 20, "Bytes per bucket of the distributed weight push (one /update_weights_from_distributed call and broadcast per bucket).")
     engine_custom_resource: str = opt("", "Ray custom resource every engine actor requests (a sliver of one unit): pins engines to the nodes that offer it, e.g. a GPU node group.")
     trainer_custom_resource: str = opt("", "Ray custom resource every trainer rank requests (a sliver of one unit): pins the trainer to the nodes that offer it.")
-    engine_bind_host: str = opt("127.0.0.1", "Address engine servers bind. Set 0.0.0.0 on a multi-node cluster; engine URLs then use the node's IP.")
+    engine_bind_host: str = opt("auto", "Address engine servers bind, and the host of the engine URLs every role calls. auto: 127.0.0.1 when the Ray cluster has one node, else the engine's node address as Ray sees it (a multi-node cluster then needs MILES_ENGINE_API_KEY). 0.0.0.0 binds every interface (URLs use the node address).")
     engine_startup_timeout_seconds: float = opt(900.0, "How long an engine (or its restart) may take to answer /health.")
 
 
@@ -140,6 +140,7 @@ class TrainSection:
     context_parallel_size: int = opt(1, "Megatron context parallel size (only 1 is supported).")
     balance_data: bool = opt(False, "Split each batch across data-parallel ranks by token count (longest first onto the lightest rank) instead of by sample count.")
     micro_batch_size: int = opt(256, "Samples per forward/backward micro-batch.")
+    gpu_memory_gb: Optional[float] = opt(None, "Memory of one trainer GPU in GiB: the run is refused before it starts when the trainer's estimated memory per GPU (weights, gradients, optimizer, activations and logits of one micro-batch) exceeds it. Default: not checked.")
     global_batch_size: Optional[int] = opt(None, "Samples per optimizer step (miles' meaning): a rollout of rollout_batch_size x n_samples_per_prompt samples gives that / this optimizer steps, which must divide evenly. Default: one optimizer step per rollout.")
     load: str = opt("", "Checkpoint location to start from (miles' --load). Empty or equal to --save: resume this run from its latest checkpoint. Another location: when this run has no checkpoint yet, its weights and optimizer state come from the latest checkpoint there (the step, data cursor and buffer belong to a run root and start fresh).")
     ref_load: str = opt("", "Reference weights (miles' --ref-load): an HF directory/URI or a checkpoint location (a --save of an earlier run). The KL reference of --use-kl-loss, and the trainer's initial weights when there is no checkpoint to load. Default: --hf-checkpoint.")

@@ -19,6 +19,7 @@ import os
 
 from miles_core.config import ConfigError
 from miles_core.driver.handles import RayActorHandle
+from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
 from miles_core.rollout.manager import rollout_manager_actor
@@ -66,8 +67,11 @@ _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 def check_fits(cfg) -> None:
     """ConfigError naming both sides when the run's engines, trainer ranks and eval engines cannot all be
-    placed on the connected cluster (checked before any of them starts)."""
-    problems = fit_problems(cfg, cluster_shape())
+    placed on the connected cluster, or when engines would bind beyond loopback there (`auto` on more
+    than one node) without the API token (checked before any of them starts)."""
+    shape = cluster_shape()
+    exposure = bind_problem(cfg.engine.engine_bind_host, len(shape.nodes))
+    problems = fit_problems(cfg, shape) + ([exposure] if exposure else [])
     if problems:
         raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
 

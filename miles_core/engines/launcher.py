@@ -32,6 +32,12 @@ restart, whoever made it, so the weight transport knows to form its group again
 (`EngineFleet.restart_counts()`). A monitor restart never undoes an on-demand one: the monitor only
 replaces the process it judged dead.
 
+Bind host: `--engine-bind-host auto` (the default) is decided by `bind_address` where the server
+starts, which knows its node: 127.0.0.1 unless this process is connected to a Ray cluster of more
+than one node, else this node's address as Ray sees it (`ray.util.get_node_ip_address()`). The
+engine's URL (`EngineServer.url`, what `EngineFleet.urls()` hands every role) carries that address,
+or the node's address when bound to 0.0.0.0.
+
 Token: with `MILES_ENGINE_API_KEY` set (required when bound beyond loopback), every probe and
 load sends it and the server requires it (`miles_core.engines.auth`); SGLang gets it as `--api-key`,
 masked in the logged command line.
@@ -55,9 +61,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from miles_core.engines.auth import auth_headers, engine_token, redact_command
+from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
 from miles_core.storage import COMPLETE_MARKER
 from miles_core.storage.node_local import localize, require_uri
@@ -112,13 +118,14 @@ class EngineLaunchSpec:
 
 def server_command(spec: EngineLaunchSpec, model_path: str, weight_version: int, port: int) -> list[str]:
     """The command line that starts one engine server."""
+    host = bind_address(spec.bind_host)  # `EngineServer` hands it decided already
     if spec.backend == "cpu":
         return [sys.executable, "-m", "miles_core.engines.cpu_server", "--model-path", model_path,
-                "--host", spec.bind_host, "--port", str(port), "--weight-version", str(weight_version),
+                "--host", host, "--port", str(port), "--weight-version", str(weight_version),
                 "--max-running-requests", str(spec.max_running_requests)]
     if spec.backend == "sglang":
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-                "--host", spec.bind_host, "--port", str(port), "--tp-size", str(spec.tp_size),
+                "--host", host, "--port", str(port), "--tp-size", str(spec.tp_size),
                 "--mem-fraction-static", str(spec.mem_fraction_static),
                 "--max-running-requests", str(spec.max_running_requests),
                 "--weight-version", str(weight_version), *_sglang_token_args(),
@@ -146,6 +153,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def bind_address(bind_host: str) -> str:
+    """`bind_host`, with `auto` decided for this process's node: 127.0.0.1 unless connected to a Ray
+    cluster of more than one node, else this node's address as Ray sees it."""
+    if bind_host != AUTO:
+        return bind_host
+    if "ray" not in sys.modules:  # not connected to Ray (an engine server started without it)
+        return "127.0.0.1"
+    import ray  # imported already (checked above): this import costs nothing
+
+    if not ray.is_initialized() or sum(1 for n in ray.nodes() if n.get("Alive")) <= 1:
+        return "127.0.0.1"
+    return ray.util.get_node_ip_address()
 
 
 def _url_host(bind_host: str) -> str:
@@ -181,12 +202,13 @@ class EngineServer:
     """One engine server process, its log file and its restarts (usable without Ray)."""
 
     def __init__(self, spec: EngineLaunchSpec, name: str = "engine", log_dir: str | None = None):
-        self.spec = spec
+        self.spec = replace(spec, bind_host=bind_address(spec.bind_host))
         self.name = name
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
         self.model_kind = "models"  # node-cache kind of model_path: the initial model, then pushed weights
-        self.port = free_port(spec.bind_host if spec.bind_host not in ("0.0.0.0", "::") else "")
-        self.url = f"http://{_url_host(spec.bind_host)}:{self.port}"
+        bind = self.spec.bind_host
+        self.port = free_port(bind if bind not in ("0.0.0.0", "::") else "")
+        self.url = f"http://{_url_host(bind)}:{self.port}"
         log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
         os.makedirs(log_dir, exist_ok=True)
         self.log_path = os.path.join(log_dir, f"{name}.log")

@@ -4,27 +4,36 @@ The config's own rules (`miles_core.config.rules`) plus the checks that need wha
 config: every `--*-path` plug-in is imported and checked against its slot's contract, a packaged
 `--hf-checkpoint` is one this install knows, and engines bound beyond loopback have their API
 token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
-(`miles_core.prepare.resources`). Raises one ConfigError listing every problem, each naming its flags
+(`miles_core.prepare.resources`) and, on more than one node, that `--engine-bind-host auto` has its
+token too. Raises one ConfigError listing every problem, each naming its flags
 and what to do; it never rewrites the config.
 """
 
 from __future__ import annotations
 
+import json
+import os
+
 from miles_core.config import RunConfig
 from miles_core.config.plugins import PluginError, load_plugin
 from miles_core.config.rules import raise_problems, rule_problems, type_problems
 from miles_core.engines.auth import bind_problem
-from miles_core.models.source import PACKAGED
+from miles_core.models.builtin import builtin_hf_config
+from miles_core.models.source import PACKAGED, is_builtin
+from miles_core.prepare.memory import memory_problems
 from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.rollout.episodes import load_generate_function
+from miles_core.storage import Store
 
 
 def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
     """`cfg` when every check passes (with `cluster`: also that the run fits it), else one ConfigError
     listing every problem."""
     raise_problems(type_problems(cfg))  # the other checks compare values; a wrong type would raise TypeError
-    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + _engine_exposure(cfg)
-    raise_problems(problems + (fit_problems(cfg, cluster) if cluster is not None and not problems else []))
+    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg)
+    problems += _memory(cfg) if not problems else []
+    exposure = _engine_exposure(cfg, cluster)  # reads only the bind host and the node count
+    raise_problems(problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else []))
     return cfg
 
 
@@ -37,8 +46,35 @@ def _packaged_model(cfg: RunConfig) -> list[str]:
     return []
 
 
-def _engine_exposure(cfg: RunConfig) -> list[str]:
-    problem = bind_problem(cfg.engine.engine_bind_host)
+def _memory(cfg: RunConfig) -> list[str]:
+    """With --gpu-memory-gb, the trainer's estimated memory per GPU fits it (when the model's config is
+    readable here: a builtin model or a local HF directory; a remote model is checked when the run
+    starts, after the model is present)."""
+    budget, hf_config = cfg.train.gpu_memory_gb, local_hf_config(cfg)
+    return memory_problems(hf_config, cfg, budget) if budget and hf_config else []
+
+
+def check_memory(cfg: RunConfig, model_uri: str) -> None:
+    """With --gpu-memory-gb, ConfigError when the trainer's estimate for the model at `model_uri` (present
+    by now, wherever it lives) does not fit; called before any role starts."""
+    if cfg.train.gpu_memory_gb:
+        raise_problems(memory_problems(Store(model_uri).get_json("config.json"), cfg, cfg.train.gpu_memory_gb))
+
+
+def local_hf_config(cfg: RunConfig) -> dict | None:
+    """The model's config.json when it can be read without a network call, else None."""
+    m = cfg.model
+    if is_builtin(m.hf_checkpoint):
+        return builtin_hf_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads).to_dict()
+    path = os.path.join(m.hf_checkpoint.removeprefix("file://"), "config.json")
+    if "://" in m.hf_checkpoint.removeprefix("file://") or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def _engine_exposure(cfg: RunConfig, cluster: ClusterShape | None) -> list[str]:
+    problem = bind_problem(cfg.engine.engine_bind_host, len(cluster.nodes) if cluster is not None else None)
     return [problem] if problem else []
 
 

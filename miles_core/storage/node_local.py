@@ -8,21 +8,42 @@ The production cluster shares nothing but object storage, so roles hand each oth
 - a `file://` URI is used in place: a file:// run root means one machine or a shared filesystem;
 - anything else (`s3://`, `gs://`, ...) is downloaded into this node's cache
   (`$MILES_CACHE_DIR`, default `~/.cache/miles`) under `{kind}/{hash of the URI}/`, trusted only
-  with its marker (written last), re-fetched when missing (a deleted cache heals on next use),
-  and each kind is pruned to its newest `keep` entries (by last use).
+  with its marker, re-fetched when missing (a deleted cache heals on next use), and each kind is
+  pruned to its newest `keep` entries (by last use).
+
+Every process on a node (trainer ranks, engines, eval engines) shares that cache:
+
+- One download per node and URI: `localize` holds an exclusive flock(2) on `{entry}.lock` from
+  checking the marker to publishing the copy; a second process waits there, then finds the marker.
+- A copy is written into `.{entry}.partial-*` beside the entry, marker last, and published by one
+  rename(2). A complete entry (one with its marker) is never changed, replaced or re-downloaded, so
+  no reader sees a half-written copy.
+- Each process keeps a shared flock on `{entry}.use` for the newest `KEEP[kind]` entries of each kind
+  it localized (taken before the marker is checked, dropped when it localizes past them or exits),
+  and `prune` removes an entry only when it gets that lock exclusively without waiting. So no entry
+  a live process was handed, among the newest it asked for, is removed under it.
+Not covered: a process still reading an entry after it has localized `KEEP[kind]` newer ones of that
+kind, and a cache deleted by hand (the next `localize` downloads again).
 """
 
 from __future__ import annotations
 
+import collections
+import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
+import threading
 
 from miles_core.storage import Store, normalize_uri
 
 MARKER = ".miles-complete"
 KEEP = {"weights": 3, "snapshots": 3, "models": 8}
+
+# kind -> entry path -> the fd holding this process's shared lock on `{entry}.use`, oldest first
+_HELD: dict[str, collections.OrderedDict[str, int]] = {}
+_HELD_LOCK = threading.Lock()
 
 
 class HandoffError(ValueError):
@@ -60,19 +81,35 @@ def localize(uri: str, kind: str = "models", *, required: str | None = None) -> 
 
 
 def _cached(uri: str, dest: str, kind: str, required: str | None) -> str:
-    if not os.path.exists(os.path.join(dest, MARKER)):
-        _download(Store(uri), dest, required)
-    os.utime(dest)  # last use, for pruning
-    prune(kind, keep_also=dest)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    use = _flock(dest + ".use", fcntl.LOCK_SH)  # before the marker is checked: prune now leaves dest alone
+    try:
+        if not _complete(dest):
+            lock = _flock(dest + ".lock", fcntl.LOCK_EX)  # one download per node: the others wait here
+            try:
+                if not _complete(dest):
+                    _download(Store(uri), dest, required)
+            finally:
+                os.close(lock)
+        os.utime(dest)  # last use, for pruning
+    except BaseException:
+        os.close(use)
+        raise
+    _hold(kind, dest, use)
+    prune(kind)
     return dest
+
+
+def _complete(dest: str) -> bool:
+    return os.path.exists(os.path.join(dest, MARKER))
 
 
 def _download(src: Store, dest: str, required: str | None) -> None:
     keys = src.list("")
     if required and required not in keys:
         raise FileNotFoundError(f"{src.uri()} has no {required}; it is incomplete")
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".partial-", dir=os.path.dirname(dest))
+    root, name = os.path.split(dest)
+    tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root)
     try:
         for key in keys:
             out = _inside(tmp, key, src)
@@ -80,13 +117,15 @@ def _download(src: Store, dest: str, required: str | None) -> None:
             with open(out, "wb") as f:
                 f.write(src.get_bytes(key))
         open(os.path.join(tmp, MARKER), "wb").close()
-        shutil.rmtree(dest, ignore_errors=True)  # a copy without its marker is not trusted
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.exists(os.path.join(dest, MARKER)):
-            raise
-        # another process on this node finished the same copy first: use it
+        try:
+            os.rename(tmp, dest)  # fails on a non-empty dest: a complete copy is never replaced
+        except OSError:
+            if _complete(dest):
+                return  # published by another process (its lock file was deleted under us): use it
+            shutil.rmtree(dest)  # a half copy (a crash, an older version): never handed to anyone
+            os.rename(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone once published
 
 
 def _inside(root: str, key: str, src: Store) -> str:
@@ -99,11 +138,85 @@ def _inside(root: str, key: str, src: Store) -> str:
     return os.path.join(root, *parts)
 
 
-def prune(kind: str, keep_also: str | None = None) -> None:
-    """Keep the newest KEEP[kind] complete copies of `kind` (and `keep_also`); drop the rest."""
+def _flock(path: str, op: int) -> int | None:
+    """An fd of `path` (created if missing) holding flock `op`; None when `op` has LOCK_NB and another
+    holds it. Locks again when `path` was removed or replaced while this waited (prune removes lock files)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, op)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            return fd
+        os.close(fd)
+
+
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _hold(kind: str, dest: str, fd: int) -> None:
+    """Keep `fd`'s shared lock on `dest` while it is among this process's newest KEEP[kind] of `kind`."""
+    with _HELD_LOCK:
+        held = _HELD.setdefault(kind, collections.OrderedDict())
+        stale = [held.pop(dest)] if dest in held else []
+        held[dest] = fd
+        while len(held) > max(1, KEEP.get(kind, 3)):
+            stale.append(held.popitem(last=False)[1])
+    for old in stale:
+        os.close(old)
+
+
+def prune(kind: str) -> None:
+    """Keep the newest KEEP[kind] complete copies of `kind`; drop the rest that no process holds (a
+    copy being downloaded or handed to a live process is held: see the module docstring)."""
     root = os.path.join(node_cache_dir(), kind)
-    entries = [os.path.join(root, d) for d in os.listdir(root) if not d.startswith(".")] if os.path.isdir(root) else []
-    entries.sort(key=lambda p: os.path.getmtime(p), reverse=True)
-    for path in entries[KEEP.get(kind, 3):]:
-        if path != keep_also:
-            shutil.rmtree(path, ignore_errors=True)
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return
+    groups: dict[str, list[str]] = {}  # entry -> its directory, partial copies and lock files
+    for n in names:
+        groups.setdefault(n.lstrip(".").split(".", 1)[0], []).append(n)
+    newest = sorted((e for e in groups if _complete(os.path.join(root, e))), key=lambda e: _mtime(root, e),
+                    reverse=True)
+    for entry in set(groups) - set(newest[:KEEP.get(kind, 3)]):
+        try:
+            fd = _flock(os.path.join(root, entry + ".use"), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except FileNotFoundError:
+            return  # the cache was deleted underneath
+        if fd is None:
+            continue  # in use
+        try:
+            for n in groups[entry]:
+                path = os.path.join(root, n)
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif n != entry + ".use":
+                    _unlink(path)
+            _unlink(os.path.join(root, entry + ".use"))  # last, still held: a waiter then locks a new file
+        finally:
+            os.close(fd)
+
+
+def _mtime(root: str, entry: str) -> float:
+    try:
+        return os.path.getmtime(os.path.join(root, entry))
+    except FileNotFoundError:
+        return 0.0
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

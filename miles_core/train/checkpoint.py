@@ -16,10 +16,12 @@ from __future__ import annotations
 import json
 import re
 
+import torch.distributed as dist
 from safetensors.torch import load as load_tensors
 
 from miles_core.failures import chaos
 from miles_core.storage import ObjectNotFound, Store
+from miles_core.train import collectives
 from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.tensor_files import put_tensors
 
@@ -35,8 +37,6 @@ def step_dir(step: int) -> str:
 
 def _layout() -> tuple[bool, bool, str]:
     """(this rank writes shards, this rank marks complete, file suffix of its TP rank)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True, True, ""
     from megatron.core import parallel_state as ps
@@ -47,10 +47,8 @@ def _layout() -> tuple[bool, bool, str]:
 
 
 def _barrier() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+        collectives.barrier()
 
 
 class CheckpointError(RuntimeError):

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from miles_core.train import collectives
+
 
 def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
     """This DP rank's share of `items`; `tokens(item)` is its token count (used with `balance`)."""
@@ -43,7 +45,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
     for p, g in zip(params, grads):
         p.grad = g
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
+    collectives.all_reduce(flat, group)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
 
@@ -54,7 +56,7 @@ def all_reduce_sums(sums: dict[str, float], group) -> dict[str, float]:
         return sums
     keys = sorted(sums)
     t = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(t, group=group)
+    collectives.all_reduce(t, group)
     return dict(zip(keys, t.tolist()))
 
 
@@ -71,7 +73,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float, tp_group) 
         else:
             sq_replicated += sq
     if tp_group is not None and dist.get_world_size(tp_group) > 1:
-        dist.all_reduce(sq_sharded, group=tp_group)
+        collectives.all_reduce(sq_sharded, tp_group)
     total = float((sq_sharded + sq_replicated).sqrt())
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:

@@ -20,6 +20,7 @@ import os
 import torch
 
 from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
+from miles_core.train import collectives
 from miles_core.train.megatron_model import ModelSpec
 
 Tensor = torch.Tensor
@@ -249,7 +250,6 @@ def unshard_tensor(spec: ModelSpec, name: str, parts: list[Tensor]) -> Tensor:
 
 def gather_tp_state(spec: ModelSpec, local: dict[str, Tensor]) -> dict[str, Tensor]:
     """Full Megatron tensors from every TP rank's shards (a collective over the TP group)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
     size = parallel_state.get_tensor_model_parallel_world_size()
@@ -261,8 +261,5 @@ def gather_tp_state(spec: ModelSpec, local: dict[str, Tensor]) -> dict[str, Tens
         if _tp_dim(name) is None:
             out[name] = t
             continue
-        dev = t.cuda() if torch.cuda.is_available() else t
-        parts = [torch.empty_like(dev) for _ in range(size)]
-        dist.all_gather(parts, dev.contiguous(), group=group)
-        out[name] = unshard_tensor(spec, name, [p.cpu() for p in parts])
+        out[name] = unshard_tensor(spec, name, collectives.all_gather(t, group))  # CPU, like `local`
     return out

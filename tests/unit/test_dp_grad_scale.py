@@ -12,7 +12,9 @@ Guards: gradients averaged over DP ranks instead of summed (DP=2 norm half of DP
 other uniform scale (each rank normalising by its own shard's token count, a reduce that divides
 by the world size). The DP comparison in tests/integration/test_trainer_ranks.py checks parameters
 after one AdamW step, which is nearly invariant to a uniform gradient scale, so it misses these.
-The batch has uneven sample lengths, so the two shards hold different token counts.
+The batch has uneven sample lengths, so the two shards hold different token counts. The ranks run
+under MILES_STRICT_DEVICE=cuda, so a DP collective handed a CPU tensor that NCCL would refuse on GPU
+fails here too (miles_core.train.collectives).
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ def _worker(rank: int, hf_dir: str, tmp: str) -> None:
     `rank` of 2. lr=0 leaves the weights unchanged, so both gradients are taken at the same point."""
     dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=DP)
     from miles_core.config.sections import TrainSection
+    from miles_core.train import collectives
     from miles_core.train.trainer import Trainer
 
     cfg = dataclasses.replace(TrainSection(), lr=0.0, clip_grad=1e9, micro_batch_size=3)
     with Trainer(cfg, hf_dir) as tr:
         assert (tr.dp_size, tr.dp_rank) == (DP, rank) and tr.dp_group is not None
+        assert collectives.strict_device(tr.dp_group) == "cuda"  # the DP group stands for NCCL
         dp_state = tr.dp_size, tr.dp_rank, tr.dp_group
         tr.dp_size, tr.dp_rank, tr.dp_group = 1, 0, None
         one = {"metrics": tr.train_step(0, _groups()), "grads": _grads(tr)}
@@ -85,6 +89,7 @@ def _launch(tmp: str) -> None:
     from miles_core.models.builtin import materialize_checkpoint
 
     hf_dir = materialize_checkpoint("builtin:tiny-gpt", 1, os.path.join(tmp, "tiny-gpt"))
+    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
     ctx = mp.get_context("fork")
     ranks = [ctx.Process(target=_worker, args=(r, hf_dir, tmp)) for r in range(DP)]
     for p in ranks:

@@ -56,7 +56,10 @@ def test_object_store_copies_are_cached_healed_and_pruned(cache, monkeypatch):
     monkeypatch.setitem(node_local.KEEP, "weights", 2)
     for name in "bcd":
         localize(_snapshot(name), "weights")
-    assert len(os.listdir(cache / "weights")) == 2
+    kept = sorted(p.name for p in (cache / "weights").iterdir() if p.is_dir())
+    assert len(kept) == 2  # and only their lock files are left beside them
+    assert sorted(p.name for p in (cache / "weights").iterdir() if not p.is_dir()) == \
+        sorted(f"{e}{s}" for e in kept for s in (".lock", ".use"))
 
 
 def test_a_source_without_its_marker_is_refused(cache):
