@@ -87,6 +87,7 @@ def _head_loopback_server():
     return server, f"http://127.0.0.1:{server.server_address[1]}/"
 
 
+@pytest.mark.timeout(1500)  # 330 s alone, 600 s beside CI's other lane and a third run on two cores
 def test_engine_node_shares_nothing_local_with_the_head_and_the_run_learns(cluster, tmp_path):
     head_file = tmp_path / "written-by-head"
     head_file.write_text("head")

@@ -13,10 +13,12 @@ mount namespaces (`unshare -n -m`, private propagation), held open by a holder p
 - storage: the run root must be on object storage, so the cluster starts its own SeaweedFS S3
   server on the head's address (`s3`; `env` points both nodes and the run at it).
 
-`stop()` ends every process of the cluster (the head's by the GCS port and temp dirs on their
-command lines, the engine node's by their network namespace, never `ray stop`), the S3 server, the
-holder and the veth pair, also after a failed start. Needs root with `unshare`, `nsenter` and `ip`;
-without them the cluster refuses to start (tests fail loudly, never skip).
+Each node starts ahead of the machine's other work and is started again when Ray's startup timed
+out (its raylet gives its agents 15 s to report their ports, which a loaded machine can miss).
+`stop()` ends every process of the cluster (the head's by its address and temp dir on their command
+lines and their descendants, the engine node's by their network namespace, never `ray stop`), the
+S3 server, the holder and the veth pair, also after a failed start. Needs root with `unshare`,
+`nsenter` and `ip`; without them the cluster refuses to start (tests fail loudly, never skip).
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class TwoNodeCluster:
         self.head_cpus, self.engine_cpus = head_cpus, engine_cpus
         self.holder: subprocess.Popen | None = None  # holds the engine node's namespaces open
         self.netns: str | None = None  # its network namespace (`net:[inode]`)
+        self.veth = False  # the pair is ours to delete
         self.worker: subprocess.Popen | None = None
         self.s3: SeaweedS3 | None = None
         self.stash: str | None = None
@@ -170,6 +173,7 @@ class TwoNodeCluster:
         """The veth pair: the head's end here, the engine node's end moved into the holder's namespace."""
         ns = str(self.holder.pid)
         self._run(["ip", "link", "add", self.head_if, "type", "veth", "peer", "name", self.engine_if, "netns", ns])
+        self.veth = True
         self._run(["ip", "addr", "add", f"{self.head_ip}/{self.prefix}", "dev", self.head_if])
         self._run(["ip", "link", "set", self.head_if, "up"])
         self._run(["nsenter", "-t", ns, "-n", "ip", "addr", "add", f"{self.engine_ip}/{self.prefix}",
@@ -216,7 +220,8 @@ class TwoNodeCluster:
             os.killpg(self.holder.pid, signal.SIGKILL)
             self.holder.wait(10)
         # Deleting one end removes the pair; the namespace's end is gone already when the namespace is.
-        subprocess.run(["ip", "link", "del", self.head_if], capture_output=True)
+        if self.veth:
+            subprocess.run(["ip", "link", "del", self.head_if], capture_output=True)
         shutil.rmtree(self.head_temp, ignore_errors=True)
         if self.stash:
             os.rmdir(self.stash)  # an empty mount point here: the bind mounts lived in the other namespace
@@ -264,9 +269,10 @@ class TwoNodeCluster:
 
     def leftovers(self) -> list[str]:
         """What of this cluster is still there after `stop()` (a test asserts it is nothing)."""
-        left = [f"process {pid} in the engine node's network namespace"
-                for pid, (_, _, netns) in _processes().items() if self.netns is not None and netns == self.netns]
-        if subprocess.run(["ip", "link", "show", self.head_if], capture_output=True).returncode == 0:
+        left = [f"process {pid}" for pid in sorted(self._own_pids())]
+        if self.holder is not None and self.holder.poll() is None:
+            left.append("the namespace holder")
+        if self.veth and subprocess.run(["ip", "link", "show", self.head_if], capture_output=True).returncode == 0:
             left.append(f"interface {self.head_if}")
         if self.s3 is not None and self.s3.process.poll() is None:
             left.append("the S3 server")
