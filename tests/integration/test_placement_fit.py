@@ -20,13 +20,12 @@ SGLANG = ["--engine-backend", "sglang"]
 
 
 @pytest.fixture
-def logical_cluster(monkeypatch):
+def logical_cluster():
     """start(nodes) -> a Ray cluster on this machine of those nodes ({num_cpus, num_gpus, resources}),
     connected; the first node is the head."""
     import ray
     from ray.cluster_utils import Cluster
 
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         ray.shutdown()
     clusters = []
