@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 
-from miles_core.config import ConfigError
+from miles_core.config.rules import raise_problems
 from miles_core.driver.handles import RayActorHandle
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
@@ -72,8 +72,7 @@ def check_fits(cfg) -> None:
     shape = cluster_shape()
     exposure = bind_problem(cfg.engine.engine_bind_host, len(shape.nodes))
     problems = fit_problems(cfg, shape) + ([exposure] if exposure else [])
-    if problems:
-        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+    raise_problems(problems)
 
 
 class TrainerPlacementError(RuntimeError):
