@@ -54,8 +54,8 @@ def type_problems(cfg: RunConfig) -> list[str]:
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:
-    rules = (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
-             _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors)
+    rules = (_ranges, _bounds, _finite, _parallel_rules, _memory_saving_rules, _driver_rules, _unsupported, _loss_rules,
+             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors)
     return [problem for rule in rules for problem in rule(cfg)]
 
 
@@ -209,6 +209,30 @@ def _parallel_rules(cfg: RunConfig) -> list[str]:
     return p
 
 
+def _memory_saving_rules(cfg: RunConfig) -> list[str]:
+    """Megatron's own checks of --recompute-* (TransformerConfig.__post_init__, megatron-core 0.16.1;
+    selective taking no method is Megatron-LM's arguments check) and of --sequence-parallel
+    (ModelParallelConfig.__post_init__), here so that they fail before anything starts. Whether
+    --recompute-num-layers fits the model's layers is checked when the model is built."""
+    t = cfg.train
+    granularity, method, layers = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
+    p = []
+    if granularity == "full" and (method is None or layers is None):
+        p.append("--recompute-granularity=full needs --recompute-method (uniform or block) and "
+                 "--recompute-num-layers (e.g. --recompute-method uniform --recompute-num-layers 1).")
+    if granularity == "selective" and (method is not None or layers is not None):
+        p.append("--recompute-granularity=selective takes neither --recompute-method nor --recompute-num-layers "
+                 "(it recomputes the core attention of every layer); drop them.")
+    if granularity is None and (method is not None or layers is not None):
+        p.append("--recompute-method and --recompute-num-layers need --recompute-granularity=full.")
+    if layers is not None and layers < 1:
+        p.append(f"--recompute-num-layers={layers} must be >= 1.")
+    if t.sequence_parallel and t.tensor_model_parallel_size <= 1:
+        p.append("--sequence-parallel needs --tensor-model-parallel-size > 1: it splits the sequence over the "
+                 "tensor-parallel ranks; drop --sequence-parallel or raise --tensor-model-parallel-size.")
+    return p
+
+
 def _driver_rules(cfg: RunConfig) -> list[str]:
     r, run = cfg.rollout, cfg.run
     p = []
@@ -290,7 +314,7 @@ def _save_eval_rules(cfg: RunConfig) -> list[str]:
 
 
 def _batch_rules(cfg: RunConfig) -> list[str]:
-    """miles' --global-batch-size."""
+    """miles' --global-batch-size, and the token budget of --use-dynamic-batch-size."""
     t, r = cfg.train, cfg.rollout
     p = []
     samples = r.rollout_batch_size * r.n_samples_per_prompt
@@ -300,7 +324,20 @@ def _batch_rules(cfg: RunConfig) -> list[str]:
         elif samples % t.global_batch_size:
             p.append(f"--global-batch-size={t.global_batch_size} must divide --rollout-batch-size x "
                      f"--n-samples-per-prompt = {samples} (a rollout gives that / it optimizer steps).")
-    return p
+    return p + _token_budget_rules(t)
+
+
+def _token_budget_rules(t) -> list[str]:
+    """--use-dynamic-batch-size needs a budget; a budget without it would be ignored, so it is refused."""
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu is None:
+        return ["--use-dynamic-batch-size needs --max-tokens-per-gpu N (tokens per micro-batch per GPU)."]
+    if t.max_tokens_per_gpu is not None and not t.use_dynamic_batch_size:
+        return [f"--max-tokens-per-gpu={t.max_tokens_per_gpu} is only used with --use-dynamic-batch-size: "
+                "add --use-dynamic-batch-size, or drop --max-tokens-per-gpu (micro-batches are then "
+                "--micro-batch-size samples)."]
+    if t.max_tokens_per_gpu is not None and t.max_tokens_per_gpu < 1:
+        return [f"--max-tokens-per-gpu={t.max_tokens_per_gpu} must be >= 1."]
+    return []
 
 
 def _names(cfg: RunConfig) -> list[str]:

@@ -1,11 +1,29 @@
-"""The CPU shim: the two things Megatron-core assumes a CUDA device for, replaced on CPU only.
+"""The CPU shim: the things Megatron-core assumes a CUDA device for, replaced on CPU only.
 
 Megatron-core 0.16 with `use_cpu_initialization=True` and the local layer spec runs on CPU except
-that (1) a few paths call `torch.cuda.current_device()` to place tensors, and (2) attention and
+that (1) a few paths call `torch.cuda.current_device()` to place tensors, (2) attention and
 initialisation fork the model-parallel RNG through `get_cuda_rng_tracker()`, whose tracker seeds
-CUDA generators. `install_cpu_shim()` maps the first to the CPU and installs a tracker that keeps
-CPU generator states instead. It does nothing when CUDA is available, and is idempotent. All of
-the project's CPU accommodations for Megatron live in this module and nowhere else.
+CUDA generators, and (3) activation recomputation (`--recompute-granularity` full or selective:
+`tensor_parallel.random.CheckpointFunction`) saves the CUDA generator's state in forward and sets it
+back before recomputing in backward (`_get_cuda_rng_state` / `_set_cuda_rng_state`, beside the CPU
+generator's state and the tracker's states, which it saves and restores too). `install_cpu_shim()`
+maps the first to the CPU, installs a tracker that keeps CPU generator states instead, and makes
+the CUDA generator's state an empty tensor that is saved and set back as nothing: without CUDA the
+CPU generator and the tracker's states are all the randomness there is. It does nothing when CUDA
+is available, and is idempotent. All of the project's CPU accommodations for Megatron live in this
+module and nowhere else. (Sequence parallelism needs none: gloo has the all-gather and
+reduce-scatter into/from one tensor that Megatron's sequence-parallel regions call.)
+
+`megatron_on_cpu()` is a block in which Megatron's DDP and optimizer classes (the GPU trainer's:
+`get_megatron_optimizer` -> `ChainedOptimizer` of `Float16OptimizerWithFloat16Params`,
+`FP32Optimizer` or `DistributedOptimizer`) run on CPU tensors unmodified. They insist on CUDA in
+three ways only: `param.type()` must name a `torch.cuda.*Tensor` (optimizer.py,
+`Float16OptimizerWithFloat16Params.__init__`; distrib_optimizer.py, `_build_model_and_main_param_groups`;
+clip_grads.py), and a few scalars are made with `torch.tensor(..., device='cuda')` /
+`torch.zeros(..., device='cuda')` (`MixedPrecisionOptimizer.__init__`, `get_grad_norm_fp32`). Within
+the block, on a machine without CUDA, those name the CPU; with CUDA it does nothing. The trainer
+wraps only its calls into Megatron's DDP and optimizer (build, zero, finalize, step, state) in it,
+so the CPU trainer with `--use-distributed-optimizer` or `--bf16` runs the GPU trainer's code path.
 
 `quiet_fallback_warnings()` (called by `miles_core.train` on import, before any Megatron module
 loads) filters, on a machine without CUDA only, the UserWarnings Megatron emits at import because
@@ -19,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from unittest import mock
 
 import torch
 
@@ -75,6 +94,15 @@ class CpuRngStatesTracker:
             torch.set_rng_state(outer)
 
 
+def _no_cuda_rng_state(*_, **__) -> torch.Tensor:
+    """`_get_cuda_rng_state` without CUDA: there is no CUDA generator, so its state is empty."""
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_no_cuda_rng_state(*_, **__) -> None:
+    """`_set_cuda_rng_state` without CUDA: nothing to set (the CPU generator is set beside it)."""
+
+
 def install_cpu_shim() -> bool:
     """Install the shim when there is no CUDA; return whether it is active."""
     global _INSTALLED
@@ -87,6 +115,8 @@ def install_cpu_shim() -> bool:
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mcore_random._get_cuda_rng_state = _no_cuda_rng_state
+    mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _INSTALLED = True
     return True
 
@@ -101,3 +131,30 @@ def seed_model_parallel_rng(seed: int) -> None:
     tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker.reset()
     tracker.add("model-parallel-rng", seed + 2718)
+
+
+_TENSOR, _ZEROS, _TYPE = torch.tensor, torch.zeros, torch.Tensor.type
+
+
+def _on_cpu(fn):
+    def wrapped(*args, device=None, **kwargs):
+        return fn(*args, device="cpu" if device in ("cuda", torch.device("cuda")) else device, **kwargs)
+
+    return wrapped
+
+
+def _cuda_type(self, *args, **kwargs):
+    if args or kwargs:  # a cast, not a query
+        return _TYPE(self, *args, **kwargs)
+    return _TYPE(self).replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def megatron_on_cpu():
+    """Within the block, Megatron's DDP and optimizer code sees CPU tensors as CUDA ones (module doc)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with mock.patch("torch.tensor", _on_cpu(_TENSOR)), mock.patch("torch.zeros", _on_cpu(_ZEROS)), \
+            mock.patch.object(torch.Tensor, "type", _cuda_type):
+        yield

@@ -10,6 +10,9 @@ DDP with `calculate_per_token_loss` on GPU) gives exactly the DP=1 gradient of t
 - default split: contiguous runs of (almost) equal sample counts, in batch order;
 - `--balance-data`: longest first onto the rank with the fewest tokens so far (LPT), each rank's
   samples then back in batch order, so token counts differ by at most one sample's length.
+
+Under --sequence-parallel the norms' gradients are partial sums per TP rank:
+`all_reduce_sequence_parallel_grads` sums them over the TP group before the DP reduce and the clip.
 """
 
 from __future__ import annotations
@@ -48,6 +51,17 @@ def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:
     collectives.all_reduce(flat, group)
     for g, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
         g.copy_(synced)
+
+
+def all_reduce_sequence_parallel_grads(params: list[torch.nn.Parameter], tp_group) -> None:
+    """Sum over the TP group the gradients of the parameters Megatron marks `sequence_parallel`
+    (norm weights and biases, row-parallel biases: replicated, but under --sequence-parallel each TP
+    rank saw only its slice of the sequence, so each holds a partial sum). Afterwards they are the
+    same on every TP rank, as the clip's "replicated, counted once" rule expects; call it before the
+    DP reduce. Does nothing without sequence parallelism (nothing is marked)."""
+    marked = [p for p in params if getattr(p, "sequence_parallel", False)]
+    if marked and tp_group is not None and dist.get_world_size(tp_group) > 1:
+        all_reduce_grads(marked, tp_group)
 
 
 def all_reduce_sums(sums: dict[str, float], group) -> dict[str, float]:

@@ -48,9 +48,11 @@ def load_hf_state(hf_dir: str) -> dict[str, Tensor]:
 
 # ---------------------------------------------------------------------------- qkv packing
 
-def _pack_qkv(spec: ModelSpec, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    g, d = spec.num_kv_heads, spec.head_dim
-    per = spec.num_heads // g
+def pack_qkv(spec: ModelSpec, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Megatron's fused qkv rows [q heads of group 0; k0; v0; q heads of group 1; ...] of the
+    query groups in `k` (all of them, or one TP rank's: the group count is read off k's rows)."""
+    d = spec.head_dim
+    g, per = k.shape[0] // d, q.shape[0] // k.shape[0]
     tail = q.shape[1:]
     parts = (q.reshape(g, per * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail))
     return torch.cat(parts, dim=1).reshape(-1, *tail).contiguous()
@@ -76,10 +78,10 @@ def _llama_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]
     for i in range(spec.num_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
         out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = _pack_qkv(
+        out[m + "self_attention.linear_qkv.weight"] = pack_qkv(
             spec, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"])
         if spec.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = _pack_qkv(
+            out[m + "self_attention.linear_qkv.bias"] = pack_qkv(
                 spec, hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"])
         out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
@@ -124,9 +126,9 @@ def _gpt2_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]:
         for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
             out[m + b + ".weight"], out[m + b + ".bias"] = hf[h + a + ".weight"], hf[h + a + ".bias"]
         q, k, v = torch.chunk(hf[h + "attn.c_attn.weight"].t(), 3, dim=0)
-        out[m + "self_attention.linear_qkv.weight"] = _pack_qkv(spec, q, k, v)
+        out[m + "self_attention.linear_qkv.weight"] = pack_qkv(spec, q, k, v)
         q, k, v = torch.chunk(hf[h + "attn.c_attn.bias"], 3, dim=0)
-        out[m + "self_attention.linear_qkv.bias"] = _pack_qkv(spec, q, k, v)
+        out[m + "self_attention.linear_qkv.bias"] = pack_qkv(spec, q, k, v)
         for a, b in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
                      ("mlp.c_proj", "mlp.linear_fc2")):
             out[m + b + ".weight"] = hf[h + a + ".weight"].t().contiguous()
@@ -177,7 +179,8 @@ def megatron_to_hf(spec: ModelSpec, mcore_state: dict[str, Tensor]) -> dict[str,
 
 
 def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> None:
-    """Copy an HF checkpoint into a built GPTModel (this TP rank's shards); every parameter is covered."""
+    """Copy an HF checkpoint into a built GPTModel (this TP rank's shards); every parameter is covered.
+    The trainer reads only its shards instead (miles_core.train.hf_shards); this is the reference."""
     from megatron.core import parallel_state
 
     mc = hf_to_megatron(spec, hf_state)
@@ -186,17 +189,30 @@ def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> N
         check_tp(spec, tp_size)
         rank = parallel_state.get_tensor_model_parallel_rank()
         mc = {k: shard_tensor(spec, k, v, rank, tp_size) for k, v in mc.items()}
-    own = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
-    missing = sorted(set(own) - set(mc))
-    extra = sorted(set(mc) - set(own))
+    own = model_tensors(model)
+    check_names(spec, own, mc)
+    for k, dst in own.items():
+        copy_checked(k, dst, mc[k])
+
+
+def model_tensors(model) -> dict[str, Tensor]:
+    """The model's tensors by Megatron name (sharing storage with its parameters), no `_extra_state`."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def check_names(spec: ModelSpec, own: dict[str, Tensor], loaded) -> None:
+    """ConversionError unless `loaded` names exactly the model's tensors `own`."""
+    missing = sorted(set(own) - set(loaded))
+    extra = sorted(set(loaded) - set(own))
     if missing or extra:
         raise ConversionError(f"{spec.family}: tensors missing {missing[:5]} / unexpected {extra[:5]}")
-    with torch.no_grad():
-        for k, dst in own.items():
-            src = mc[k]
-            if src.shape != dst.shape:
-                raise ConversionError(f"{k}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
-            dst.copy_(src)
+
+
+@torch.no_grad()
+def copy_checked(name: str, dst: Tensor, src: Tensor) -> None:
+    if src.shape != dst.shape:
+        raise ConversionError(f"{name}: checkpoint shape {tuple(src.shape)} != model shape {tuple(dst.shape)}")
+    dst.copy_(src)
 
 
 def megatron_state(model) -> dict[str, Tensor]:

@@ -6,6 +6,9 @@
   qkv bias for Qwen2 (or Llama's `attention_bias`), tied or untied embeddings;
 - gpt2: LayerNorm, gelu (tanh approximation, HF's `gelu_new`), biases everywhere, learned absolute
   positions (`position_embedding_type="learned_absolute"`, DESIGN §10), tied embeddings.
+`build_model(spec, train=section)` also applies --recompute-* and --sequence-parallel
+(`activation_options`); under sequence parallelism the norms are `SequenceParallelTorchNorm` and
+`masked_token_logprobs` pads the sequence to a multiple of TP and gathers the final hidden states.
 On CPU the model is built with `use_cpu_initialization=True` in fp32 behind the CPU shim; on GPU
 in bf16 wrapped in Megatron DDP with Megatron's mixed-precision (not distributed) optimizer
 (`build_gpu_training`).
@@ -13,13 +16,14 @@ in bf16 wrapped in Megatron DDP with Megatron's mixed-precision (not distributed
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from miles_core.train.cpu_shim import install_cpu_shim, seed_model_parallel_rng
+from miles_core.train.cpu_shim import install_cpu_shim, megatron_on_cpu, seed_model_parallel_rng
 from miles_core.train.process_groups import ensure_process_groups
 from miles_core.train.token_logprobs import token_logprobs
 
@@ -92,9 +96,40 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False):
+ACTIVATION_FLAGS = ("sequence_parallel", "recompute_granularity", "recompute_method", "recompute_num_layers")
+
+
+def activation_options(train) -> dict[str, Any]:
+    """`transformer_config`'s keywords from a TrainSection's --sequence-parallel and --recompute-*
+    flags (None: none of them)."""
+    return {name: getattr(train, name) for name in ACTIVATION_FLAGS} if train is not None else {}
+
+
+def recompute_layers_problem(num_layers: int, method: str | None, recompute_num_layers: int | None) -> str | None:
+    """Why --recompute-num-layers does not fit a model of `num_layers` layers (None when it does):
+    uniform runs chunks of that many layers (Megatron indexes past the last layer otherwise), block
+    recomputes the first that many."""
+    if method is None or recompute_num_layers is None:
+        return None
+    if method == "uniform" and num_layers % recompute_num_layers:
+        return (f"--recompute-num-layers={recompute_num_layers} must divide the model's {num_layers} layers "
+                "under --recompute-method=uniform (layers per recomputed chunk)")
+    if method == "block" and recompute_num_layers > num_layers:
+        return (f"--recompute-num-layers={recompute_num_layers} must be at most the model's {num_layers} layers "
+                "under --recompute-method=block (layers recomputed)")
+    return None
+
+
+def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False,
+                       sequence_parallel: bool = False, recompute_granularity: str | None = None,
+                       recompute_method: str | None = None, recompute_num_layers: int | None = None):
+    """Megatron's TransformerConfig for `spec`: its own checks refuse an inconsistent --recompute-*
+    combination or --sequence-parallel without TP (config.rules refuses them earlier, by flag)."""
     from megatron.core.transformer import TransformerConfig
 
+    problem = recompute_layers_problem(spec.num_layers, recompute_method, recompute_num_layers)
+    if problem:
+        raise ValueError(problem)
     gpt2 = spec.family == "gpt2"
     cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -105,7 +140,9 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
         activation_func=_gelu_tanh if gpt2 else F.silu, gated_linear_unit=not gpt2,
         add_bias_linear=gpt2, add_qkv_bias=spec.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,  # RL fine-tuning: log-probs must match the engine's
-        tensor_model_parallel_size=tensor_model_parallel_size,
+        tensor_model_parallel_size=tensor_model_parallel_size, sequence_parallel=sequence_parallel,
+        recompute_granularity=recompute_granularity, recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
         use_cpu_initialization=cpu, perform_initialization=True,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # The loss is already divided by the global token count: DDP must sum gradients, not average.
@@ -116,16 +153,19 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
     )
 
 
-def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False, seed: int = 1):
-    """A `GPTModel` for `spec` (weights random until the converter loads a checkpoint)."""
+def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False, seed: int = 1,
+                train=None):
+    """A `GPTModel` for `spec` (weights random until the converter loads a checkpoint); `train`: the
+    TrainSection whose --sequence-parallel and --recompute-* apply (`activation_options`)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     install_cpu_shim()
     ensure_process_groups(tensor_model_parallel_size)
     seed_model_parallel_rng(seed)
-    cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16)
-    layer_spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16,
+                             **activation_options(train))
+    layer_spec = sequence_parallel_norms(get_gpt_layer_local_spec(normalization=cfg.normalization), cfg)
     gpt2 = spec.family == "gpt2"
     model = GPTModel(
         cfg, layer_spec, vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
@@ -134,9 +174,40 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
         share_embeddings_and_output_weights=spec.tied_embeddings,
         parallel_output=False,  # full-vocab logits on every TP rank: the loss needs log-softmax over all of it
     )
+    if bf16:  # as Megatron's Float16Module does: the torch norms (no Apex/TE) are built in fp32
+        model = model.bfloat16()
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+class SequenceParallelTorchNorm:
+    """Megatron's `WrappedTorchNorm` (torch LayerNorm / RMSNorm: the local spec's norm without Apex,
+    always on CPU) under sequence parallelism, which WrappedTorchNorm refuses (an assert) only because
+    it does not mark its parameters. Each TP rank then normalises its own slice of the sequence, so
+    the weight's (and bias's) gradient is a partial sum over that slice: marked `sequence_parallel`,
+    as Megatron's own norms do, it is summed over the TP group before the optimizer step
+    (`data_parallel.all_reduce_sequence_parallel_grads`; Megatron's `finalize_model_grads`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def sequence_parallel_norms(layer_spec, cfg):
+    """`layer_spec` as is, or under sequence parallelism with torch norms (no Apex) a block spec whose
+    layer and final norms are `SequenceParallelTorchNorm` (state-dict keys unchanged)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if not cfg.sequence_parallel or layer_spec.submodules.input_layernorm is not WrappedTorchNorm:
+        return layer_spec
+    norms = dict(input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm)
+    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
+    return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SequenceParallelTorchNorm)
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:
@@ -151,20 +222,32 @@ def forward_logits(model, tokens: torch.Tensor) -> torch.Tensor:
     return model(tokens, positions, causal_mask(s, tokens.device))
 
 
-def forward_hidden(model, tokens: torch.Tensor) -> torch.Tensor:
+def forward_hidden(model, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[batch, seq] token ids -> [seq, batch, hidden] final hidden states (after the final norm):
     the model's forward without its output layer, for `masked_token_logprobs`.
+
+    Default: positions 0..seq-1 and the causal mask (right-padded rows). A packed row
+    (miles_core.train.packing) passes its own `position_ids` [batch, seq] (read by learned absolute
+    positions; RoPE rotates by the index in the row) and block-diagonal `attention_mask`
+    [1 or batch, 1, seq, seq] (bool, True = not allowed). The local spec's attention honours an
+    explicit mask although its attn_mask_type is causal: Megatron's `FusedScaleMaskSoftmax`
+    builds the causal mask only when none is passed (fusions/fused_softmax.py, `forward_torch_softmax`;
+    the fused kernel is off: `masked_softmax_fusion=False`).
 
     GPTModel's `_postprocess` returns the decoder's output as is when `post_process` is off (what a
     pipeline stage before the last does); the decoder keeps its own final layernorm."""
     b, s = tokens.shape
-    positions = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    if position_ids is None:
+        position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    if attention_mask is None:
+        attention_mask = causal_mask(s, tokens.device)
     gpt = unwrap(model)
     if not gpt.post_process:
         raise ValueError("forward_hidden needs the model's last pipeline stage (post_process=True)")
     gpt.post_process = False
     try:
-        return model(tokens, positions, causal_mask(s, tokens.device))
+        return model(tokens, position_ids, attention_mask)
     finally:
         gpt.post_process = True
 
@@ -183,14 +266,17 @@ def output_shard(model) -> tuple[torch.Tensor, int]:
     return weight, ps.get_tensor_model_parallel_rank() * weight.shape[0]
 
 
-def masked_token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor,
-                          chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def masked_token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor, chunk_rows: int | None = None, *,
+                          position_ids: torch.Tensor | None = None,
+                          attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each next token, entropy), both [batch, seq - 1] fp32, where `mask` [batch, seq - 1]
     is non-zero, 0 elsewhere: the output layer runs on those positions only, chunk by chunk, over
-    the vocab-parallel shards (miles_core.train.token_logprobs); no full-vocabulary logits."""
+    the vocab-parallel shards (miles_core.train.token_logprobs); no full-vocabulary logits.
+    `position_ids` / `attention_mask`: a packed row's (`forward_hidden`); default: right-padded rows."""
     from megatron.core import parallel_state as ps
 
-    hidden = forward_hidden(model, tokens)  # [seq, batch, hidden]
+    padded = sequence_parallel_padding(model, tokens, position_ids, attention_mask)
+    hidden = whole_sequence(model, forward_hidden(model, *padded), tokens.shape[1])  # [seq, batch, hidden]
     rows, cols = mask.nonzero(as_tuple=True)
     weight, vocab_start = output_shard(model)
     tp_group = ps.get_tensor_model_parallel_group() if ps.get_tensor_model_parallel_world_size() > 1 else None
@@ -203,27 +289,63 @@ def masked_token_logprobs(model, tokens: torch.Tensor, mask: torch.Tensor,
     return scatter(logp), scatter(entropy)
 
 
+def sequence_parallel_padding(model, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                              attention_mask: torch.Tensor | None = None) -> tuple:
+    """(tokens, position_ids, attention_mask) right-padded to a multiple of the TP size under sequence
+    parallelism (Megatron scatters the sequence over the TP ranks after the embedding, so each rank
+    needs an equal slice); as given otherwise. The padding comes after every real token, so under the
+    (causal or given) mask no real position attends to it; `whole_sequence` drops it again."""
+    cfg = unwrap(model).config
+    extra = -tokens.shape[1] % cfg.tensor_model_parallel_size if cfg.sequence_parallel else 0
+    if not extra:
+        return tokens, position_ids, attention_mask
+    padded = tokens.shape[1] + extra
+    if attention_mask is not None:  # the given mask on the real positions, causal on the padding
+        grown = causal_mask(padded, tokens.device).repeat(attention_mask.shape[0], 1, 1, 1)
+        grown[..., :tokens.shape[1], :tokens.shape[1]] = attention_mask
+        attention_mask = grown
+    position_ids = F.pad(position_ids, (0, extra)) if position_ids is not None else None
+    return F.pad(tokens, (0, extra)), position_ids, attention_mask
+
+
+def whole_sequence(model, hidden: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """`forward_hidden`'s output [seq_len, batch, hidden] on every TP rank: under sequence parallelism
+    it is this rank's slice of the padded sequence, all-gathered here, the padding dropped.
+
+    The gather's backward is a split (`tensor_parallel_output_grad=False`), not the reduce-scatter of
+    Megatron's column-parallel layer: `token_logprobs` already all-reduces the gradient of the rows it
+    reads over the TP group (its copy-to region), so the gradient arrives here complete and identical
+    on every rank; a reduce-scatter would count it TP times."""
+    if unwrap(model).config.sequence_parallel:
+        from megatron.core import tensor_parallel
+
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+    return hidden[:seq_len]
+
+
 def unwrap(model):
     """The GPTModel inside a Megatron DDP wrapper (or the model itself)."""
     return getattr(model, "module", model)
 
 
-def build_gpu_training(model, *, lr: float, weight_decay: float, clip_grad: float):
-    """GPU path: Megatron DDP (summing gradients over DP, `calculate_per_token_loss`) + Megatron's
-    mixed-precision Adam in bf16 with fp32 main parameters (not exercised on CPU).
-
-    The optimizer is not the distributed (ZeRO-1) one: its state is replicated over DP ranks like
-    the CPU path's, so a checkpoint is one state per TP rank and resumes at any DP size
-    (docs/training.md). Returns (ddp_model, optimizer); `optimizer.step()` returns (ok, grad_norm, zeros).
-    """
+def build_training(model, *, lr: float, weight_decay: float, clip_grad: float, bf16: bool,
+                   distributed_optimizer: bool):
+    """Megatron DDP (summing gradients over DP, `calculate_per_token_loss`) + Megatron's Adam:
+    `Float16OptimizerWithFloat16Params` (fp32 main params) under bf16, `FP32Optimizer` otherwise,
+    `DistributedOptimizer` (main params and Adam moments sharded over DP, ZeRO-1) with
+    `distributed_optimizer`, in a `ChainedOptimizer`. The GPU trainer's path; on CPU it runs inside
+    `megatron_on_cpu` (cpu_shim). Returns (ddp_model, optimizer); `optimizer.step()` returns
+    (ok, grad_norm, zeros)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     ddp_cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                            use_distributed_optimizer=False, average_in_collective=False)
-    ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
-    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=True,
-                              clip_grad=clip_grad, use_distributed_optimizer=False,
+                                            use_distributed_optimizer=distributed_optimizer,
+                                            average_in_collective=False)
+    opt_cfg = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=weight_decay, bf16=bf16,
+                              clip_grad=clip_grad, use_distributed_optimizer=distributed_optimizer,
                               adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8)
-    optimizer = get_megatron_optimizer(opt_cfg, [ddp_model])
+    with megatron_on_cpu():
+        ddp_model = DistributedDataParallel(config=model.config, ddp_config=ddp_cfg, module=model)
+        optimizer = get_megatron_optimizer(opt_cfg, [ddp_model])
     return ddp_model, optimizer

@@ -7,10 +7,14 @@ SAMPLES = "train/samples"
 TOKENS = "train/tokens"
 TRAIN_STEP_SECONDS = "perf/train_step_seconds"
 OPTIMIZER_STEPS = "train/optimizer_steps"
+MICRO_BATCHES = "train/micro_batches"
+PADDING_FRACTION = "train/padding_fraction"
 
 TRAIN_STEP_METRICS: dict[str, str] = {
     SAMPLES: "Samples that entered the loss this step (failed, aborted and fully masked samples excluded).",
     TOKENS: "Response tokens that entered the loss this step (after the loss mask).",
     OPTIMIZER_STEPS: "Optimizer steps taken on this rollout: rollout_batch_size x n_samples_per_prompt / --global-batch-size (train/grad_norm is their mean).",
+    MICRO_BATCHES: "Forward/backward micro-batches DP rank 0 ran this step (--micro-batch-size samples each, or packed to --max-tokens-per-gpu under --use-dynamic-batch-size).",
+    PADDING_FRACTION: "Share of the token positions DP rank 0 computed that were padding (right padding to a micro-batch's longest sample; 0 under --use-dynamic-batch-size).",
     TRAIN_STEP_SECONDS: "Seconds of the trainer's forward, backward and optimizer step.",
 }

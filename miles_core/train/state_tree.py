@@ -2,8 +2,8 @@
 
 `flatten(tree)` splits a tree of dicts/lists/tuples whose leaves are tensors, numbers, strings,
 bools, None or torch dtypes into (tensors by path, a JSON skeleton); `unflatten` rebuilds it
-exactly, including int and dtype dict keys (Megatron's distributed optimizer keys its buffers by
-index and dtype) and tuples (AdamW's betas). Tensor names are the dotted path, made unique when
+exactly, including int, dtype and tuple dict keys (Megatron's distributed optimizer keys the
+gathered state of its buffers by index, then by (param dtype, grad dtype)) and tuples (AdamW's betas). Tensor names are the dotted path, made unique when
 two paths collide (a string key containing a dot); the skeleton records each tensor's name.
 
 The trees it must hold (megatron-core 0.16.1, docs/training.md): torch AdamW's `state_dict()`
@@ -27,6 +27,8 @@ class StateTreeError(TypeError):
 
 
 def _enc_key(k) -> list:
+    if isinstance(k, tuple):
+        return ["tuple", [_enc_key(v) for v in k]]
     if isinstance(k, bool) or not isinstance(k, (int, str, torch.dtype)):
         raise StateTreeError(f"unsupported dict key {k!r} ({type(k).__name__})")
     if isinstance(k, torch.dtype):
@@ -36,6 +38,8 @@ def _enc_key(k) -> list:
 
 def _dec_key(k: list):
     kind, v = k
+    if kind == "tuple":
+        return tuple(_dec_key(x) for x in v)
     return getattr(torch, v) if kind == "dtype" else v
 
 

@@ -3,9 +3,11 @@
 `Trainer(train_section, hf_dir, seed=...)` loads an HF checkpoint through the converter.
 `train_step(step, groups)` turns groups into prompt+response sequences (failed/aborted samples
 and samples without a reward are excluded, GRPO advantages are computed over the rest of each
-group), runs micro-batches of `micro_batch_size` samples with the loss over response tokens whose
-`loss_mask` is 1, clips the gradient norm and steps once. `export_hf(dir)` writes an HF
-checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what checkpoint.py stores.
+group), runs micro-batches of `micro_batch_size` samples (right-padded; or, with
+`use_dynamic_batch_size`, packed rows of at most `max_tokens_per_gpu` tokens: train/packing.py)
+with the loss over response tokens whose `loss_mask` is 1, clips the gradient norm and steps once.
+`export_hf(dir)` writes an HF checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what
+checkpoint.py stores.
 On CPU: fp32, plain `torch.optim.AdamW`. On GPU: bf16 Megatron DDP + Megatron's optimizer.
 
 One Trainer per rank (miles_core.driver.placement places them). Every rank gets the whole batch and trains
@@ -22,15 +24,17 @@ import random
 import time
 
 import torch
+from megatron.core.distributed import finalize_model_grads
 from safetensors.torch import save_file
 
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import data_parallel as DP
-from miles_core.train import hf_convert
+from miles_core.train import hf_convert, hf_shards, packing
 from miles_core.train import metric_names as TM
+from miles_core.train.cpu_shim import megatron_on_cpu
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
-from miles_core.train.megatron_model import ModelSpec, build_gpu_training, build_model, masked_token_logprobs, unwrap
-from miles_core.train.state_tree import flatten, unflatten
+from miles_core.train.megatron_model import ModelSpec, build_model, build_training, masked_token_logprobs, unwrap
+from miles_core.train.optimizer_state import load_optimizer_state, optimizer_state
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
@@ -68,24 +72,20 @@ class Trainer:
         self.hf_config = hf_convert.read_hf_config(hf_dir)
         self.spec = ModelSpec.from_hf_config(self.hf_config)
         self.cuda = torch.cuda.is_available()
+        self.bf16 = self.cuda or train.bf16
+        # Megatron's DDP and optimizer: always on GPU; on CPU for what only they implement
+        self.megatron_optimizer = self.cuda or train.bf16 or train.use_distributed_optimizer
         self.tp = train.tensor_model_parallel_size
         torch.manual_seed(seed)
         random.seed(seed)
-        model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.cuda, seed=seed)
-        hf_state = hf_convert.load_hf_state(hf_dir)
-        hf_convert.load_into_megatron(model, self.spec, hf_state)
+        model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.bf16, seed=seed, train=train)
         self.ref_model = None
         if train.use_kl_loss:  # the reference is the initial checkpoint, frozen
-            self.ref_model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.cuda, seed=seed)
-            hf_convert.load_into_megatron(self.ref_model, self.spec, hf_state)
+            self.ref_model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.bf16, seed=seed,
+                                         train=train)
             self.ref_model.eval().requires_grad_(False)
-        if self.cuda:
-            self.model, self.optimizer = build_gpu_training(model, lr=train.lr, weight_decay=train.weight_decay,
-                                                            clip_grad=train.clip_grad)
-        else:
-            self.model = model
-            self.optimizer = torch.optim.AdamW(self._params(), lr=train.lr, weight_decay=train.weight_decay,
-                                               betas=(0.9, 0.999), eps=1e-8)
+        hf_shards.load_hf_checkpoint([model, self.ref_model], self.spec, hf_dir)  # this TP rank's shards, read once
+        self.model, self.optimizer = self._training(model)
         self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
         from megatron.core import parallel_state as ps
 
@@ -93,6 +93,16 @@ class Trainer:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+
+    def _training(self, model):
+        """(the model to train, its optimizer): Megatron DDP + Megatron's optimizer, or (the fp32 CPU
+        default) the model itself + torch AdamW with this module's DP reduce and clip."""
+        t = self.cfg
+        if self.megatron_optimizer:
+            return build_training(model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad, bf16=self.bf16,
+                                  distributed_optimizer=t.use_distributed_optimizer)
+        params = [p for p in model.parameters() if p.requires_grad]
+        return model, torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay, betas=(0.9, 0.999), eps=1e-8)
 
     def _params(self) -> list[torch.nn.Parameter]:
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -115,9 +125,9 @@ class Trainer:
         items = trainable_samples(groups, self.cfg.normalize_advantages_std)
         self.model.train()
         sums: dict[str, float] = {}
-        total_tokens, grad_norms = 0.0, []
+        total_tokens, grad_norms, layout = 0.0, [], packing.LayoutCounts()
         for batch in optimizer_batches(items, self.optimizer_steps):
-            batch_sums, batch_tokens, grad_norm = self._optimizer_step_on(batch)
+            batch_sums, batch_tokens, grad_norm = self._optimizer_step_on(batch, layout)
             for k, v in batch_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
             total_tokens += batch_tokens
@@ -129,51 +139,72 @@ class Trainer:
         metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
         metrics[TM.SAMPLES] = float(len(items))
         metrics[TM.TOKENS] = total_tokens
+        metrics[TM.MICRO_BATCHES] = float(layout.micro_batches)
+        metrics[TM.PADDING_FRACTION] = layout.padding_fraction
         metrics[TM.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
         return metrics
 
-    def _optimizer_step_on(self, items: list[tuple[Sample, float]]) -> tuple[dict[str, float], float, float]:
+    def _optimizer_step_on(self, items: list[tuple[Sample, float]], layout: packing.LayoutCounts | None = None,
+                           ) -> tuple[dict[str, float], float, float]:
         """One optimizer step over `items` (the whole global batch; this rank trains on its DP
-        shard): (this rank's metric sums, the batch's token count, grad norm)."""
+        shard): (this rank's metric sums, the batch's token count, grad norm). `layout` counts this
+        rank's micro-batches and their padding."""
         self._zero_grad()
         total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
-        mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data,
-                        tokens=lambda it: len(it[0].prompt_ids) + len(it[0].response_ids))
+        mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data, tokens=lambda it: _length(it[0]))
         sums: dict[str, float] = {}
-        mbs = self.cfg.micro_batch_size
-        for start in range(0, len(mine), mbs):
-            _, part = self._micro_batch(mine[start:start + mbs], total_tokens)
+        for micro in self._micro_batches(mine):
+            _, part = self._micro_batch(micro, total_tokens, layout)
             for k, v in part.items():
                 sums[k] = sums.get(k, 0.0) + v
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
         grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
         return sums, total_tokens, grad_norm
 
-    def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float):
+    def _micro_batches(self, mine: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
+        """This rank's samples cut into micro-batches: by the token budget (--use-dynamic-batch-size,
+        miles_core.train.packing), else --micro-batch-size samples at a time."""
+        if self.cfg.use_dynamic_batch_size:
+            plan = packing.plan_micro_batches([_length(s) for s, _ in mine], self.cfg.max_tokens_per_gpu)
+            return [[mine[i] for i in micro] for micro in plan]
+        mbs = self.cfg.micro_batch_size
+        return [mine[start:start + mbs] for start in range(0, len(mine), mbs)]
+
+    def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float,
+                     layout: packing.LayoutCounts | None = None):
         # the output layer runs only where the loss mask is non-zero (0 elsewhere): no full-vocab logits
-        batch = _pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
-        logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"])
+        pack = _pack_row if self.cfg.use_dynamic_batch_size else _pack
+        batch = pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
+        if layout is not None:
+            layout.add(batch["tokens"].numel(), sum(_length(s) for s, _ in items))
+        row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
+        logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"], **row)
         if not self.loss_cfg.entropy_coef:
             entropy = entropy.detach()
         ref_logp = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"])
+                ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"], **row)
         loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
                                  rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
         loss.backward()
         return loss, sums
 
     def _zero_grad(self) -> None:
-        if self.cuda:
-            self.model.zero_grad_buffer()
+        if self.megatron_optimizer:
+            with megatron_on_cpu():
+                self.model.zero_grad_buffer()
+                self.optimizer.zero_grad()
+            return
         self.optimizer.zero_grad()
 
     def _optimizer_step(self) -> float:
-        if self.cuda:
-            self.model.finish_grad_sync()
-            _, grad_norm, _ = self.optimizer.step()
+        if self.megatron_optimizer:
+            with megatron_on_cpu():  # DP reduce (reduce-scatter with the distributed optimizer), SP norms
+                finalize_model_grads([self.model])
+                _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm or 0.0)
+        DP.all_reduce_sequence_parallel_grads(self._params(), self.tp_group)  # norms' partial sums, first
         DP.all_reduce_grads(self._params(), self.dp_group)
         grad_norm = DP.clip_grad_norm(self._params(), self.cfg.clip_grad, self.tp_group)
         self.optimizer.step()
@@ -252,44 +283,23 @@ class Trainer:
             for target in targets:
                 for k in own:
                     target[k].copy_(model[k])
+        self._weights_changed()
 
     def load_hf_weights(self, hf_dir: str) -> None:
         """Initial weights (and the KL reference) from another HF directory of the same architecture."""
         spec = ModelSpec.from_hf_config(hf_convert.read_hf_config(hf_dir))
         if spec != self.spec:
             raise TrainError(f"{hf_dir} holds another model ({spec}); --hf-checkpoint is {self.spec}")
-        hf_state = hf_convert.load_hf_state(hf_dir)
-        for model in (self.model, self.ref_model):
-            if model is not None:
-                hf_convert.load_into_megatron(unwrap(model), self.spec, hf_state)
+        models = [unwrap(m) for m in (self.model, self.ref_model) if m is not None]
+        hf_shards.load_hf_checkpoint(models, self.spec, hf_dir)  # this TP rank's shards, read once
+        self._weights_changed()
 
-
-def optimizer_state(optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, JSON skeleton) of `optimizer.state_dict()`: torch AdamW on CPU; on GPU the
-    `ChainedOptimizer` of megatron-core 0.16.1, whose `state_dict()` with one inner
-    `Float16OptimizerWithFloat16Params` is {"optimizer": AdamW state, "fp32_from_fp16_params":
-    fp32 main params per group} (plus "grad_scaler" under fp16; a list of such dicts with several
-    inner optimizers). Replicated over DP, so it resumes at any DP size.
-
-    Megatron's distributed (ZeRO-1) optimizer is refused: its `state_dict()` leaves the parameter
-    state (main params, Adam moments) out (megatron/core/optimizer/distrib_optimizer.py,
-    `DistributedOptimizer.state_dict`), so a checkpoint of it would silently lose them."""
-    inner = getattr(optimizer, "chained_optimizers", None)
-    if inner is not None:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        if any(isinstance(o, DistributedOptimizer) for o in inner):
-            raise TrainError("checkpointing Megatron's distributed optimizer is not supported: its state_dict() "
-                             "omits the parameter state; build_gpu_training uses use_distributed_optimizer=False")
-    return flatten(optimizer.state_dict())
-
-
-def load_optimizer_state(optimizer, tensors: dict[str, torch.Tensor], skeleton: dict) -> None:
-    """Inverse of `optimizer_state`. Megatron's `load_state_dict` matches param groups by
-    (wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr), loads the AdamW moments (moved to the
-    parameters' device) and copies the saved fp32 main params into the live ones; the bf16 model
-    params come from the model part of the checkpoint."""
-    optimizer.load_state_dict(unflatten(tensors, skeleton))
+    def _weights_changed(self) -> None:
+        """After weights were loaded into the model: Megatron's optimizer keeps fp32 main weights
+        (bf16, or the distributed optimizer's shards) that would otherwise write the old ones back."""
+        if self.megatron_optimizer:
+            with megatron_on_cpu():
+                self.optimizer.reload_model_params()
 
 
 def non_weight_files(src_dir: str) -> dict[str, bytes]:
@@ -326,33 +336,65 @@ def _loss_mask(s: Sample) -> list[int]:
     return [int(m) for m in s.loss_mask]
 
 
+def _length(s: Sample) -> int:
+    return len(s.prompt_ids) + len(s.response_ids)
+
+
 def _pack(items, need_rollout: bool, device, use_loss_mask: bool = True) -> dict[str, torch.Tensor]:
     """Right-padded [b, L] tokens; targets/mask/advantages/rollout log-probs on [b, L-1]."""
-    lengths = [len(s.prompt_ids) + len(s.response_ids) for s, _ in items]
-    L = max(lengths)
-    b = len(items)
-    tokens = torch.zeros(b, L, dtype=torch.long)
-    mask = torch.zeros(b, L - 1)
-    adv = torch.zeros(b, L - 1)
-    roll = torch.zeros(b, L - 1)
+    tokens, targets = _sample_tensors(items, need_rollout, use_loss_mask)
+    L = max(t.numel() for t in tokens)
+    out = {"tokens": _right_pad(tokens, L)}
+    for key in targets[0]:
+        out[key] = _right_pad([t[key] for t in targets], L - 1)
+    out["targets"] = out["tokens"][:, 1:]
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def _pack_row(items, need_rollout: bool, device, use_loss_mask: bool = True) -> dict[str, torch.Tensor]:
+    """The samples back to back in one row [1, T], no padding (miles_core.train.packing): what
+    `_pack` gives, plus the row's "position_ids" and block-diagonal "attention_mask"."""
+    tokens, targets = _sample_tensors(items, need_rollout, use_loss_mask)
+    out = packing.pack_rows(tokens, targets, device)
+    out["targets"] = out["tokens"][:, 1:]
+    return out
+
+
+def _sample_tensors(items, need_rollout: bool, use_loss_mask: bool) -> tuple[list[torch.Tensor], list[dict]]:
+    """Per sample: its tokens [n], and its "mask", "advantages" (and "rollout_logp") on its n - 1
+    target positions, 0 where a prompt token is predicted."""
     # rollout log-probs go along whenever every sample has them: the loss may not need them, but
     # train/train_rollout_logprob_abs_diff is worth having on-policy too
     need_rollout = need_rollout or all(len(s.response_logprobs) == len(s.response_ids) for s, _ in items)
-    for i, (s, a) in enumerate(items):
+    tokens, targets = [], []
+    for s, a in items:
         p, r = len(s.prompt_ids), len(s.response_ids)
-        tokens[i, :p + r] = torch.tensor(list(s.prompt_ids) + list(s.response_ids))
-        m = _loss_mask(s) if use_loss_mask else [1] * r
-        mask[i, p - 1:p - 1 + r] = torch.tensor(m, dtype=torch.float32)
-        adv[i, p - 1:p - 1 + r] = a
+        tokens.append(torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long))
+        mask = _loss_mask(s) if use_loss_mask else [1] * r
+        row = {"mask": _on_targets(p, mask), "advantages": _on_targets(p, [a] * r)}
         if need_rollout:
-            if len(s.response_logprobs) != r:
-                raise TrainError(f"sample {s.group_id}/{s.sample_index}: {len(s.response_logprobs)} rollout log-probs "
-                                 f"for {r} response tokens; the loss needs the engine's log-prob of every token")
-            roll[i, p - 1:p - 1 + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
-    out = {"tokens": tokens, "targets": tokens[:, 1:], "mask": mask, "advantages": adv}
-    if need_rollout:
-        out["rollout_logp"] = roll
-    return {k: v.to(device) for k, v in out.items()}
+            row["rollout_logp"] = _on_targets(p, _rollout_logprobs(s))
+        targets.append(row)
+    return tokens, targets
+
+
+def _rollout_logprobs(s: Sample) -> list[float]:
+    if len(s.response_logprobs) != len(s.response_ids):
+        raise TrainError(f"sample {s.group_id}/{s.sample_index}: {len(s.response_logprobs)} rollout log-probs for "
+                         f"{len(s.response_ids)} response tokens; the loss needs the engine's log-prob of every token")
+    return list(s.response_logprobs)
+
+
+def _on_targets(prompt_len: int, values: list) -> torch.Tensor:
+    """A response's per-token `values` on its sample's target positions (fp32): 0 for the prompt's."""
+    return torch.cat([torch.zeros(prompt_len - 1), torch.tensor(values, dtype=torch.float32)])
+
+
+def _right_pad(rows: list[torch.Tensor], length: int) -> torch.Tensor:
+    out = rows[0].new_zeros(len(rows), length)
+    for i, row in enumerate(rows):
+        out[i, :row.numel()] = row
+    return out
 
 
 def _jsonable(x):

@@ -6,40 +6,17 @@ and the final `return ChainedOptimizer(optimizers)`). Those classes insist on CU
 places only: `param.type()` must name a `torch.cuda.*Tensor` (optimizer.py,
 `Float16OptimizerWithFloat16Params.__init__`; clip_grads.py, `clip_grad_by_total_norm_fp32`),
 and a few scalars are made with `torch.tensor(..., device='cuda')` / `torch.zeros(...,
-device='cuda')` (`MixedPrecisionOptimizer.__init__`, `get_grad_norm_fp32`). `cuda_free()` maps
-exactly those to the CPU for the duration of a block, so the real classes run unmodified: their
-`state_dict()` / `load_state_dict()` are what the GPU trainer's checkpoints store and load.
+device='cuda')` (`MixedPrecisionOptimizer.__init__`, `get_grad_norm_fp32`). `cuda_free()` (the
+trainer's own `miles_core.train.cpu_shim.megatron_on_cpu`) maps exactly those to the CPU for the
+duration of a block, so the real classes run unmodified: their `state_dict()` / `load_state_dict()`
+are what the GPU trainer's checkpoints store and load.
 """
 
 from __future__ import annotations
 
-import contextlib
-from unittest import mock
-
 import torch
 
-_TENSOR, _ZEROS, _TYPE = torch.tensor, torch.zeros, torch.Tensor.type
-
-
-def _on_cpu(fn):
-    def wrapped(*args, device=None, **kwargs):
-        return fn(*args, device="cpu" if device in ("cuda", torch.device("cuda")) else device, **kwargs)
-
-    return wrapped
-
-
-def _cuda_type(self, *args, **kwargs):
-    if args or kwargs:  # a cast, not a query
-        return _TYPE(self, *args, **kwargs)
-    return _TYPE(self).replace("torch.", "torch.cuda.", 1)
-
-
-@contextlib.contextmanager
-def cuda_free():
-    """Within the block, Megatron's optimizer code sees CPU tensors as CUDA ones (see module doc)."""
-    with mock.patch("torch.tensor", _on_cpu(_TENSOR)), mock.patch("torch.zeros", _on_cpu(_ZEROS)), \
-            mock.patch.object(torch.Tensor, "type", _cuda_type):
-        yield
+from miles_core.train.cpu_shim import megatron_on_cpu as cuda_free
 
 
 class Chunk(torch.nn.Module):
@@ -57,7 +34,7 @@ class Chunk(torch.nn.Module):
 
 
 def megatron_optimizer(chunks: list[Chunk], *, lr: float = 1e-2, clip_grad: float = 1.0):
-    """The optimizer `miles_core.train.megatron_model.build_gpu_training` asks for, on CPU."""
+    """The optimizer `miles_core.train.megatron_model.build_training` asks for (bf16, not distributed), on CPU."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from miles_core.train.cpu_shim import install_cpu_shim

@@ -1,7 +1,7 @@
 """The GPU trainer's optimizer checkpoint, on the real megatron-core 0.16.1 classes (on CPU).
 
-`build_gpu_training` gets a `ChainedOptimizer` from `get_megatron_optimizer`; the trainer saves
-its `state_dict()` through `optimizer_state` (safetensors + JSON, no pickle) and restores it with
+`build_training` gets a `ChainedOptimizer` from `get_megatron_optimizer`; the trainer saves
+its `state_dict()` through `optimizer_state` (miles_core.train.optimizer_state; safetensors + JSON, no pickle) and restores it with
 `load_optimizer_state`. Here the same classes are built on a CPU (tests/support/megatron_cpu.py
 maps their few hard-coded CUDA calls) and the checkpoint goes through the same bytes a checkpoint
 holds. Pins: the state_dict's shape as 0.16.1 returns it; a restored optimizer makes exactly the
@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from miles_core.train.trainer import load_optimizer_state, optimizer_state
+from miles_core.train.optimizer_state import load_optimizer_state, optimizer_state
+from miles_core.train.state_tree import flatten
 from tests.support.megatron_cpu import Chunk, cuda_free, megatron_optimizer, step
 
 
@@ -118,7 +119,7 @@ def test_several_inner_optimizers_round_trip():
 def test_proxy_dict_state_is_refused_not_pickled():
     """`ChainedOptimizer.state` is a ProxyDict (tuple keys over the inner states): not a tree the
     checkpoint can hold, and not what the trainer saves."""
-    from miles_core.train.state_tree import StateTreeError, flatten
+    from miles_core.train.state_tree import StateTreeError
 
     chunks = [Chunk()]
     opt = megatron_optimizer(chunks)
@@ -127,14 +128,20 @@ def test_proxy_dict_state_is_refused_not_pickled():
         flatten({"state": opt.state})
 
 
-def test_distributed_optimizer_is_refused_not_half_saved():
-    """megatron-core 0.16.1's DistributedOptimizer.state_dict() leaves the parameter state out
-    (distrib_optimizer.py, `state_dict`): saving it would drop the Adam moments silently."""
+def test_a_checkpoint_resumes_only_with_the_same_optimizer_kind():
+    """A state saved without --use-distributed-optimizer does not load into a DistributedOptimizer
+    (and back): the error names the flag instead of a KeyError deep in Megatron. The distributed
+    optimizer's own round trip: tests/unit/test_distributed_optimizer.py."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    from miles_core.train.trainer import TrainError
+    from miles_core.train.optimizer_state import OptimizerStateError
 
+    plain = megatron_optimizer([Chunk(0)])
+    tensors, skeleton = optimizer_state(plain)
     chained = ChainedOptimizer([object.__new__(DistributedOptimizer)])
-    with pytest.raises(TrainError, match="distributed optimizer is not supported"):
-        optimizer_state(chained)
+    with pytest.raises(OptimizerStateError, match="saved without --use-distributed-optimizer"):
+        load_optimizer_state(chained, tensors, skeleton)
+    distributed = {"distributed": {"state_dict": {}, "dp_zero": []}}
+    with pytest.raises(OptimizerStateError, match="saved with --use-distributed-optimizer"):
+        load_optimizer_state(plain, *flatten(distributed))
