@@ -5,23 +5,36 @@ anything starts.
     est.describe()                      # "weights 0.25 GiB, grads ..., total 3.1 GiB per GPU"
     memory_problems(hf_config, cfg)     # [] or one problem naming the flags that would make it fit
 
-What a rank holds (TP size t, DP size d, P parameters, P/t of them on each rank):
-- weights: bf16 on GPU (2 B/param), fp32 on CPU (4);
-- gradients: Megatron's fp32 main-grad buffer (4 B/param) on GPU; 4 on CPU;
+What a rank holds (TP size t, DP size d, P parameters, P/t of them on each rank, w the weights'
+width: 2 bytes in bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
+- weights: w B/param;
+- gradients: fp32, 4 B/param (Megatron's main-grad buffer; `param.grad` on the CPU default);
 - optimizer: Adam's m and v in fp32 (8 B/param) plus, with bf16 weights, an fp32 master copy (4):
-  12 B/param on GPU, 8 on CPU (no master copy). Without the distributed optimizer every DP rank
-  keeps all of it: 2 + 4 + 12 = 18 B/param;
-- a reference copy of the weights with --use-kl-loss (2 or 4 B/param);
-- activations of one micro-batch (b samples padded to s tokens) kept for backward by every layer
-  of the local (unfused) layer spec: per layer the two norm inputs, the residual, the attention
-  and MLP inputs (each s·b·h), Q/K/V and the context (s·b·(2h + 2·kv)/t), the MLP's hidden
-  activations (s·b·3f/t for a gated MLP, 2f/t otherwise) and the unfused attention's score and
-  probability matrices (2·b·a·s²/t), at the weights' width;
-- the logits of one micro-batch over the full vocabulary on every TP rank (the loss takes a
-  log-softmax over all of it): fp32 logits, log-probs and their gradient, 12·b·s·V bytes;
+  12 B/param in bf16, 8 in fp32. --use-distributed-optimizer shards all of it over the d DP ranks
+  (Megatron's ZeRO-1): 12/d. Without it every DP rank keeps all of it: 2 + 4 + 12 = 18 B/param;
+- a reference copy of the weights with --use-kl-loss (w B/param);
+- activations of one micro-batch of n tokens: b samples padded to s tokens (n = b·s), or with
+  --use-dynamic-batch-size one row of n = --max-tokens-per-gpu tokens (b = 1, s = n: the local
+  layer spec's unfused attention masks a full n x n score matrix, plus an n x n bool mask). Every
+  layer of the local (unfused) layer spec keeps for backward, at the weights' width (counted from
+  the autograd graph of megatron-core 0.16.1's local spec): the two norm inputs and outputs (4·n·h,
+  divided by t under --sequence-parallel), Q after RoPE, K and V repeated to every head and the
+  context (4·n·h/t), the MLP's fc1 output, its activation and fc2's input (4·n·f/t for a gated MLP,
+  3f/t otherwise) and the attention probabilities plus, at the peak, the scores being turned into
+  them (2·b·(a/t)·s²). Backward holds one more layer's worth of activation gradients at a time, and
+  the embedding output, final norm and its output add 3·n·h once. Recomputation keeps less:
+  --recompute-granularity full keeps each recomputed layer's input (n·h, /t with sequence parallel)
+  and holds one chunk's full activations while it is recomputed (uniform: L/k inputs + k layers;
+  block: k inputs + the L - k other layers); selective drops the probabilities of every layer but
+  the one being recomputed. tests/unit/test_memory_measured.py holds the estimate to a CPU run's
+  peak of live tensors (torch's MemTracker);
+- the log-probs' logits: the output layer runs on the loss positions only, in chunks of at most
+  64 MiB of fp32 logits (miles_core.train.token_logprobs), and a chunk's logits, shifted logits,
+  exponentials and their product and gradients are alive at once: LOGIT_COPIES x one chunk;
 - 1 GiB for the CUDA context, NCCL buffers and the allocator's slack (0 on CPU).
 The padded length s is --max-seq-len when set, else the model's maximum positions (an upper bound:
-responses are capped by --rollout-max-response-len, prompts only by the dataset).
+responses are capped by --rollout-max-response-len, prompts only by the dataset). Host memory is not
+in the estimate: each rank reads only its TP shard of the HF checkpoint (miles_core.train.hf_shards).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from miles_core.config import RunConfig, replace_fields
+from miles_core.train.token_logprobs import CHUNK_BYTES
 
 GIB = 1024 ** 3
 CUDA_OVERHEAD_BYTES = 1 * GIB
@@ -110,24 +124,61 @@ def padded_length(shape: Shape, cfg: RunConfig) -> int:
     return min(cfg.data.max_seq_len or shape.positions, shape.positions)
 
 
+def micro_batch_layout(shape: Shape, cfg: RunConfig) -> tuple[int, int]:
+    """(b, s) of one micro-batch: b samples of s tokens, or one packed row of the token budget
+    (at least one padded sample: a longer sample gets a micro-batch of its own)."""
+    if cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu:
+        return 1, max(cfg.train.max_tokens_per_gpu, padded_length(shape, cfg))
+    return micro_batch_samples(cfg), padded_length(shape, cfg)
+
+
 def estimate(hf_config: dict, cfg: RunConfig, *, gpu: bool = True) -> MemoryEstimate:
-    """Bytes per trainer rank (see the module docstring); `gpu=False`: the fp32 CPU trainer."""
+    """Bytes per trainer rank (see the module docstring); `gpu=False`: the trainer on a CPU."""
     shape = Shape.from_hf_config(hf_config)
-    tp, _ = _sizes(cfg)
+    t = cfg.train
+    tp, dp = _sizes(cfg)
     params = shape.parameters() / tp
-    width = 2 if gpu else 4
-    b, s = micro_batch_samples(cfg), padded_length(shape, cfg)
+    bf16 = gpu or t.bf16
+    width = 2 if bf16 else 4
+    optimizer = (12 if bf16 else 8) * params / (dp if t.use_distributed_optimizer else 1)
+    b, s = micro_batch_layout(shape, cfg)
     return MemoryEstimate(
-        weights=width * params, grads=4 * params, optimizer=(12 if gpu else 8) * params,
-        reference=width * params if cfg.train.use_kl_loss else 0.0,
-        activations=shape.layers * _layer_activations(shape, b, s, tp, width),
-        logits=12.0 * b * s * shape.vocab, overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
+        weights=width * params, grads=4 * params, optimizer=optimizer,
+        reference=width * params if t.use_kl_loss else 0.0,
+        activations=_activations(shape, cfg, b, s, tp, width),
+        logits=_logits(shape, b * s, tp), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
 
 
-def _layer_activations(shape: Shape, b: int, s: int, tp: int, width: int) -> float:
-    h, f = shape.hidden, shape.ffn
-    per_token = 4 * h + (2 * h + 2 * shape.kv_dim) / tp + (3 if shape.gated else 2) * f / tp
-    return width * (s * b * per_token + 2 * b * (shape.heads / tp) * s * s)
+def _activations(shape: Shape, cfg: RunConfig, b: int, s: int, tp: int, width: int) -> float:
+    """Activation bytes one micro-batch keeps for backward, under the recompute flags (module doc)."""
+    t = cfg.train
+    sp = tp if t.sequence_parallel else 1
+    h = shape.hidden
+    per_token = 4 * h / sp + 4 * h / tp + (4 if shape.gated else 3) * shape.ffn / tp
+    layer_tokens = width * b * s * per_token
+    scores = width * 2 * b * (shape.heads / tp) * s * s
+    once = width * b * s * 3 * h / sp + (s * s if t.use_dynamic_batch_size else 0)  # + the packed row's bool mask
+    layer, layers = layer_tokens + scores, shape.layers
+    working = layer  # backward: the gradients of one layer's activations
+    if t.recompute_granularity == "selective":
+        return layers * layer_tokens + scores + working + once
+    if t.recompute_granularity == "full":
+        saved = width * b * s * h / sp  # a recomputed layer's input
+        k = min(t.recompute_num_layers or layers, layers)
+        if t.recompute_method == "block":
+            return (layers - k) * layer + k * saved + layer + working + once
+        return -(-layers // k) * saved + k * layer + working + once
+    return layers * layer + working + once
+
+
+LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in backward
+
+
+def _logits(shape: Shape, tokens: int, tp: int) -> float:
+    """Bytes of the chunked log-prob computation's logits (miles_core.train.token_logprobs)."""
+    vocab_rows = shape.vocab / tp
+    rows = min(tokens, max(1, CHUNK_BYTES // (4 * vocab_rows)))
+    return LOGIT_COPIES * 4.0 * rows * vocab_rows
 
 
 def memory_problems(hf_config: dict, cfg: RunConfig, budget_gb: float) -> list[str]:
@@ -140,21 +191,49 @@ def memory_problems(hf_config: dict, cfg: RunConfig, budget_gb: float) -> list[s
 
 
 def _advice(hf_config: dict, cfg: RunConfig, budget_gb: float) -> str:
-    """The smallest change of one flag that fits, when there is one."""
+    """Each single change of the flags that would make the run fit (the smallest such value of each)."""
     fixes = []
-    for mbs in (64, 32, 16, 8, 4, 2, 1):
-        if mbs < cfg.train.micro_batch_size and _fits(hf_config, replace_fields(cfg, micro_batch_size=mbs), budget_gb):
-            fixes.append(f"--micro-batch-size {mbs}")
-            break
-    ranks = cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node
-    for tp in (2, 4, 8):
-        if cfg.train.tensor_model_parallel_size < tp <= ranks and ranks % tp == 0 and _fits(
-                hf_config, replace_fields(cfg, tensor_model_parallel_size=tp), budget_gb):
-            fixes.append(f"--tensor-model-parallel-size {tp}")
-            break
+    for flags in _changes(cfg):
+        fits = _fits(hf_config, replace_fields(cfg, **_fields(flags)), budget_gb)
+        if fits and not any(f.split()[0] == flags[0] for f in fixes):  # a flag's first fitting value only
+            fixes.append(" ".join(flags))
     if not fixes:
-        return "No single change of --micro-batch-size or --tensor-model-parallel-size fits: add trainer GPUs."
+        return "No single change of the memory flags fits: add trainer GPUs."
     return f"Would fit: {' or '.join(fixes)}."
+
+
+def _changes(cfg: RunConfig) -> list[tuple[str, ...]]:
+    """Candidate single changes, most preferred first (a flag's first fitting value wins)."""
+    t = cfg.train
+    tp, dp = _sizes(cfg)
+    ranks = tp * dp
+    out: list[tuple[str, ...]] = []
+    if dp > 1 and not t.use_distributed_optimizer:
+        out.append(("--use-distributed-optimizer",))
+    if t.recompute_granularity != "full":
+        out.append(("--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"))
+    if tp > 1 and not t.sequence_parallel:
+        out.append(("--sequence-parallel",))
+    if t.use_dynamic_batch_size and t.max_tokens_per_gpu:
+        out += [("--max-tokens-per-gpu", str(n)) for n in (32768, 16384, 8192, 4096, 2048) if n < t.max_tokens_per_gpu]
+    else:
+        out += [("--micro-batch-size", str(m)) for m in (64, 32, 16, 8, 4, 2, 1) if m < t.micro_batch_size]
+    out += [("--tensor-model-parallel-size", str(n)) for n in (2, 4, 8) if tp < n <= ranks and ranks % n == 0]
+    return out
+
+
+def _fields(flags: tuple[str, ...]) -> dict:
+    """{field: value} of a flag list like ("--micro-batch-size", "8", "--sequence-parallel")."""
+    out, i = {}, 0
+    while i < len(flags):
+        name = flags[i].removeprefix("--").replace("-", "_")
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            value = flags[i + 1]
+            out[name] = int(value) if value.isdigit() else value
+            i += 2
+        else:
+            out[name], i = True, i + 1
+    return out
 
 
 def _fits(hf_config: dict, cfg: RunConfig, budget_gb: float) -> bool:

@@ -1,0 +1,100 @@
+"""The memory estimate (miles_core.prepare.memory) against what a real trainer step holds, on CPU.
+
+The CPU trainer runs the same Megatron local layer spec as a GPU trainer without Transformer
+Engine, so its live tensors are the GPU's at another width. torch's MemTracker records the peak of
+live tensors of one `Trainer.train_step`; the estimate (`estimate(..., gpu=False)`) must neither
+miss more than a quarter of it nor exceed it by half:
+- activations + logits against the peak's activations and temporaries, on a 4-layer Llama with
+  16 x 128 tokens (activations dominate), for the default, full and selective recompute and a
+  packed token-budget row (not --bf16: MemTracker cannot walk Megatron's DDP wrapper, whose
+  `buffers` attribute shadows `Module.buffers`; the GPU check measures bf16 against
+  `torch.cuda.max_memory_allocated`);
+- the whole peak (weights, gradients, Adam state and activations) of SmolLM2-135M's second step
+  (the first creates Adam's state) against the estimate's total.
+The figures are printed (`-s`) for the note and docs/training.md.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from miles_core.config import parse_flags
+from miles_core.models.builtin import materialize_checkpoint
+from miles_core.prepare.memory import estimate
+from miles_core.samples import Group, Sample, SampleStatus
+from miles_core.train import hf_convert
+from miles_core.train.trainer import Trainer
+
+pytestmark = pytest.mark.slow
+MIB = 2 ** 20
+CASES = {
+    "default": [],
+    "full recompute": ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"],
+    "selective recompute": ["--recompute-granularity", "selective"],
+    "token budget": ["--use-dynamic-batch-size", "--max-tokens-per-gpu", "2048"],
+}
+
+
+def _groups(samples: int, length: int, vocab: int, prompt: int = 8) -> list[Group]:
+    rng = random.Random(0)
+    groups = []
+    for g in range(samples // 4):
+        p = [rng.randrange(vocab) for _ in range(prompt)]
+        ss = []
+        for i in range(4):
+            r = [rng.randrange(vocab) for _ in range(length - prompt)]
+            ss.append(Sample(f"g{g}", g, i, p, r, [-2.0] * len(r), [1] * len(r), [1] * len(r),
+                             reward=rng.random(), status=SampleStatus.COMPLETED))
+        groups.append(Group(f"g{g}", g, ss))
+    return groups
+
+
+def _config(flags: list[str], samples: int, length: int):
+    """One micro-batch of `samples` samples of `length` tokens (MemTracker measures one pass)."""
+    return parse_flags([*flags, "--max-seq-len", str(length), "--micro-batch-size", str(samples),
+                        "--rollout-batch-size", str(samples // 4), "--n-samples-per-prompt", "4"], check=False)
+
+
+def _peak(tr: Trainer, groups: list[Group], step: int = 0) -> dict[str, float]:
+    tracker = MemTracker()
+    tracker.track_external(tr.model, tr.optimizer)
+    with warnings.catch_warnings(), tracker:
+        warnings.simplefilter("ignore")
+        tr.train_step(step, groups)
+    return next(iter(tracker.get_tracker_snapshot("peak").values()))
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    return materialize_checkpoint("builtin:tiny-llama", 1, str(tmp_path_factory.mktemp("llama4")), num_layers=4)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_activation_estimate_is_within_bounds_of_the_measured_peak(llama4, case):
+    cfg = _config(CASES[case], samples=16, length=128)
+    est = estimate(hf_convert.read_hf_config(llama4), cfg, gpu=False)
+    with Trainer(cfg.train, llama4) as tr:
+        peak = _peak(tr, _groups(16, 128, tr.spec.vocab_size))
+    measured = peak["Activation"] + peak["Temp"]
+    estimated = est.activations + est.logits
+    print(f"{case}: measured activations {measured / MIB:.1f} MiB, estimated {estimated / MIB:.1f} MiB "
+          f"(ratio {estimated / measured:.2f})")
+    assert 0.75 * measured <= estimated <= 1.5 * measured
+
+
+def test_smollm2_135m_total_is_within_a_quarter_of_the_measured_peak(smollm2_hf):
+    _, path = smollm2_hf
+    cfg = _config([], samples=4, length=64)
+    est = estimate(hf_convert.read_hf_config(path), cfg, gpu=False)
+    with Trainer(cfg.train, path) as tr:
+        groups = _groups(4, 64, tr.spec.vocab_size)
+        tr.train_step(0, groups)  # Adam's state exists from here on
+        peak = _peak(tr, groups, step=1)
+    print(f"SmolLM2-135M, 4 x 64 tokens, fp32 CPU: measured peak {peak['Total'] / MIB:.0f} MiB "
+          f"({', '.join(f'{k} {v / MIB:.0f}' for k, v in peak.items() if v and k != 'Total')}); "
+          f"estimated {est.total / MIB:.0f} MiB ({est.describe()})")
+    assert 0.75 * peak["Total"] <= est.total <= 1.25 * peak["Total"]
