@@ -408,3 +408,18 @@ def _local_path(value: str) -> str | None:
     if value.startswith("file://"):
         return value[len("file://"):]
     return None if "://" in value else value
+
+
+def recompute_layers_problem(num_layers: int, method: str | None, recompute_num_layers: int | None) -> str | None:
+    """Why --recompute-num-layers does not fit a model of `num_layers` layers (None when it does):
+    uniform runs chunks of that many layers (Megatron indexes past the last layer otherwise), block
+    recomputes the first that many."""
+    if method is None or recompute_num_layers is None:
+        return None
+    if method == "uniform" and num_layers % recompute_num_layers:
+        return (f"--recompute-num-layers={recompute_num_layers} must divide the model's {num_layers} layers "
+                "under --recompute-method=uniform (layers per recomputed chunk)")
+    if method == "block" and recompute_num_layers > num_layers:
+        return (f"--recompute-num-layers={recompute_num_layers} must be at most the model's {num_layers} layers "
+                "under --recompute-method=block (layers recomputed)")
+    return None

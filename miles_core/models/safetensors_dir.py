@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
+
+if TYPE_CHECKING:  # validation imports this module and never imports torch
+    import torch
 
 
 class MissingWeights(ValueError):

@@ -16,11 +16,11 @@ import os
 
 from miles_core.config import RunConfig
 from miles_core.config.plugins import PluginError, load_plugin
-from miles_core.config.rules import raise_problems, rule_problems, type_problems
+from miles_core.config.rules import raise_problems, recompute_layers_problem, rule_problems, type_problems
 from miles_core.engines.auth import bind_problem
 from miles_core.models.builtin import builtin_hf_config
 from miles_core.models.source import PACKAGED, is_builtin
-from miles_core.prepare.memory import memory_problems
+from miles_core.prepare.memory import Shape, memory_problems
 from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.rollout.episodes import load_generate_function
 from miles_core.storage import Store
@@ -47,18 +47,27 @@ def _packaged_model(cfg: RunConfig) -> list[str]:
 
 
 def _memory(cfg: RunConfig) -> list[str]:
-    """With --gpu-memory-gb, the trainer's estimated memory per GPU fits it (when the model's config is
-    readable here: a builtin model or a local HF directory; a remote model is checked when the run
-    starts, after the model is present)."""
-    budget, hf_config = cfg.train.gpu_memory_gb, local_hf_config(cfg)
-    return memory_problems(hf_config, cfg, budget) if budget and hf_config else []
+    """The model checks of `model_problems` when the model's config is readable here (a builtin model
+    or a local HF directory; a remote model is checked when the run starts, after it is present)."""
+    hf_config = local_hf_config(cfg)
+    return model_problems(hf_config, cfg) if hf_config else []
+
+
+def model_problems(hf_config: dict, cfg: RunConfig) -> list[str]:
+    """What the trainer's flags need of the model: --recompute-num-layers fits its layers; with
+    --gpu-memory-gb, the trainer's estimated memory per GPU fits it."""
+    t = cfg.train
+    layers = Shape.from_hf_config(hf_config).layers
+    problem = recompute_layers_problem(layers, t.recompute_method, t.recompute_num_layers)
+    problems = [problem] if problem else []
+    return problems + (memory_problems(hf_config, cfg, t.gpu_memory_gb) if t.gpu_memory_gb else [])
 
 
 def check_memory(cfg: RunConfig, model_uri: str) -> None:
-    """With --gpu-memory-gb, ConfigError when the trainer's estimate for the model at `model_uri` (present
-    by now, wherever it lives) does not fit; called before any role starts."""
-    if cfg.train.gpu_memory_gb:
-        raise_problems(memory_problems(Store(model_uri).get_json("config.json"), cfg, cfg.train.gpu_memory_gb))
+    """ConfigError when `model_problems` finds any for the model at `model_uri` (present by now,
+    wherever it lives); called before any role starts."""
+    if cfg.train.gpu_memory_gb or cfg.train.recompute_method:
+        raise_problems(model_problems(Store(model_uri).get_json("config.json"), cfg))
 
 
 def local_hf_config(cfg: RunConfig) -> dict | None:

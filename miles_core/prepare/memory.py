@@ -42,7 +42,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from miles_core.config import RunConfig, replace_fields
-from miles_core.train.token_logprobs import CHUNK_BYTES
 
 GIB = 1024 ** 3
 CUDA_OVERHEAD_BYTES = 1 * GIB
@@ -172,6 +171,9 @@ def _activations(shape: Shape, cfg: RunConfig, b: int, s: int, tp: int, width: i
 
 
 LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in backward
+# miles_core.train.token_logprobs.CHUNK_BYTES, repeated so that validation never imports torch
+# (tests/unit/test_memory_estimate.py checks they agree)
+CHUNK_BYTES = 64 * 2**20
 
 
 def _logits(shape: Shape, tokens: int, tp: int) -> float:

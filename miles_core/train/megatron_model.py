@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from miles_core.config.rules import recompute_layers_problem
 from miles_core.train.cpu_shim import install_cpu_shim, megatron_on_cpu, seed_model_parallel_rng
 from miles_core.train.process_groups import ensure_process_groups
 from miles_core.train.token_logprobs import token_logprobs
@@ -103,21 +104,6 @@ def activation_options(train) -> dict[str, Any]:
     """`transformer_config`'s keywords from a TrainSection's --sequence-parallel and --recompute-*
     flags (None: none of them)."""
     return {name: getattr(train, name) for name in ACTIVATION_FLAGS} if train is not None else {}
-
-
-def recompute_layers_problem(num_layers: int, method: str | None, recompute_num_layers: int | None) -> str | None:
-    """Why --recompute-num-layers does not fit a model of `num_layers` layers (None when it does):
-    uniform runs chunks of that many layers (Megatron indexes past the last layer otherwise), block
-    recomputes the first that many."""
-    if method is None or recompute_num_layers is None:
-        return None
-    if method == "uniform" and num_layers % recompute_num_layers:
-        return (f"--recompute-num-layers={recompute_num_layers} must divide the model's {num_layers} layers "
-                "under --recompute-method=uniform (layers per recomputed chunk)")
-    if method == "block" and recompute_num_layers > num_layers:
-        return (f"--recompute-num-layers={recompute_num_layers} must be at most the model's {num_layers} layers "
-                "under --recompute-method=block (layers recomputed)")
-    return None
 
 
 def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False,

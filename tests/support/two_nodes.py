@@ -19,6 +19,8 @@ out (its raylet gives its agents 15 s to report their ports, which a loaded mach
 lines and their descendants, the engine node's by their network namespace, never `ray stop`), the
 S3 server, the holder and the veth pair, also after a failed start. Needs root with `unshare`,
 `nsenter` and `ip`; without them the cluster refuses to start (tests fail loudly, never skip).
+`start_network()` sets up only the namespaces and the veth pair, for a test of one connection across
+the two networks (`engine_node_command` runs a process on the engine node's network).
 """
 
 from __future__ import annotations
@@ -130,6 +132,21 @@ class TwoNodeCluster:
         self._attempts(lambda: self._run(head), head=True)
         self._attempts(lambda: self._start_worker(worker), head=False)
         self._renice()
+
+    def start_network(self) -> "TwoNodeCluster":
+        """Only the engine node's namespaces and the veth pair, no Ray and no S3 (a test of one connection
+        across the two networks runs its processes there with `engine_node_command`); `stop()` as usual."""
+        try:
+            self._namespaces()
+            self._network()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def engine_node_command(self, cmd: list[str]) -> list[str]:
+        """`cmd` run in the engine node's network namespace (this node's files, the other network)."""
+        return ["nsenter", "-t", str(self.holder.pid), "-n", *cmd]
 
     def _attempts(self, start, head: bool, tries: int = 3) -> None:
         """`start()`, again after a Ray node that timed out during startup (what it left is killed first)."""

@@ -155,3 +155,16 @@ def test_advice_names_each_single_change_that_fits():
     assert len(problems) == 1
     assert "--use-distributed-optimizer" in problems[0] and "--tensor-model-parallel-size 2" in problems[0]
     assert "--recompute-granularity" not in problems[0]
+
+
+def test_the_logit_chunk_is_the_trainers():
+    """prepare.memory repeats token_logprobs' chunk size so that validation never imports torch."""
+    import subprocess
+    import sys
+
+    from miles_core.prepare import memory
+    from miles_core.train import token_logprobs
+
+    assert memory.CHUNK_BYTES == token_logprobs.CHUNK_BYTES
+    code = "import sys, miles_core.cli, miles_core.prepare.checks; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
