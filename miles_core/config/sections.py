@@ -122,6 +122,7 @@ class TrainSection:
     weight_decay: float = opt(0.0, "AdamW weight decay.")
     clip_grad: float = opt(1.0, "Gradient-norm clip.")
     bf16: bool = opt(False, "Train with bf16 weights and activations and fp32 main weights in Megatron's mixed-precision optimizer. A trainer on GPUs always trains in bf16; on a machine without GPUs it trains in fp32 unless this is set.")
+    transformer_impl: str = opt("auto", "The trainer's transformer layers (Megatron's --transformer-impl): transformer_engine = Transformer Engine's fused layers (needs a GPU and the transformer_engine package), local = Megatron's plain torch layers; auto = transformer_engine where it imports on a GPU, else local. Checkpoints move between the two.", choices=("auto", "local", "transformer_engine"))
     use_distributed_optimizer: bool = opt(False, "Megatron's distributed optimizer (ZeRO-1): the fp32 main weights and Adam moments are sharded over data-parallel ranks, 12 bytes per parameter / DP instead of 12 on every rank. Checkpoints gather its state onto DP rank 0 (Megatron's dp-zero format), so they resume at any DP size.")
     advantage_estimator: str = opt("grpo", "grpo (group-normalized advantages); ppo (a critic) is not supported (refused).", choices=("grpo", "ppo"))
     normalize_advantages_std: bool = opt(True, "Divide GRPO advantages by the group reward std.")

@@ -195,9 +195,25 @@ def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> N
         copy_checked(k, dst, mc[k])
 
 
+# Transformer Engine's layer spec fuses each layer's norms into the next linear layer
+# (TELayerNormColumnParallelLinear); the local spec's names are the canonical ones everywhere
+# (conversion, TP sharding, checkpoints), so a checkpoint moves between the two specs.
+TE_FUSED_NORMS = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+                  ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+
+
+def canonical_name(name: str) -> str:
+    """The local layer spec's name of a model tensor (Transformer Engine's fused norms renamed)."""
+    for fused, local in TE_FUSED_NORMS:
+        if fused in name:
+            return name.replace(fused, local)
+    return name
+
+
 def model_tensors(model) -> dict[str, Tensor]:
-    """The model's tensors by Megatron name (sharing storage with its parameters), no `_extra_state`."""
-    return {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    """The model's tensors by canonical Megatron name (sharing storage with its parameters), no
+    `_extra_state`."""
+    return {canonical_name(k): v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def check_names(spec: ModelSpec, own: dict[str, Tensor], loaded) -> None:
@@ -216,8 +232,8 @@ def copy_checked(name: str, dst: Tensor, src: Tensor) -> None:
 
 
 def megatron_state(model) -> dict[str, Tensor]:
-    """The model's tensors (detached, CPU) without Megatron's `_extra_state` entries."""
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()
+    """The model's tensors (detached, CPU) by canonical name, without Megatron's `_extra_state` entries."""
+    return {canonical_name(k): v.detach().cpu() for k, v in model.state_dict().items()
             if not k.endswith("_extra_state") and isinstance(v, torch.Tensor)}
 
 

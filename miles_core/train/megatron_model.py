@@ -17,6 +17,7 @@ in bf16 wrapped in Megatron DDP with Megatron's mixed-precision (not distributed
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,7 +152,13 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
     seed_model_parallel_rng(seed)
     cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16,
                              **activation_options(train))
-    layer_spec = sequence_parallel_norms(get_gpt_layer_local_spec(normalization=cfg.normalization), cfg)
+    impl = transformer_impl(getattr(train, "transformer_impl", "auto"))
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = sequence_parallel_norms(get_gpt_layer_local_spec(normalization=cfg.normalization), cfg)
     gpt2 = spec.family == "gpt2"
     model = GPTModel(
         cfg, layer_spec, vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
@@ -160,11 +167,27 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
         share_embeddings_and_output_weights=spec.tied_embeddings,
         parallel_output=False,  # full-vocab logits on every TP rank: the loss needs log-softmax over all of it
     )
+    model.miles_transformer_impl = impl  # forward_hidden passes packed rows to TE as THD
     if bf16:  # as Megatron's Float16Module does: the torch norms (no Apex/TE) are built in fp32
         model = model.bfloat16()
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def transformer_engine_available() -> bool:
+    """Transformer Engine can build the layers here: a GPU, and the package importable."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_impl(requested: str) -> str:
+    """--transformer-impl resolved: auto = transformer_engine where it is available, else local."""
+    if requested == "auto":
+        return "transformer_engine" if transformer_engine_available() else "local"
+    if requested == "transformer_engine" and not transformer_engine_available():
+        raise UnsupportedModel("--transformer-impl=transformer_engine needs a GPU and the transformer_engine "
+                               "package on the trainer's nodes; use --transformer-impl local (or auto)")
+    return requested
 
 
 class SequenceParallelTorchNorm:
@@ -221,9 +244,13 @@ def forward_hidden(model, tokens: torch.Tensor, position_ids: torch.Tensor | Non
     builds the causal mask only when none is passed (fusions/fused_softmax.py, `forward_torch_softmax`;
     the fused kernel is off: `masked_softmax_fusion=False`).
 
+    Under Transformer Engine's layer spec a packed row goes as THD instead (`thd_params`): TE's
+    attention ignores an explicit mask.
+
     GPTModel's `_postprocess` returns the decoder's output as is when `post_process` is off (what a
     pipeline stage before the last does); the decoder keeps its own final layernorm."""
     b, s = tokens.shape
+    packed = attention_mask is not None
     if position_ids is None:
         position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     if attention_mask is None:
@@ -231,11 +258,29 @@ def forward_hidden(model, tokens: torch.Tensor, position_ids: torch.Tensor | Non
     gpt = unwrap(model)
     if not gpt.post_process:
         raise ValueError("forward_hidden needs the model's last pipeline stage (post_process=True)")
+    extra = {}
+    if packed and getattr(gpt, "miles_transformer_impl", "local") == "transformer_engine":
+        extra["packed_seq_params"], attention_mask = thd_params(position_ids), None
     gpt.post_process = False
     try:
-        return model(tokens, position_ids, attention_mask)
+        return model(tokens, position_ids, attention_mask, **extra)
     finally:
         gpt.post_process = True
+
+
+def thd_params(position_ids: torch.Tensor):
+    """Transformer Engine's view of a packed row [1, T]: the samples' boundaries (where the position
+    ids restart at 0) as `PackedSeqParams(qkv_format="thd")`; TE then masks each sample causally and
+    Megatron rotates RoPE per sample (cu_seqlens)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    row = position_ids[0]
+    starts = (row == 0).nonzero().flatten()
+    ends = torch.cat([starts[1:], torch.tensor([row.numel()], device=row.device)])
+    cu = torch.cat([starts[:1] * 0, ends]).to(torch.int32)
+    longest = int((ends - starts).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
 
 
 def output_shard(model) -> tuple[torch.Tensor, int]:

@@ -275,10 +275,11 @@ class Trainer:
         if saved_tp != self.tp:
             raise TrainError(f"checkpoint was saved with --tensor-model-parallel-size={saved_tp}; this trainer has "
                              f"{self.tp}. Resuming at another TP size is not supported (the DP size may change).")
-        own = {k: v for k, v in unwrap(self.model).state_dict().items() if not k.endswith("_extra_state")}
+        own = hf_convert.model_tensors(unwrap(self.model))
         if set(own) != set(model) or meta.get("spec") != self.spec.__dict__:
             raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
-        targets = [own] + ([unwrap(self.ref_model).state_dict()] if reference and self.ref_model is not None else [])
+        ref = [hf_convert.model_tensors(unwrap(self.ref_model))] if reference and self.ref_model is not None else []
+        targets = [own] + ref
         with torch.no_grad():
             for target in targets:
                 for k in own:
