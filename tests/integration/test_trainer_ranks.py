@@ -191,3 +191,52 @@ def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, 
                        "--num-cpus-trainer", "1", "--save", "", "--save-interval", "none"])
     with pytest.raises(TrainerPlacementError, match="8 ranks .* could not be placed within 2 s"):
         TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=2)
+
+
+MEMORY_FLAGS = ("--use-distributed-optimizer", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64")
+
+
+def test_memory_flags_in_ray_ranks_make_the_same_update_and_resume(tmp_path, tiny_gpt):
+    """The memory-saving flags in the real rank actors (Megatron's DDP and distributed optimizer on CPU
+    through cpu_shim.megatron_on_cpu, packed micro-batches): DP=2 makes the default DP=1 step, and its
+    checkpoint, restored by fresh rank processes, makes the same next step."""
+    ckpt = f"file://{tmp_path}/ckpt-mem"
+    batch0, batch1 = make_groups(n_groups=5, seed=0), make_groups(n_groups=5, seed=1)
+    one = TrainerGroup(_cfg(tmp_path, 1), tiny_gpt, [])
+    two = TrainerGroup(_cfg(tmp_path, 2, save=ckpt, extra=MEMORY_FLAGS), tiny_gpt, [])
+    try:
+        m1 = one.call("train_step", 0, batch0).result()
+        m2 = two.call("train_step", 0, batch0).result()
+        assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
+        assert m2["train/padding_fraction"] == 0.0
+        two.call("save_checkpoint", 0, {"weight_version": 1}).result()
+        loss_next = two.call("train_step", 1, batch1).result()["train/loss"]
+        weights = _weights(two, tmp_path / "mem-w")
+    finally:
+        one.shutdown()
+        two.shutdown()
+    again = TrainerGroup(_cfg(tmp_path, 2, save=ckpt, extra=MEMORY_FLAGS), tiny_gpt, [])
+    try:
+        assert again.call("restore_latest").result()[0] == 0
+        assert again.call("train_step", 1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=1e-6)
+        assert _max_diff(weights, _weights(again, tmp_path / "mem-w2")) < 1e-6
+    finally:
+        again.shutdown()
+
+
+def test_tp2_sequence_parallel_with_recompute_and_the_distributed_optimizer(tmp_path, tiny_llama16):
+    """TP=2 ranks with --sequence-parallel, full recompute and Megatron's optimizer compute the TP=1 step."""
+    batch = make_groups(n_groups=3, seed=4)
+    extra = ("--sequence-parallel", "--recompute-granularity", "full", "--recompute-method", "uniform",
+             "--recompute-num-layers", "1", "--use-distributed-optimizer")
+    one = TrainerGroup(_cfg(tmp_path, 1), tiny_llama16, [])
+    tp2 = TrainerGroup(_cfg(tmp_path, 2, tp=2, extra=extra), tiny_llama16, [])
+    try:
+        m1 = one.call("train_step", 0, batch).result()
+        m2 = tp2.call("train_step", 0, batch).result()
+        assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
+        assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-4)
+        assert _max_diff(_weights(one, tmp_path / "t1"), _weights(tp2, tmp_path / "t2")) < PARAM_ATOL
+    finally:
+        one.shutdown()
+        tp2.shutdown()
