@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from flytekit import ImageSpec
+from flytekit.constants import CopyFileDetection
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 REGISTRY = os.environ.get("MILES_IMAGE_REGISTRY", "ghcr.io/miles-flyte")
@@ -51,6 +52,10 @@ def gpu_packages() -> list[str]:
     return [*pins, *GPU_EXTRAS]
 
 
+# SOURCE_COPY: the project's whole source goes into the images (and, for `pyflyte run --remote`,
+# into the fast-registration bundle: `--copy all`). flytekit's default copies only the modules that
+# registration imported, and the tasks import most of miles_core when they run (the driver, the
+# trainer, the engines' server processes), so such an image or bundle fails with ModuleNotFoundError.
 cpu_image = ImageSpec(
     name="miles-flyte-cpu",
     registry=REGISTRY,
@@ -59,6 +64,7 @@ cpu_image = ImageSpec(
     requirements=str(PROJECT_ROOT / "requirements.lock"),
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
     env={"PYTHONUNBUFFERED": "1"},
+    source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
 )
 
 gpu_image = ImageSpec(
@@ -70,6 +76,7 @@ gpu_image = ImageSpec(
     # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch.
     packages=gpu_packages(),
     env={"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"},
+    source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
 )
 
 IMAGES = {"cpu": cpu_image, "gpu": gpu_image}
