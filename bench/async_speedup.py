@@ -1,4 +1,4 @@
-"""Fully async vs one-step-off vs sync on the real rollout and driver code (issue #7, DESIGN §5).
+"""Fully async vs one-step-off vs sync on the real rollout and driver code (docs/fully-async.md).
 
     .venv/bin/python bench/async_speedup.py            # ~6 minutes: 3 drivers x 20 steps, then the sensitivity table
     .venv/bin/python bench/async_speedup.py --no-table --push-model tiny-store

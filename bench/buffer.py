@@ -1,4 +1,4 @@
-"""Durable buffer throughput against raw writes of the same objects to the same store (DESIGN §6.2).
+"""Durable buffer throughput against raw writes of the same objects to the same store (docs/data-path.md).
 
     .venv/bin/python bench/buffer.py [--groups 400] [--producers 8] [--stores file,s3] [--index-groups 100000]
 

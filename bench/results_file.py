@@ -60,6 +60,8 @@ class ResultsFile:
                 json.dump(finite(record), f, indent=1, allow_nan=False)
                 f.write("\n")
             print(f"figures written to {path}", flush=True)
+            if os.path.dirname(os.path.abspath(path)) == RESULTS_DIR:
+                print("docs/benchmarks.md quotes them: render it with `.venv/bin/python bench/figures.py`", flush=True)
         return record
 
 

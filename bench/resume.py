@@ -1,4 +1,4 @@
-"""Resume cost of the durable buffer: reopen time against the backlog, not the history (DESIGN §6.2).
+"""Resume cost of the durable buffer: reopen time against the backlog, not the history (docs/data-path.md).
 
     .venv/bin/python bench/resume.py [--consumed 95000] [--backlogs 5000,10000] [--stores file,s3]
 

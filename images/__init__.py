@@ -56,6 +56,8 @@ def gpu_packages() -> list[str]:
 # into the fast-registration bundle: `--copy all`). flytekit's default copies only the modules that
 # registration imported, and the tasks import most of miles_core when they run (the driver, the
 # trainer, the engines' server processes), so such an image or bundle fails with ModuleNotFoundError.
+# The tag then hashes every tracked-looking file (gitignore applies): a code change makes a new tag,
+# whose build reuses every layer but the last (the source).
 cpu_image = ImageSpec(
     name="miles-flyte-cpu",
     registry=REGISTRY,
@@ -64,7 +66,7 @@ cpu_image = ImageSpec(
     requirements=str(PROJECT_ROOT / "requirements.lock"),
     pip_extra_index_url=["https://download.pytorch.org/whl/cpu"],
     env={"PYTHONUNBUFFERED": "1"},
-    source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
+    source_root=str(PROJECT_ROOT), source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
 )
 
 gpu_image = ImageSpec(
@@ -76,7 +78,7 @@ gpu_image = ImageSpec(
     # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch.
     packages=gpu_packages(),
     env={"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"},
-    source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
+    source_root=str(PROJECT_ROOT), source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
 )
 
 IMAGES = {"cpu": cpu_image, "gpu": gpu_image}

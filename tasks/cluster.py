@@ -40,9 +40,14 @@ RAY_CLUSTER = RayJobConfig(
     ttl_seconds_after_finished=600,
 )
 
-# Ray counts a pod's CPU request as its CPUs and the head starts with num-gpus 0.
-TRAIN_CLUSTER = ClusterShape(
-    (Node("head", HEAD_CPUS, 0),
-     *(Node(f"gpu worker {i}", CPUS_PER_GPU * GPUS_PER_WORKER, GPUS_PER_WORKER) for i in range(GPU_WORKERS))),
-    f"the train task's Ray cluster ({GPU_WORKERS} x {GPUS_PER_WORKER}-GPU worker; MILES_RAY_GPU_WORKERS, "
-    "MILES_RAY_GPUS_PER_WORKER)")
+
+def train_cluster(gpu_workers: int, gpus_per_worker: int) -> ClusterShape:
+    """The shape of RAY_CLUSTER registered with these MILES_RAY_* values. Ray counts a pod's CPU request
+    as its CPUs, and the head starts with num-gpus 0."""
+    workers = (Node(f"gpu worker {i}", CPUS_PER_GPU * gpus_per_worker, gpus_per_worker) for i in range(gpu_workers))
+    return ClusterShape((Node("head", HEAD_CPUS, 0), *workers),
+                        f"the train task's Ray cluster ({gpu_workers} x {gpus_per_worker}-GPU worker; "
+                        "MILES_RAY_GPU_WORKERS, MILES_RAY_GPUS_PER_WORKER)")
+
+
+TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER)

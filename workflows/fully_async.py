@@ -1,4 +1,4 @@
-"""fully_async_rl: import_model -> prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
+"""fully_async_rl: plan, import_model -> prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
 
     pyflyte run workflows/fully_async.py fully_async_rl                       # the embedded default (CPU)
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--rollout-batch-size 16"
@@ -8,7 +8,8 @@
 `flags` is the miles command line (every flag of `miles validate --help`); `run_id`,
 `storage_root` and `segment_steps` are typed shortcuts ("" / 0: as in flags or the default).
 Locally the tasks run one after another (train, then the follower evaluates what it left);
-on a cluster train and eval_follower run side by side.
+on a cluster train and eval_follower run side by side. `plan` runs first locally and prints what the
+execution will do (or that the run already finished, and how to continue it); nothing waits for it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flytekit.types.file import HTMLPage
 from tasks.data import data_fingerprint, prepare_data
 from tasks.eval import eval_follower_sized
 from tasks.model import import_model, model_fingerprint
+from tasks.plan import plan
 from tasks.report import report
 from tasks.train import train
 
@@ -32,6 +34,7 @@ def fully_async_rl(flags: str = "", run_id: str = "", storage_root: str = "", se
     :param storage_root: object-storage prefix of runs, e.g. s3://bucket/miles ("" : --storage-root from flags, else ./.miles)
     :param segment_steps: train at most this many steps in this execution, then checkpoint and exit (0: to --num-rollout)
     """
+    plan(flags=flags, run_id=run_id, storage_root=storage_root, segment_steps=segment_steps)  # the first lines
     model = import_model(flags=flags, run_id=run_id, storage_root=storage_root,
                          fingerprint=model_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root))
     fingerprint = data_fingerprint(flags=flags, run_id=run_id, storage_root=storage_root)

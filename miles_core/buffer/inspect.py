@@ -1,4 +1,7 @@
-"""`miles buffer inspect RUN_URI`: what the durable buffer of a run holds, read-only.
+"""`miles buffer inspect RUN_URI [--ids]`: what the durable buffer of a run holds, read-only.
+
+    inspect_buffer(run_uri)   # counts: committed, consumed, rejected, available, quarantined, ...
+    group_ids(run_uri)        # each group's id, status (consumed / rejected / available) and step
 
 Reads every consumption manifest and every group object (nothing is moved, deleted or
 quarantined; undecodable objects are counted under `undecodable_objects`).
@@ -18,32 +21,9 @@ def inspect_buffer(run_uri: str) -> dict:
     newest_version: over the available groups' token versions (None when unknown or none).
     """
     store = Store(run_uri)
-    consumed: set[str] = set()
-    rejected: set[str] = set()
-    steps: list[int] = []
-    for key in store.list(O.CONSUMED):
-        step = O.consumed_step(key)
-        if step is None:
-            continue
-        try:
-            manifest = store.get_json(key)
-        except (ObjectNotFound, StorageError):
-            continue
-        if isinstance(manifest, dict):
-            steps.append(step)
-            consumed.update(manifest.get("consumed", ()))
-            rejected.update(manifest.get("rejected", ()))
-    sizes = {k: v for k, v in store.list_sizes(O.GROUPS).items() if k.endswith(".arrow")}
-    committed: dict[str, O.StoredGroup] = {}
-    undecodable = 0
-    for key in sizes:
-        try:
-            for sg in O.decode_object(store.get_bytes(key), store.uri(key)):
-                committed.setdefault(sg.group_id, sg)
-        except (ObjectNotFound, StorageError):
-            raise
-        except Exception:  # noqa: BLE001 - counted, the tool never crashes on a bad object
-            undecodable += 1
+    consumed, rejected, steps = _fates(store)
+    sizes = _object_sizes(store)
+    committed, undecodable = _committed(store, sizes)
     available = [g for gid, g in committed.items() if gid not in consumed and gid not in rejected]
     oldest = [g.oldest_version for g in available if g.oldest_version is not None]
     newest = [g.newest_version for g in available if g.newest_version is not None]
@@ -63,3 +43,64 @@ def inspect_buffer(run_uri: str) -> dict:
         "oldest_version": min(oldest) if oldest else None,
         "newest_version": max(newest) if newest else None,
     }
+
+
+def group_ids(run_uri: str) -> list[dict]:
+    """Every group of the buffer at `run_uri`: {"group_id", "status": consumed | rejected | available,
+    "step": the step that consumed or rejected it (None when available), "stored": its object is
+    still there}; committed groups in commit order, then those only a manifest still names (their
+    object deleted after consumption)."""
+    store = Store(run_uri)
+    consumed, rejected, _ = _fates(store)
+    committed, _ = _committed(store, _object_sizes(store))
+    ids = [*committed, *sorted((consumed.keys() | rejected.keys()) - committed.keys())]
+    return [_group_row(gid, consumed, rejected, gid in committed) for gid in ids]
+
+
+def _group_row(gid: str, consumed: dict[str, int], rejected: dict[str, int], stored: bool) -> dict:
+    if gid in consumed:
+        return {"group_id": gid, "status": "consumed", "step": consumed[gid], "stored": stored}
+    if gid in rejected:
+        return {"group_id": gid, "status": "rejected", "step": rejected[gid], "stored": stored}
+    return {"group_id": gid, "status": "available", "step": None, "stored": stored}
+
+
+def _fates(store: Store) -> tuple[dict[str, int], dict[str, int], list[int]]:
+    """(consumed id -> step, rejected id -> step, the steps with a manifest), from every manifest."""
+    consumed: dict[str, int] = {}
+    rejected: dict[str, int] = {}
+    steps: list[int] = []
+    for key in store.list(O.CONSUMED):
+        step = O.consumed_step(key)
+        if step is None:
+            continue
+        try:
+            manifest = store.get_json(key)
+        except (ObjectNotFound, StorageError):
+            continue
+        if isinstance(manifest, dict):
+            steps.append(step)
+            for gid in manifest.get("consumed", ()):
+                consumed.setdefault(gid, step)
+            for gid in manifest.get("rejected", ()):
+                rejected.setdefault(gid, step)
+    return consumed, rejected, steps
+
+
+def _object_sizes(store: Store) -> dict[str, int]:
+    return {k: v for k, v in store.list_sizes(O.GROUPS).items() if k.endswith(".arrow")}
+
+
+def _committed(store: Store, sizes: dict[str, int]) -> tuple[dict[str, O.StoredGroup], int]:
+    """(group id -> its stored group, in commit order; how many objects did not decode)."""
+    committed: dict[str, O.StoredGroup] = {}
+    undecodable = 0
+    for key in sizes:
+        try:
+            for sg in O.decode_object(store.get_bytes(key), store.uri(key)):
+                committed.setdefault(sg.group_id, sg)
+        except (ObjectNotFound, StorageError):
+            raise
+        except Exception:  # noqa: BLE001 - counted, the tool never crashes on a bad object
+            undecodable += 1
+    return committed, undecodable

@@ -1,156 +1,115 @@
-"""The `miles` console script.
+"""The `miles` console script: one parser per command, one exit-code rule, no traceback for user errors.
 
-    miles validate [FLAGS...]        resolved config as JSON (exit 0) or the problems (exit 2)
-    miles buffer inspect RUN_URI     counts of the durable buffer as JSON
-    miles report RUN_URI [-o FILE]   self-contained HTML report of a run
-    miles import-model SRC DEST_URI  import a GGUF file (or import:NAME) or an HF directory (DESIGN §18)
-    miles fork RUN_URI --at-step K --new-run ID [FLAGS...]   a new run from step K's checkpoint (§8.3)
-    miles replay RUN_URI [--steps N] [FLAGS...]  retrain on the recorded groups, no generation
-    miles runs show RUN_URI [--json]             state, steps, segments, lease, checkpoints, snapshots,
-                                                 buffer counts and eval results of a run
-    miles lineage RUN_URI GROUP_ID [--json]      a group's prompt, token versions, the step that consumed
-                                                 it, the checkpoint and snapshot that include it, evals near it
+    miles validate [FLAGS...]                       the resolved config as JSON, or every problem with it
+    miles runs show RUN_URI [--json]                what a run root holds: state, steps, segments, lease,
+                                                    checkpoints, snapshots, buffer counts, evals
+    miles runs list STORAGE_ROOT [--json]           every run under a storage root: id, state, steps, last update
+    miles buffer inspect RUN_URI [--ids] [--json]   the durable buffer's counts, or every group id and its fate
+    miles lineage RUN_URI GROUP_ID [--json]         where one group came from and went
+    miles report RUN_URI [-o FILE]                  a self-contained HTML report of a run
+    miles import-model SRC DEST_URI                 a GGUF file (or import:NAME) or an HF directory, imported
+    miles fork RUN_URI --at-step K --new-run ID [FLAGS...]    a new run from step K's checkpoint
+    miles replay RUN_URI [--steps N] [--from-step K] [--out URI] [FLAGS...]   retrain on the recorded groups
+
+Every command answers -h/--help anywhere on its line, takes its options before or after its
+positional arguments, and reports every problem of its command line at once. Exit status (see
+`miles_core.cli.errors`): 0 ok, 1 a runtime failure, 2 a usage or configuration error. The commands
+that only read (runs, buffer, lineage, report) give up on unreachable storage after
+--storage-timeout seconds (default 5). `main(argv)` returns the status instead of exiting, for
+in-process callers.
 """
 
 from __future__ import annotations
 
-import json
+import io
+import os
 import sys
-import time
 
-from miles_core.buffer.inspect import inspect_buffer
-from miles_core.config import ConfigError, config_to_json, flag_table, parse_flags
-from miles_core.metrics.report import write_report
-from miles_core.models.source import import_source
-from miles_core.prepare.checks import local_hf_config, validate
-from miles_core.prepare.memory import estimate
-from miles_core.prepare.model_import import import_model
-from miles_core.storage import StorageError, Store
-from miles_core.storage.run_root import require_run
+from miles_core import __version__
+from miles_core.cli import making, reading
+from miles_core.cli.errors import EXIT_OK, EXIT_USAGE, explain
+from miles_core.cli.parsing import Command, ParserExit, UsageError, unknown_command
 
-USAGE = __doc__
+COMMANDS = {c.name: c for c in [*making.COMMANDS, *reading.COMMANDS]}
 
 
-def _validate(argv: list[str]) -> int:
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: miles validate [FLAGS...]\n")
-        for s in flag_table():
-            choices = f" {{{','.join(s.choices)}}}" if s.choices else ""
-            print(f"  {s.flag}{choices}  (default {s.default!r})\n      {s.help}")
-        return 0
-    try:
-        cfg = validate(parse_flags(argv))
-    except ConfigError as e:
-        print(f"miles validate: {e}", file=sys.stderr)
-        return 2
-    print(config_to_json(cfg))
-    hf_config = local_hf_config(cfg) if cfg.engine.engine_backend == "sglang" else None
-    if hf_config is not None:
-        print(f"miles validate: trainer memory per GPU (estimate): {estimate(hf_config, cfg).describe()}",
-              file=sys.stderr)
-    return 0
-
-
-def _buffer(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "inspect":
-        print("usage: miles buffer inspect RUN_URI", file=sys.stderr)
-        return 2
-
-    print(json.dumps(inspect_buffer(_existing_run(argv[1])), indent=2, sort_keys=True))
-    return 0
-
-
-def _report(argv: list[str]) -> int:
-    if not argv or argv[-1] == "-o":
-        print("usage: miles report RUN_URI [-o FILE]", file=sys.stderr)
-        return 2
-
-    out = argv[argv.index("-o") + 1] if "-o" in argv else "report.html"
-    print(write_report(_existing_run(argv[0]), out))
-    return 0
-
-
-def _existing_run(run_uri: str) -> str:
-    require_run(Store(run_uri))
-    return run_uri
-
-
-def _import_model(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: miles import-model SRC DEST_URI\n  SRC: a .gguf file (path or URI), import:NAME, "
-              "or a local HF directory with safetensors weights", file=sys.stderr)
-        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
-
-    started = time.time()
-    try:
-        uri = import_model(import_source(argv[0]), argv[1])
-    except (ValueError, OSError, StorageError) as e:  # ModelSourceError is a ValueError
-        print(f"miles import-model: {e}", file=sys.stderr)
-        return 2
-    print(uri)
-    print(f"miles import-model: done in {time.time() - started:.1f}s", file=sys.stderr)
-    return 0
-
-
-def _fork(argv: list[str]) -> int:
-    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
-    from miles_core.lineage.fork import main as fork_main
-
-    return fork_main(argv)
-
-
-def _replay(argv: list[str]) -> int:
-    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
-    from miles_core.lineage.replay import main as replay_main
-
-    return replay_main(argv)
-
-
-def _runs(argv: list[str]) -> int:
-    args = [a for a in argv if a != "--json"]
-    if len(args) != 2 or args[0] != "show":
-        print("usage: miles runs show RUN_URI [--json]", file=sys.stderr)
-        return 2
-    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
-    from miles_core.lineage.show import render_summary, run_summary
-
-    return _emit(run_summary(args[1]), render_summary, "--json" in argv)
-
-
-def _lineage(argv: list[str]) -> int:
-    args = [a for a in argv if a != "--json"]
-    if len(args) != 2:
-        print("usage: miles lineage RUN_URI GROUP_ID [--json]", file=sys.stderr)
-        return 2
-    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
-    from miles_core.lineage.trace import group_lineage, render_lineage
-
-    return _emit(group_lineage(*args), render_lineage, "--json" in argv)
-
-
-def _emit(data: dict, render, as_json: bool) -> int:
-    print(json.dumps(data, indent=2, sort_keys=True) if as_json else render(data))
-    return 0
-
-
-COMMANDS = {"validate": _validate, "buffer": _buffer, "report": _report, "import-model": _import_model,
-            "fork": _fork, "replay": _replay, "runs": _runs, "lineage": _lineage}
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {c.summary}" for name, c in COMMANDS.items()]
+    return ("usage: miles COMMAND [ARGS...]   (`miles COMMAND --help` for its arguments)\n\ncommands:\n"
+            + "\n".join(lines) + "\n\nexit status: 0 ok, 1 runtime failure, 2 usage or configuration error")
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in COMMANDS:
-        print(USAGE, file=sys.stderr)
-        return 2
+    argv = sys.argv[1:] if argv is None else list(argv)
+    name = argv[0] if argv and argv[0] in COMMANDS else ""
     try:
-        return COMMANDS[argv[0]](argv[1:])
-    except Exception as e:  # noqa: BLE001 - one clear line for users, not a stack trace
+        status = _dispatch(argv)
+        sys.stdout.flush()  # here, so a closed pipe is met inside the handler below, not at exit
+        return status
+    except BrokenPipeError:
+        return _reader_gone()
+    except KeyboardInterrupt:
+        print(f"{_prefix(name)}: interrupted", file=sys.stderr)
+        return 130
+    except ParserExit as e:
+        return e.status
+    except Exception as e:  # noqa: BLE001 - one clear line for users; a bug keeps its traceback
+        return _report(e, name)
 
-        if isinstance(e, (StorageError, ValueError, FileNotFoundError)):
-            print(f"miles {argv[0]}: {type(e).__name__}: {e}", file=sys.stderr)
-            return 1
-        raise
+
+def _dispatch(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help", "--version"):
+        return _top_level(argv)
+    if argv[0] not in COMMANDS:
+        raise UsageError(unknown_command(argv[0], list(COMMANDS)), usage().splitlines()[0])
+    return _run(COMMANDS[argv[0]], argv[1:])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def _top_level(argv: list[str]) -> int:
+    """`miles` alone (a usage error), `miles --help`, `miles --version`."""
+    if not argv:
+        print(usage(), file=sys.stderr)
+        return EXIT_USAGE
+    print(f"miles {__version__}" if argv[0] == "--version" else usage())
+    return EXIT_OK
+
+
+def _run(command: Command, args: list[str]) -> int:
+    parser = command.parser()
+    try:
+        ns, extras = parser.parse_known_args(args)
+    except UsageError:
+        if not {"-h", "--help"} & set(args):
+            raise
+        print(parser.format_help())  # --help asked for, after words that do not fit: the command's help
+        return EXIT_OK
+    if extras and not command.takes_flags:
+        parser.refuse(ns, extras)
+    ns.run_flags = [*getattr(ns, "run_flags", []), *extras]  # unknown --words: parse_flags names them
+    ns.usage = parser.format_usage().strip()
+    return ns.handler(ns)
+
+
+def _report(exc: Exception, name: str) -> int:
+    explained = explain(exc)
+    if explained is None:
+        raise exc
+    status, line = explained
+    if isinstance(exc, UsageError) and exc.usage:
+        print(exc.usage, file=sys.stderr)
+    print(f"{_prefix(name)}: {line}", file=sys.stderr)
+    return status
+
+
+def _prefix(name: str) -> str:
+    return f"miles {name}" if name else "miles"
+
+
+def _reader_gone() -> int:
+    """The reader of stdout went away (`miles ... | head`): not an error; silence the exit-time flush."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, io.UnsupportedOperation):
+        pass
+    return EXIT_OK

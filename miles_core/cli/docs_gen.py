@@ -1,5 +1,5 @@
-"""Generated references in docs/reference/ (DESIGN §13): the flag and metric tables come from the code,
-and so does the list of layers in docs/architecture.md (between its `layers` markers).
+"""Generated references in docs/reference/: the flag and metric tables come from the code,
+and so does the list of layers in docs/architecture.md (between its `layers` markers; DESIGN §13).
 
     python -m miles_core.cli.docs_gen            # rewrite docs/reference/*.md and the layers section
     python -m miles_core.cli.docs_gen --check    # exit 1 and name the stale files (what the tests do)

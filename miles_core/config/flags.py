@@ -1,6 +1,12 @@
 """Kebab-case flags -> RunConfig: the parser miles users know, presets first, explicit flags on top.
 
     cfg = parse_flags(["--rollout-batch-size", "16"])   # checked by the config's own rules
+    cfg, problems = read_flags(argv)                     # the flags that parsed; the rest as problems
+
+Every problem of a command line is reported at once: unknown flags, malformed values (a flag
+without its value, a number that is not one, a value outside its choices) and, unless check=False,
+the config's own rules (those that concern a flag whose value was malformed are left out: they
+would judge its default). One problem is one line; several are the list `invalid configuration:`.
 
 The checks that load plug-ins or read model specs run above the config
 (`miles_core.prepare.checks.validate`).
@@ -9,10 +15,11 @@ The checks that load plug-ins or read model specs run above the config
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 from miles_core.config.presets import PresetError, preset_values
-from miles_core.config.rules import check as check_config
+from miles_core.config.rules import rule_problems, type_problems
 from miles_core.config.tree import (
     SPECS_BY_NAME,
     ConfigError,
@@ -30,58 +37,110 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
+_MISSING = object()  # the value of a scalar flag given without one
+_CONVERT = {"int": int, "float": float, "str": str}
+
+
 def _build_parser() -> argparse.ArgumentParser:
+    """Every flag, values kept as text (converted per flag afterwards, so every bad value is reported)."""
     p = _Parser(prog="miles", add_help=False, allow_abbrev=False)
     for s in flag_table():
         kw: dict[str, Any] = {"dest": s.name, "default": argparse.SUPPRESS, "help": s.help}
         if s.kind == "bool":
             p.add_argument(s.flag, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if s.kind == "list":
-            kw["nargs"] = "*"
+        elif s.kind == "list":
+            p.add_argument(s.flag, nargs="*", **kw)
         else:
-            kw["type"] = _optional(s) if s.optional else {"int": int, "float": float, "str": str}[s.kind]
-        if s.choices:
-            kw["choices"] = list(s.choices) + (["none"] if s.optional else [])
-            kw.pop("type", None)
-        p.add_argument(s.flag, **kw)
+            p.add_argument(s.flag, nargs="?", const=_MISSING, **kw)
     return p
 
 
-def _optional(s: FlagSpec):
-    base = {"int": int, "float": float, "str": str}[s.kind]
-
-    def conv(text: str):
-        return None if text.lower() in ("none", "") else base(text)
-
-    conv.__name__ = s.kind
-    return conv
+def _convert(s: FlagSpec, text: Any) -> Any:
+    """The value of flag `s` from its text; ValueError naming the flag when it is malformed."""
+    if s.kind in ("bool", "list"):
+        return text
+    if text is _MISSING:
+        raise ValueError(f"argument {s.flag}: expected one argument")
+    if s.optional and text.lower() in (("none",) if s.choices else ("none", "")):
+        return None
+    if s.choices:
+        if text not in s.choices:
+            options = ", ".join(repr(c) for c in (*s.choices, *(["none"] if s.optional else [])))
+            raise ValueError(f"argument {s.flag}: invalid choice: {text!r} (choose from {options})")
+        return text
+    try:
+        return _CONVERT[s.kind](text)
+    except ValueError:
+        raise ValueError(f"argument {s.flag}: invalid {s.kind} value: {text!r}") from None
 
 
 def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = True) -> RunConfig:
-    """Flags -> RunConfig (on top of `base`, default: the embedded default), checked by the config's own rules unless check=False."""
+    """Flags -> RunConfig (on top of `base`, default: the embedded default), checked by the config's own
+    rules unless check=False; one ConfigError listing every problem."""
+    cfg, problems = read_flags(argv, base)
+    raise_flag_problems(problems, config_problems(cfg, problems) if check else [])
+    return cfg
+
+
+def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfig, list[str]]:
+    """(the config of every flag that parsed, on top of `base`; the problems of the others)."""
     known = known_flags()  # once: flag_table() resolves type hints, too slow to redo per argument
-    unknown = [a for a in argv if a.startswith("--") and a.split("=")[0] not in known]
-    if unknown:
-        raise ConfigError("\n".join(unknown_flag_message(a.split("=")[0]) for a in unknown))
-    values = _parse_values(argv)
+    words = [a.split("=")[0] for a in argv if a.startswith("--")]
+    problems = [unknown_flag_message(w) for w in words if w not in known]
+    values, bad = _parse_values(argv)
+    problems += bad
     base = base or RunConfig()
     if values.get("preset"):  # the preset first, then every flag given explicitly on top
         try:
             base = replace_fields(base, **preset_values(values["preset"]))
         except PresetError as e:
-            raise ConfigError(str(e)) from e
-    cfg = replace_fields(base, **values)
-    if check:
-        check_config(cfg)
-    return cfg
+            problems.append(str(e))
+    return replace_fields(base, **values), problems
 
 
-def _parse_values(argv: list[str]) -> dict[str, Any]:
-    """The fields the flags in `argv` set (only those given)."""
-    values = vars(_build_parser().parse_args(argv))
-    for name, v in list(values.items()):
-        s = SPECS_BY_NAME[name]
-        if s.choices and s.optional and v == "none":
-            values[name] = None
-    return values
+def config_problems(cfg: RunConfig, flag_problems: list[str] = ()) -> list[str]:
+    """The config's own rules on `cfg`, without those about a flag named in `flag_problems`."""
+    found = type_problems(cfg)
+    return unrelated(found or rule_problems(cfg), flag_problems)  # other rules compare values: types first
+
+
+def unrelated(problems: list[str], flag_problems: list[str]) -> list[str]:
+    """`problems` that name no flag named in `flag_problems` (a flag whose value did not parse: a check
+    of it would judge the default, not what the user wrote)."""
+    named = {m.group(0) for p in flag_problems for m in _FLAG.finditer(p)}
+    return [p for p in problems if not named & {m.group(0) for m in _FLAG.finditer(p)}]
+
+
+def raise_flag_problems(flag_problems: list[str], other_problems: list[str] = ()) -> None:
+    """One ConfigError listing every problem: a lone problem of the command line (read_flags') as its
+    line, anything more as the list `invalid configuration:`."""
+    problems = [*flag_problems, *other_problems]
+    if len(problems) == 1 and flag_problems:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+
+
+def _parse_values(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
+    """(the fields the flags in `argv` set, only those given and well-formed; a problem per other one)."""
+    raw, extras = _build_parser().parse_known_args(argv)
+    values, problems = {}, _strays(extras)
+    for name, text in vars(raw).items():
+        try:
+            values[name] = _convert(SPECS_BY_NAME[name], text)
+        except ValueError as e:
+            problems.append(str(e))
+    return values, problems
+
+
+def _strays(extras: list[str]) -> list[str]:
+    """Words that belong to no flag (the value after an unknown flag is that flag's: reported with it)."""
+    out = []
+    for i, word in enumerate(extras):
+        after_unknown = i > 0 and extras[i - 1].startswith("--") and "=" not in extras[i - 1]
+        if not word.startswith("--") and not after_unknown:
+            out.append(f"unexpected argument {word!r}: flags are --name VALUE (see `miles validate --help`)")
+    return out

@@ -53,7 +53,7 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI (Llama/Qwen2/GPT-2 family), or builtin:tiny-gpt / builtin:tiny-llama (random init from --seed).")
+    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI (Llama/Qwen2/GPT-2 family); a .gguf file or import:smollm2-135m-instruct (imported once); or builtin:tiny-gpt / builtin:tiny-llama / builtin:tiny-qwen2 (random init from --seed).")
     tiny_num_layers: int = opt(2, "Layers of a builtin tiny model.")
     tiny_hidden_size: int = opt(128, "Hidden size of a builtin tiny model.")
     tiny_num_heads: int = opt(4, "Attention heads of a builtin tiny model.")
@@ -61,7 +61,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    prompt_data: str = opt("builtin:reverse4", "Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits).")
+    prompt_data: str = opt("builtin:reverse4", "Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits), builtin:copy4 (copy them) or builtin:arith (2-digit addition, text prompts).")
     input_key: str = opt("prompt", "Dataset column holding the prompt (text, or a list of token ids).")
     label_key: str = opt("label", "Dataset column holding the label the reward compares against.")
     rollout_shuffle: bool = opt(True, "Shuffle prompts every epoch (seeded).")
@@ -160,7 +160,7 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin:reverse4-heldout allowed); none to disable evals.",
+    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin: datasets allowed, e.g. builtin:reverse4-heldout, builtin:arith-heldout); none to disable evals.",
                                            default=("heldout=builtin:reverse4-heldout",))
     n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (pass@k for k up to this).")
     eval_max_response_len: Optional[int] = opt(None, "Maximum new tokens in eval; default: --rollout-max-response-len.")

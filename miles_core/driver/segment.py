@@ -24,6 +24,7 @@ from miles_core.config import RunConfig
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
+from miles_core.driver.plan import is_finished
 from miles_core.driver.roles import (
     Checkpointer,
     Deadline,
@@ -76,7 +77,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
 def _finished(cfg: RunConfig, store) -> TrainResult | None:
     """The outcome of a run that already reached --num-rollout, else None."""
     status = run_root.read_status(store)
-    if status is None or status.state != run_root.FINISHED or status.last_step < cfg.run.num_rollout - 1:
+    if not is_finished(cfg, status):  # the same rule the plan's first lines state
         return None
     log.info("run %s finished at step %d: nothing to train (raise --num-rollout to continue it)", cfg.run_uri,
              status.last_step)

@@ -19,15 +19,12 @@ from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
 from miles_core.rollout.episodes import GenerateArgs, load_generate_function
 from miles_core.rollout.manager import tokenizer_decode
 from miles_core.rollout.prompts import load_prompts
-from miles_core.rollout.rewards import Rewarder, load_reward, task_reward
+from miles_core.rollout.rewards import BUILTIN_REWARD_TASKS, Rewarder, load_reward, task_reward
 from miles_core.samples import Group, Sample
 from miles_core.storage import Store
 
 # A reward scores a list of finished samples (rows' labels are in sample.label): one float each.
 RewardFn = Callable[[list[Sample]], "list[float] | Awaitable[list[float]]"]
-
-
-BUILTIN_REWARD_TASKS = ("reverse4", "copy4", "exact_match", "math", "arith")  # rollout.rewards.task_reward
 
 
 class EvalDataError(ValueError):

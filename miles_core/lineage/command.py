@@ -1,8 +1,7 @@
-"""Command lines of the lineage commands: a config back into miles flags, and their own options.
+"""Command lines of the lineage commands: a config back into miles flags.
 
     flags_of(cfg)                  # ["--run-id=b", "--eps-clip=0.1", ...]: parse_flags(that) == cfg
     continue_command(cfg)          # the `pyflyte run ... --flags '...'` that trains that run
-    value, rest = take_option(argv, "--at-step", int)
     changed_fields(a, b), overrides(base, cfg)   # what a derived config changes, by field / by flag
 
 `flags_of` lists every field that differs from its default (never `--preset`: the resolved values
@@ -13,12 +12,11 @@ are listed instead, so a preset cannot re-set what the user changed back). Strin
 from __future__ import annotations
 
 import shlex
-from typing import Any, Callable
+from typing import Any
 
 from miles_core.config import RunConfig, config_to_dict, flag_table
-from miles_core.lineage.recorded import LineageError
+from miles_core.driver.plan import WORKFLOW
 
-WORKFLOW = "pyflyte run workflows/fully_async.py fully_async_rl"
 FLAGS = {s.name: s.flag for s in flag_table()}  # field name -> --flag
 
 
@@ -56,20 +54,3 @@ def overrides(base: RunConfig, cfg: RunConfig) -> dict[str, list]:
 def continue_command(cfg: RunConfig) -> str:
     return f"{WORKFLOW} --flags {shlex.quote(shlex.join(flags_of(cfg)))}"
 
-
-def take_option(argv: list[str], flag: str, convert: Callable[[str], Any]) -> tuple[Any, list[str]]:
-    """(the converted value of `flag` in argv or None, argv without it); `--flag V` or `--flag=V`."""
-    rest, value = [], None
-    it = iter(argv)
-    for arg in it:
-        if arg == flag or arg.startswith(flag + "="):
-            text = arg.partition("=")[2] if "=" in arg else next(it, None)
-            if text is None:
-                raise LineageError(f"{flag} needs a value")
-            try:
-                value = convert(text)
-            except ValueError as e:
-                raise LineageError(f"{flag}={text!r}: {e}") from e
-        else:
-            rest.append(arg)
-    return value, rest

@@ -1,5 +1,7 @@
 """`miles fork RUN_URI --at-step K --new-run ID [FLAGS...]`: a new run from step K of a run (DESIGN §8.3).
 
+    result = fork_run(source_uri, at_step, new_run_id, flags)   # ConfigError for what FLAGS cannot change
+
 The fork prepares a new run root (same storage root unless FLAGS give --storage-root) that looks
 like a run whose first segment ended at step K, then prints the command that continues it; the
 usual run command with that run id resumes it exactly as a crash resume from step K would:
@@ -30,9 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from miles_core.buffer import objects as O
-from miles_core.config import RunConfig, parse_flags, replace_fields
+from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
 from miles_core.config.sections import DataSection, ModelSection
-from miles_core.lineage.command import FLAGS, changed_fields, continue_command, overrides, take_option
+from miles_core.lineage.command import FLAGS, changed_fields, continue_command, overrides
 from miles_core.lineage.recorded import FORK_KEY, READ_THREADS, LineageError, RecordedRun
 from miles_core.metrics.sink import METRICS_PREFIX, read_metrics
 from miles_core.prepare.checks import validate
@@ -42,8 +44,6 @@ from miles_core.train.checkpoint import LATEST, MARKER, CheckpointManager, step_
 
 log = logging.getLogger(__name__)
 
-USAGE = ("usage: miles fork RUN_URI --at-step K --new-run ID [FLAGS...]\n"
-         "  a new run {storage root}/runs/ID from step K's checkpoint of RUN_URI, FLAGS overriding its recorded config")
 # What a checkpoint, the buffered groups and the data-source cursor of step K are tied to.
 FIXED_FIELDS = (tuple(f.name for f in dataclasses.fields(ModelSection))
                 + tuple(f.name for f in dataclasses.fields(DataSection))
@@ -61,21 +61,6 @@ class ForkResult:
     objects_copied: int
     groups_lost: int
     command: str
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    at_step, rest = take_option(argv[1:], "--at-step", int)
-    new_run, flags = take_option(rest, "--new-run", str)
-    if at_step is None or new_run is None:
-        raise LineageError(f"--at-step and --new-run are required\n{USAGE}")
-    result = fork_run(argv[0], at_step, new_run, flags)
-    print(f"forked {result.source_run} at step {result.at_step} into {result.run_uri}: {result.groups_carried} "
-          f"unconsumed groups in {result.objects_copied} objects carried, {result.groups_lost} lost; overrides: "
-          f"{json.dumps(result.overrides)}\ncontinue it with:\n  {result.command}")
-    return 0
 
 
 def fork_run(source_uri: str, at_step: int, new_run_id: str, flags: list[str]) -> ForkResult:
@@ -104,22 +89,22 @@ def fork_run(source_uri: str, at_step: int, new_run_id: str, flags: list[str]) -
 
 
 def fork_config(src: RecordedRun, at_step: int, new_run_id: str, flags: list[str]) -> RunConfig:
-    """The source's config with the fork's id and FLAGS on top; LineageError on what a fork cannot change."""
+    """The source's config with the fork's id and FLAGS on top; ConfigError on what a fork cannot change."""
     if any(a == "--run-id" or a.startswith("--run-id=") for a in flags):
-        raise LineageError("--run-id: the fork's run id is --new-run")
+        raise ConfigError("--run-id: the fork's run id is --new-run")
     cfg = validate(parse_flags(flags, base=replace_fields(src.cfg, run_id=validate_name(new_run_id, "--new-run"))))
     fixed = [f"{FLAGS[name]} ({before!r} -> {after!r})"
              for name, (before, after) in changed_fields(src.cfg, cfg).items() if name in FIXED_FIELDS]
     if fixed:
-        raise LineageError(f"cannot change across a fork: {', '.join(fixed)}. Step {at_step}'s checkpoint, "
+        raise ConfigError(f"cannot change across a fork: {', '.join(fixed)}. Step {at_step}'s checkpoint, "
                            "buffered groups and data-source cursor belong to the source's model, dataset and "
                            "parallel layout; start a new run (or use --load / --ref-load) to change them.")
     shared = _shared_locations(src.cfg, cfg)
     if shared:
-        raise LineageError(f"the fork would write where the source run writes: {', '.join(shared)}; give the fork "
+        raise ConfigError(f"the fork would write where the source run writes: {', '.join(shared)}; give the fork "
                            "its own location (--save auto keeps checkpoints in its run root)")
     if cfg.run.num_rollout <= at_step + 1:
-        raise LineageError(f"--num-rollout={cfg.run.num_rollout}: a fork at step {at_step} has nothing left to train; "
+        raise ConfigError(f"--num-rollout={cfg.run.num_rollout}: a fork at step {at_step} has nothing left to train; "
                            f"set --num-rollout above {at_step + 1}")
     return cfg
 

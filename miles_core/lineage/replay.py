@@ -1,5 +1,7 @@
 """`miles replay RUN_URI [--steps N] [--from-step K] [--out URI] [FLAGS...]`: retrain on the recorded groups.
 
+    result = replay_run(run_uri, steps=N, from_step=K, out=URI, flags=[...])   # ReplayResult
+
 A fresh trainer in this process (no Ray, no engine, no generation) trains on exactly the groups
 the run trained on, in the recorded order: step s trains the groups of `buffer/consumed/{s}.json`
 in the manifest's order (the driver's order: sorted by prompt index), read from the buffer's Arrow
@@ -29,9 +31,9 @@ import uuid
 from dataclasses import dataclass
 
 from miles_core.buffer import objects as O
-from miles_core.config import RunConfig, parse_flags, replace_fields
+from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
 from miles_core.config.sections import TrainSection
-from miles_core.lineage.command import FLAGS, changed_fields, overrides, take_option
+from miles_core.lineage.command import FLAGS, changed_fields, overrides
 from miles_core.lineage.recorded import LineageError, RecordedRun
 from miles_core.metrics.sink import MetricsSink, read_metrics
 from miles_core.prepare.checks import validate
@@ -40,9 +42,8 @@ from miles_core.rollout.drain import apply_sample_filter, load_sample_filter
 from miles_core.storage import Store, normalize_uri
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.storage.run_root import write_config
-from miles_core.train.checkpoint import CheckpointError
 from miles_core.train.initial_weights import apply_load, apply_ref_load
-from miles_core.train.trainer import Trainer, TrainError
+from miles_core.train.trainer import Trainer
 
 REPLAY_KEY = "REPLAY.json"
 LOSS = "train/loss"
@@ -51,9 +52,6 @@ NOT_REPLAYABLE = ("actor_num_nodes", "actor_num_gpus_per_node", "tensor_model_pa
                   "pipeline_model_parallel_size", "context_parallel_size", "balance_data", "save", "save_interval",
                   "save_hf")
 REPLAYABLE = tuple(f.name for f in dataclasses.fields(TrainSection) if f.name not in NOT_REPLAYABLE)
-USAGE = ("usage: miles replay RUN_URI [--steps N] [--from-step K] [--out URI] [FLAGS...]\n"
-         "  retrain on RUN_URI's recorded groups in the recorded order, without generation (docs/fork-replay.md)\n"
-         f"  FLAGS (training settings only): {' '.join(FLAGS[n] for n in REPLAYABLE)}")
 
 
 @dataclass(frozen=True)
@@ -83,25 +81,6 @@ class ReplayResult:
         return max(diffs) if diffs else None
 
 
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
-    steps, rest = take_option(argv[1:], "--steps", int)
-    from_step, rest = take_option(rest, "--from-step", int)
-    out, flags = take_option(rest, "--out", str)
-
-    try:
-        result = replay_run(argv[0], steps=steps, from_step=from_step, out=out, flags=flags)
-    except (CheckpointError, TrainError) as e:  # e.g. a checkpoint of another TP size: one line, not a trace
-        raise LineageError(str(e)) from e
-    print(f"{'step':>6}  {'recorded ' + LOSS:>22}  {'replayed ' + LOSS:>22}  {'|diff|':>10}")
-    for s in result.losses:
-        print(f"{s.step:>6}  {_fmt(s.recorded):>22}  {_fmt(s.replayed):>22}  {_fmt(s.abs_diff):>10}")
-    print(f"replay of {result.source_run} (overrides: {result.overrides or 'none'}) written to {result.out_uri}")
-    return 0
-
-
 def replay_run(run_uri: str, *, steps: int | None = None, from_step: int | None = None, out: str | None = None,
                flags: list[str] = ()) -> ReplayResult:
     src = RecordedRun.open(run_uri)
@@ -123,11 +102,11 @@ def replay_run(run_uri: str, *, steps: int | None = None, from_step: int | None 
 
 
 def replay_config(src: RecordedRun, flags: list[str]) -> RunConfig:
-    """The recorded config with FLAGS on top; LineageError naming any flag a replay cannot honour."""
+    """The recorded config with FLAGS on top; ConfigError naming any flag a replay cannot honour."""
     cfg = validate(parse_flags(flags, base=src.cfg))
     refused = sorted(FLAGS[name] for name in changed_fields(src.cfg, cfg) if name not in REPLAYABLE)
     if refused:
-        raise LineageError(f"{', '.join(refused)}: a replay retrains one in-process trainer on the recorded groups "
+        raise ConfigError(f"{', '.join(refused)}: a replay retrains one in-process trainer on the recorded groups "
                            "(no generation, data, engines, evaluation or checkpoints), so only training settings "
                            f"can change: {', '.join(FLAGS[n] for n in REPLAYABLE)}")
     return replace_fields(cfg, tensor_model_parallel_size=1)  # one process; DP=N makes the DP=1 update
@@ -208,6 +187,15 @@ def _trainer(src: RecordedRun, cfg: RunConfig, from_step: int | None):
     else:
         src.checkpoints.load(from_step, trainer)
     return trainer
+
+
+def render_replay(result: ReplayResult) -> str:
+    """The recorded and replayed train/loss per step, and where the replay went."""
+    lines = [f"{'step':>6}  {'recorded ' + LOSS:>22}  {'replayed ' + LOSS:>22}  {'|diff|':>10}"]
+    lines += [f"{s.step:>6}  {_fmt(s.recorded):>22}  {_fmt(s.replayed):>22}  {_fmt(s.abs_diff):>10}"
+              for s in result.losses]
+    return "\n".join(lines + [f"replay of {result.source_run} (overrides: {result.overrides or 'none'}) written to "
+                              f"{result.out_uri}"])
 
 
 def _fmt(x: float | None) -> str:

@@ -5,9 +5,12 @@
 
 From the run root alone: the group's object and prompt (decoded with the run's tokenizer), each
 sample's status, reward, response and the weight versions of its tokens; the step whose
-consumption manifest lists it (trained, or rejected at get), the first complete checkpoint and
-snapshot that include that step, and the eval results around it (the last evaluated step before
-it and the first at or after it, per dataset).
+consumption manifest lists it (trained, or rejected at get). For a trained group: the first
+complete checkpoint and the first snapshot that include that step, and the eval results around it
+(the last evaluated step before it and the first at or after it, per dataset). A snapshot counts
+when it is complete now or its record remains after it was retired (an eval result or eval request
+that names it): `snapshot_retired` says which. A rejected group was never trained: no checkpoint,
+snapshot or eval includes it.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import difflib
 from collections import Counter
 
 from miles_core.buffer.objects import rows_to_group
-from miles_core.eval.results import all_results
+from miles_core.eval.results import all_results, requests
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.recorded import LineageError, RecordedRun
 from miles_core.rollout.manager import tokenizer_decode
@@ -28,12 +31,32 @@ def group_lineage(run_uri: str, group_id: str) -> dict:
     fate = _fate(run, group_id)
     if found is None and fate is None:
         raise LineageError(_unknown(run, group_id, ids))
-    step = None if fate is None else fate["step"]
+    trained = fate["step"] if fate is not None and fate["outcome"] == "consumed" else None
     return {"run_uri": run.uri, "group_id": group_id, **(_describe(run, *found) if found else
                                                            {"object": None, "note": _deleted_note(run)}),
-            "fate": fate, "checkpoint": _first_at_or_after(run.complete_steps(), step),
-            "snapshot": _first_at_or_after(SnapshotLayout.from_config(run.cfg, run.uri).complete_steps(), step),
-            "eval": _eval_neighbourhood(run, step)}
+            "fate": fate, **_what_includes(run, trained)}
+
+
+def _what_includes(run: RecordedRun, step: int | None) -> dict:
+    """The first checkpoint and snapshot that include trained step `step` and the evals around it;
+    none of them when `step` is None (the group was never trained)."""
+    if step is None:
+        return {"checkpoint": None, "snapshot": None, "snapshot_retired": None, "eval": {}}
+    results = all_results(run.store)
+    snapshots = recorded_snapshots(run, results)
+    snapshot = _first_at_or_after(sorted(snapshots), step)
+    return {"checkpoint": _first_at_or_after(run.complete_steps(), step), "snapshot": snapshot,
+            "snapshot_retired": None if snapshot is None else not snapshots[snapshot],
+            "eval": _eval_neighbourhood(results, step)}
+
+
+def recorded_snapshots(run: RecordedRun, results: list) -> dict[int, bool]:
+    """step -> whether its snapshot is complete now, for every snapshot the run made: the complete
+    ones, and retired ones whose eval result or eval request still names them."""
+    present = SnapshotLayout.from_config(run.cfg, run.uri).complete_steps()
+    named = [r.step for r in results if r.snapshot_uri] + [s for s, req in requests(run.store).items()
+                                                            if req.get("snapshot_uri")]
+    return {**{s: False for s in named}, **{s: True for s in present}}
 
 
 def _find_group(run: RecordedRun, group_id: str):
@@ -76,12 +99,10 @@ def _first_at_or_after(steps: list[int], step: int | None) -> int | None:
     return None if step is None else next((s for s in steps if s >= step), None)
 
 
-def _eval_neighbourhood(run: RecordedRun, step: int | None) -> dict[str, dict]:
+def _eval_neighbourhood(results: list, step: int) -> dict[str, dict]:
     """dataset -> {"before": row or None, "after": row or None} around `step`."""
-    if step is None:
-        return {}
     out: dict[str, dict] = {}
-    for result in all_results(run.store):
+    for result in results:
         row = {"step": result.step, "mean_reward": result.to_row().get("mean_reward")}
         near = out.setdefault(result.dataset, {"before": None, "after": None})
         if result.step < step:
@@ -96,7 +117,7 @@ def _unknown(run: RecordedRun, group_id: str, ids: list[str]) -> str:
     hint = f"; close: {', '.join(close)}" if close else ""
     return (f"no group {group_id!r} in {run.uri}: not in any of its {len(ids)} committed groups nor in any "
             f"consumption manifest{hint}. Group ids look like e{{epoch}}-p{{position}}-a{{attempt}} "
-            "(`miles buffer inspect` counts them).")
+            "(`miles buffer inspect RUN_URI --ids` lists them).")
 
 
 # ----------------------------------------------------------------------------- text
@@ -111,8 +132,14 @@ def render_lineage(t: dict) -> str:
                   f"{t['prompt']!r}", f"label        {t['label']!r}"]
         lines += [f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} tokens "
                   f"{s['response']!r}, versions {_versions(s['versions'])}" for s in t["samples"]]
-    lines += [_fate_line(t["fate"]), f"checkpoint   {_or_none(t['checkpoint'], 'step {} (the first that includes it)')}",
-              f"snapshot     {_or_none(t['snapshot'], 'step {} (the first that includes it)')}"]
+    lines.append(_fate_line(t["fate"]))
+    if t["fate"] is not None and t["fate"]["outcome"] == "rejected":
+        lines.append("             never trained: no checkpoint, snapshot or eval includes it (with "
+                     "--async-unused-samples-handler retry its prompt went back to the data source)")
+        return "\n".join(lines)
+    retired = "; retired since, its eval results remain" if t.get("snapshot_retired") else ""
+    lines += [f"checkpoint   {_or_none(t['checkpoint'], 'step {} (the first that includes it)')}",
+              f"snapshot     {_or_none(t['snapshot'], 'step {} (the first that includes it' + retired + ')')}"]
     lines += [f"eval {name:<8}before: {_eval_row(n['before'])}; after: {_eval_row(n['after'])}"
               for name, n in sorted(t["eval"].items())]
     return "\n".join(lines)
@@ -125,8 +152,9 @@ def _versions(counts: dict) -> str:
 def _fate_line(fate: dict | None) -> str:
     if fate is None:
         return "consumed     not yet (still in the buffer, or in flight)"
-    verb = "trained at" if fate["outcome"] == "consumed" else "rejected (stale or aborted) at"
-    return f"consumed     {verb} step {fate['step']}"
+    if fate["outcome"] == "rejected":
+        return f"rejected     at step {fate['step']}: too stale (--max-weight-staleness) when the trainer took it"
+    return f"consumed     trained at step {fate['step']}"
 
 
 def _eval_row(row: dict | None) -> str:

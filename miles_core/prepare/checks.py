@@ -1,7 +1,8 @@
 """`validate(cfg)`: every check a run's config gets before anything starts (the validation matrix).
 
 The config's own rules (`miles_core.config.rules`) plus the checks that need what lives above the
-config: every `--*-path` plug-in is imported and checked against its slot's contract, a packaged
+config: every `--*-path` plug-in is imported and checked against its slot's contract (the reward's
+signature, and that the local datasets' rows are ones it can score: `scoring`), a packaged
 `--hf-checkpoint` is one this install knows, and engines bound beyond loopback have their API
 token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
 (`miles_core.prepare.resources`) and, on more than one node, that `--engine-bind-host auto` has its
@@ -22,6 +23,7 @@ from miles_core.models.builtin import builtin_hf_config
 from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare.memory import Shape, memory_problems
 from miles_core.prepare.resources import ClusterShape, fit_problems
+from miles_core.prepare.scoring import reward_problems
 from miles_core.rollout.episodes import load_generate_function
 from miles_core.storage import Store
 
@@ -29,12 +31,19 @@ from miles_core.storage import Store
 def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
     """`cfg` when every check passes (with `cluster`: also that the run fits it), else one ConfigError
     listing every problem."""
-    raise_problems(type_problems(cfg))  # the other checks compare values; a wrong type would raise TypeError
-    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg)
+    raise_problems(validation_problems(cfg, cluster))
+    return cfg
+
+
+def validation_problems(cfg: RunConfig, cluster: ClusterShape | None = None) -> list[str]:
+    """Every problem `validate` raises, as a list (`miles validate` adds those of the command line)."""
+    types = type_problems(cfg)
+    if types:  # the other checks compare values; a wrong type would raise TypeError
+        return types
+    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + reward_problems(cfg)
     problems += _memory(cfg) if not problems else []
     exposure = _engine_exposure(cfg, cluster)  # reads only the bind host and the node count
-    raise_problems(problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else []))
-    return cfg
+    return problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else [])
 
 
 def _packaged_model(cfg: RunConfig) -> list[str]:

@@ -153,6 +153,12 @@ def source_format(source: str) -> str:
     )
 
 
+def source_rows(source: str) -> Iterator[tuple[str, Any]]:
+    """(row label for errors, row dict or why it is not one) of a source's rows as stored, in order,
+    without normalizing them (what validation reads to check that the rows can be scored)."""
+    return _raw_rows(source, read_source_bytes(source))
+
+
 def _raw_rows(source: str, raw: bytes) -> Iterator[tuple[str, Any]]:
     """(row label for errors, row dict or an error string) in file order."""
     fmt = source_format(source)

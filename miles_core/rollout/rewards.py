@@ -8,6 +8,11 @@ A reward function is one of (checked when the `Rewarder` is built, before any ge
     fn(samples) -> list[float]               per group (batched), with `fn.batched = True`;
     fn(samples, texts) -> list[float]        ... and `needs_text = True`; either may be async
 
+`signature_problem(fn)` is the check (validation runs it before a run starts): the function takes
+N = 2 positional arguments with `needs_text`, else 1: at least N positional parameters (or *args),
+at most N of them without a default, and no keyword-only parameter without a default.
+`BUILTIN_REWARD_TASKS` are the tasks `task_reward` scores.
+
 Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
     task_reward   the default: dispatches on the sample's task (metadata "task"): reverse4/copy4 ->
                   `builtin_tasks.digits_reward`, exact_match -> exact_match, math -> math_answer,
@@ -119,6 +124,9 @@ def math_answer(sample: Sample, text: str) -> float:
 math_answer.needs_text = True
 
 
+BUILTIN_REWARD_TASKS = ("reverse4", "copy4", "exact_match", "math", "arith")  # what task_reward scores
+
+
 def task_reward(sample: Sample, text: str) -> float:
     task = _meta(sample).get("task", "")
     if task in ("reverse4", "copy4"):
@@ -129,7 +137,7 @@ def task_reward(sample: Sample, text: str) -> float:
         return math_answer(sample, text)
     if task == "arith":
         return arith_reward(sample, text)
-    raise RewardError(f"no built-in reward for task {task!r} (known: reverse4, copy4, exact_match, math, arith); "
+    raise RewardError(f"no built-in reward for task {task!r} (known: {', '.join(BUILTIN_REWARD_TASKS)}); "
                       "set --custom-rm-path module:function")
 
 
@@ -143,6 +151,29 @@ def load_reward(path: str) -> Callable:
     """`--custom-rm-path` (empty: the built-in `task_reward`), resolved and checked."""
     fn = load_plugin(path, "--custom-rm-path") if path else task_reward
     return fn
+
+
+def signature_problem(fn: Callable, name: str | None = None) -> str | None:
+    """Why `fn` (named `name` in the message: its --custom-rm-path) cannot be called as a reward
+    function (see the module docstring), or None."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return None  # a builtin without a readable signature: judged when it is called
+    batched, needs_text = bool(getattr(fn, "batched", False)), bool(getattr(fn, "needs_text", False))
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    want = 2 if needs_text else 1
+    required = [p for p in positional if p.default is p.empty]
+    keyword_only = [p.name for p in params if p.kind == p.KEYWORD_ONLY and p.default is p.empty]
+    if (varargs or (len(positional) >= want and len(required) <= want)) and not keyword_only:
+        return None
+    what = "samples" if batched else "sample"
+    sig = f"({what}, text{'s' if batched else ''})" if needs_text else f"({what})"
+    flags = ", ".join(a for a, on in (("batched=True", batched), ("needs_text=True", needs_text)) if on)
+    declared = f" (it has {flags})" if flags else ""
+    return (f"--custom-rm-path: {name or getattr(fn, '__name__', fn)!r} must take {sig}{declared} and no other "
+            f"required argument; its signature is {inspect.signature(fn)}")
 
 
 class Rewarder:
@@ -166,19 +197,9 @@ class Rewarder:
         self._finalizer = weakref.finalize(self, self._workers.close, 0.0)
 
     def _check_signature(self) -> None:
-        try:
-            params = inspect.signature(self.fn).parameters.values()
-        except (TypeError, ValueError):
-            return
-        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-        want = 2 if self.needs_text else 1
-        required = [p for p in positional if p.default is p.empty]
-        if not varargs and (len(positional) < want or len(required) > want):
-            what = "samples" if self.batched else "sample"
-            sig = f"({what}, text{'s' if self.batched else ''})" if self.needs_text else f"({what})"
-            raise RewardError(f"--custom-rm-path: {getattr(self.fn, '__name__', self.fn)!r} must take {sig}; "
-                              f"got {inspect.signature(self.fn)}")
+        problem = signature_problem(self.fn)
+        if problem:
+            raise RewardError(problem)
 
     async def score_group(self, group: Group) -> None:
         """Set `reward` on every sample of the group; mark failures (see the module docstring)."""

@@ -7,15 +7,22 @@ in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (DESIGN §3):
   commit survives a power loss;
   object stores get a single PUT (atomic there);
 - listings are sorted, so zero-padded keys come back in step/sequence order from one listing;
-- transient errors are retried with bounded exponential backoff (0.1 s doubling to 4 s, jittered)
-  until a total deadline (`DEADLINE_SECONDS`, 60 s: a restarted or briefly unreachable S3
-  endpoint does not end a run) or the attempt limit; every retry is logged. When storage stays
-  unreachable the caller gets StorageUnavailable naming the URI and the last cause (never the
-  credentials).
+- transient errors are retried with bounded exponential backoff (0.1 s doubling, jittered, never
+  more than 4 s per wait) until a total deadline (`DEADLINE_SECONDS`, 60 s: a restarted or briefly
+  unreachable S3 endpoint does not end a run) or the attempt limit; every retry is logged. When
+  storage stays unreachable the caller gets StorageUnavailable naming the URI and the last cause
+  (never the credentials).
+
+A read-only tool that should give up sooner (the `miles` inspection commands) sets the deadline of
+the Stores it opens, wherever they are built:
+
+    with retry_deadline(5.0):      # Stores built inside, without their own deadline_seconds
+        inspect_buffer(run_uri)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -25,7 +32,7 @@ import shutil
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import fsspec
 
@@ -37,6 +44,7 @@ TMP_MARK = ".tmp-"
 # directory that has it (a half copy has not).
 COMPLETE_MARKER = ".complete"
 DEADLINE_SECONDS = 60.0  # how long a storage operation keeps retrying transient errors
+_deadline = {"seconds": DEADLINE_SECONDS}  # the default of Stores built without deadline_seconds
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
 
 
@@ -145,9 +153,19 @@ def is_transient(e: BaseException) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def retry_deadline(seconds: float) -> Iterator[None]:
+    """Stores built inside (without their own `deadline_seconds`) stop retrying after `seconds`."""
+    before, _deadline["seconds"] = _deadline["seconds"], float(seconds)
+    try:
+        yield
+    finally:
+        _deadline["seconds"] = before
+
+
 class Store:
     def __init__(self, root_uri: str, *, retries: int = 40, backoff_seconds: float = 0.1,
-                 max_backoff_seconds: float = 4.0, deadline_seconds: float = DEADLINE_SECONDS,
+                 max_backoff_seconds: float = 4.0, deadline_seconds: float | None = None,
                  storage_options: dict | None = None):
         self.root_uri = normalize_uri(root_uri)
         protocol = self.root_uri.split("://", 1)[0]
@@ -166,7 +184,7 @@ class Store:
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
-        self.deadline_seconds = deadline_seconds
+        self.deadline_seconds = _deadline["seconds"] if deadline_seconds is None else deadline_seconds
 
     def __repr__(self) -> str:
         return f"Store({self.root_uri!r})"
@@ -200,7 +218,8 @@ class Store:
             except Exception as e:  # noqa: BLE001 - classified below
                 if not is_transient(e):
                     raise
-                elapsed, wait = time.monotonic() - start, delay * (0.5 + random.random())
+                elapsed = time.monotonic() - start
+                wait = min(delay * (0.5 + random.random()), self.max_backoff_seconds)  # the cap holds jittered too
                 if attempt == self.retries or elapsed + wait > self.deadline_seconds:
                     raise StorageUnavailable(
                         f"storage at {self.root_uri} unreachable: {what} failed {attempt + 1} times over "
@@ -289,6 +308,22 @@ class Store:
             if rel:
                 sizes[rel] = int(info.get("size") or 0)
         return dict(sorted(sizes.items()))
+
+    def list_dirs(self, prefix: str = "") -> list[str]:
+        """Names of the "directories" directly under `prefix` (one level, sorted): e.g. the run ids
+        under `runs/`, without listing what each holds."""
+        base = self.path(prefix)
+
+        def ls():
+            self._invalidate(base)
+            try:
+                return self.fs.ls(base, detail=True)
+            except FileNotFoundError:
+                return []
+
+        entries = self._retry(f"list dirs {prefix!r}", ls)
+        names = {e["name"].rstrip("/").rsplit("/", 1)[-1] for e in entries if e.get("type") == "directory"}
+        return sorted(n for n in names if n and TMP_MARK not in n)
 
     def delete(self, key: str, missing_ok: bool = True) -> None:
         path = self.path(key)

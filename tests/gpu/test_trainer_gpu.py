@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-pytestmark = pytest.mark.gpu
-
 from safetensors.torch import load_file
 
 from miles_core.config import parse_flags
 from miles_core.models.builtin import materialize_checkpoint
 from tests.unit.test_train import make_groups
+
+pytestmark = pytest.mark.gpu
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -32,10 +31,10 @@ def cuda_present():
         pytest.fail("the gpu suite needs CUDA (run it with tests/gpu/check.sh on a GPU machine)")
 
 
-def _cfg(tmp, ranks, tp=1, save=""):
+def _cfg(tmp, ranks, tp=1, save="", extra=()):
     return parse_flags(["--run-id", "gpu", "--storage-root", f"file://{tmp}", "--engine-backend", "sglang",
                         "--actor-num-gpus-per-node", str(ranks), "--tensor-model-parallel-size", str(tp),
-                        "--save", save, "--save-interval", "none", "--eval-interval", "none",
+                        "--save", save, "--save-interval", "none", "--eval-interval", "none", *extra,
                         "--eval-prompt-data"])
 
 
@@ -77,20 +76,23 @@ def test_ddp_over_nccl_matches_one_rank_and_checkpoint_resumes(tmp_path):
         again.shutdown()
 
 
-def test_one_gpu_rank_trains_and_its_checkpoint_resumes(tmp_path):
+@pytest.mark.parametrize("flags, inner", [((), "Float16OptimizerWithFloat16Params"),
+                                          (("--use-distributed-optimizer",), "DistributedOptimizer")])
+def test_one_gpu_rank_trains_and_its_checkpoint_resumes(tmp_path, flags, inner):
     """Megatron DDP + the ChainedOptimizer on one GPU, in this process: a step moves the weights,
     and a fresh trainer restored from the checkpoint (optimizer `state_dict()` as safetensors +
-    JSON) makes the same next two steps (the second one reads the restored Adam moments)."""
+    JSON; with --use-distributed-optimizer the parameter state gathered onto DP rank 0, here a DP
+    group of one) makes the same next two steps (the second one reads the restored Adam moments)."""
     from miles_core.storage import Store
     from miles_core.train.checkpoint import CheckpointManager
     from miles_core.train.trainer import Trainer
 
     hf = materialize_checkpoint("builtin:tiny-llama", 5, str(tmp_path / "hf"))
     mgr = CheckpointManager(Store(f"file://{tmp_path}/ckpt"))
-    train = _cfg(tmp_path, 1).train
+    train = _cfg(tmp_path, 1, extra=flags).train
     b0, b1, b2 = (make_groups(n_groups=4, seed=s) for s in range(3))
     with Trainer(train, hf, seed=1) as first:
-        assert type(first.optimizer).__name__ == "ChainedOptimizer"
+        assert [type(o).__name__ for o in first.optimizer.chained_optimizers] == [inner]
         before = {k: v.detach().clone() for k, v in first.hf_state_dict().items()}
         assert first.train_step(0, b0)["train/grad_norm"] > 0
         after = first.hf_state_dict()

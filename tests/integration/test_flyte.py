@@ -138,8 +138,9 @@ def test_workflow_compiles_with_no_inputs():
     settings = SerializationSettings(image_config=ImageConfig(default_image=Image("default", "ghcr.io/x/y", "ci")))
     spec = get_serializable({}, settings, fully_async_rl)
     nodes = {n.id: n for n in spec.template.nodes}
-    assert len(nodes) == 7
+    assert len(nodes) == 8
     by_task = {n.task_node.reference_id.name.rsplit(".", 1)[-1]: n for n in nodes.values() if n.task_node}
+    assert not by_task["plan"].upstream_node_ids  # it only prints what will happen: nothing waits for it
     # the model is imported (or found in the cache) before the data: text prompts need its tokenizer
     assert by_task["model_fingerprint"].id in by_task["import_model"].upstream_node_ids
     assert by_task["import_model"].id in by_task["data_fingerprint"].upstream_node_ids

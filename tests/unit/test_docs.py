@@ -7,14 +7,19 @@ If a test here fails after you changed a flag, a help text or a metric name, reg
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
+from bench import figures
 from miles_core.cli import docs_gen
 from miles_core.config import flag_table
+from miles_core.config.rules import BUILTIN_DATASETS, BUILTIN_MODELS
+from miles_core.eval.datasets import BUILTIN_REWARD_TASKS
+from miles_core.models.source import PACKAGED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -162,3 +167,49 @@ def test_configuration_examples_match_cli(capsys):
     for argv, expected in sessions:
         assert main(argv) == 2
         assert capsys.readouterr().err.splitlines() == expected, " ".join(argv)
+
+
+def test_benchmark_figures_match_the_results_files():
+    """Pins: every figure section of docs/benchmarks.md is what bench/figures.py renders from the committed
+    bench/results/*.json. Guards: a figure edited by hand, or a bench rerun without updating the page."""
+    stale = figures.stale_sections(ROOT)
+    assert not stale, f"{figures.PAGE}: stale figures of {stale}; regenerate with `{figures.REGENERATE}`"
+
+
+def test_benchmark_figures_follow_a_new_results_file(tmp_path):
+    """Pins: a changed results file makes its section stale (--check exits 1), and regenerating puts the
+    new figure on the page and nothing else changes. Guards: a page that silently keeps old figures."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / figures.PAGE).write_text((ROOT / figures.PAGE).read_text())
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    for path in (ROOT / "bench" / "results").glob("*.json"):
+        (results / path.name).write_text(path.read_text())
+    engine = json.loads((results / "engine.json").read_text())
+    engine["rows"][0]["useful_tokens"] = 123457
+    (results / "engine.json").write_text(json.dumps(engine))
+    assert figures.stale_sections(tmp_path) == ["engine"]
+    assert figures.main(["--check", "--root", str(tmp_path)]) == 1
+    assert figures.main(["--root", str(tmp_path)]) == 0
+    assert figures.stale_sections(tmp_path) == [] and "123,457" in (tmp_path / figures.PAGE).read_text()
+
+
+def test_docs_list_every_builtin():
+    """Pins: the configuration guide names every builtin dataset and model and every packaged model that
+    validation accepts, and the evaluation guide every builtin reward task. Guards: stale lists."""
+    config = (ROOT / "docs/configuration.md").read_text()
+    names = (*BUILTIN_DATASETS, *BUILTIN_MODELS, *(f"import:{k}" for k in PACKAGED))
+    missing = [n for n in names if f"`{n}`" not in config]
+    assert not missing, f"docs/configuration.md does not list {missing}"
+    evaluation = (ROOT / "docs/evaluation.md").read_text()
+    assert not [t for t in BUILTIN_REWARD_TASKS if f"`{t}`" not in evaluation]
+
+
+def test_user_docs_stand_alone():
+    """Pins: no user doc (docs/, docs/reference/, README.md) cites the design notes or a path outside the
+    repository. Guards: "see DESIGN §5" in a page whose reader has only the repository."""
+    outside = ("DESIGN", "§", "../shared", "/work/shared")
+    pages = [*sorted(ROOT.glob("docs/**/*.md")), ROOT / "README.md"]
+    cited = [f"{p.relative_to(ROOT)}:{n}: {line.strip()}" for p in pages
+             for n, line in enumerate(p.read_text().splitlines(), 1) if any(o in line for o in outside)]
+    assert not cited, "\n".join(cited)

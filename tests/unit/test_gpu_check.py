@@ -71,6 +71,17 @@ def test_cpu_smoke_measures_memory_logprobs_and_packing(smoke):
     assert record["figures"]["engine_status"] == "pass" and record["figures"]["resume_ok"] is True
 
 
+def test_storage_peak_counts_what_is_alive_at_once(gpu_check):
+    """The CPU memory meter: two 1 MiB tensors alive together, freed, then a third: a 2 MiB peak."""
+    import torch
+
+    with gpu_check["StoragePeak"]() as meter:
+        a, b = torch.ones(2**18), torch.ones(2**18)
+        del a, b
+        c = torch.ones(2**18)
+    assert meter.peak - meter.resident == 2 * 2**20 and c.numel() == 2**18
+
+
 def test_a_missed_tolerance_fails_its_phase_and_skips_those_that_need_it(gpu_check, tmp_path):
     assert gpu_check["main"](["--cpu-smoke", "--out", str(tmp_path), "--loss-rtol", "-1"]) == 1
     phases = json.loads((tmp_path / "gpu_check.json").read_text())["phases"]

@@ -1,18 +1,14 @@
 """The command line a fork prints: `flags_of(cfg)` parses back to the same config.
 
 Pins: every kind of field survives the round trip (bools switched off, optional values set to
-none, lists, empty lists, floats, strings that start with `--` or are empty), and the lineage
-commands' own options are taken out of argv in both spellings. Guards: a fork whose printed
+none, lists, empty lists, floats, strings that start with `--` or are empty). Guards: a fork whose printed
 command would continue the run with other settings than the ones it recorded.
 """
 
 from __future__ import annotations
 
-import pytest
-
 from miles_core.config import RunConfig, parse_flags, replace_fields
-from miles_core.lineage.command import flags_of, overrides, take_option
-from miles_core.lineage.recorded import LineageError
+from miles_core.lineage.command import flags_of, overrides
 
 
 def test_flags_of_round_trips_every_kind_of_field():
@@ -36,12 +32,3 @@ def test_overrides_name_the_flags_that_changed():
     base = RunConfig()
     assert overrides(base, replace_fields(base, run_id="x", kl_loss_coef=0.1)) == {"--kl-loss-coef": [0.0, 0.1]}
 
-
-def test_take_option_both_spellings_and_a_missing_value():
-    assert take_option(["a", "--at-step", "3", "--lr", "1"], "--at-step", int) == (3, ["a", "--lr", "1"])
-    assert take_option(["--at-step=4"], "--at-step", int) == (4, [])
-    assert take_option(["x"], "--at-step", int) == (None, ["x"])
-    with pytest.raises(LineageError, match="--at-step needs a value"):
-        take_option(["--at-step"], "--at-step", int)
-    with pytest.raises(LineageError, match="--at-step='x'"):
-        take_option(["--at-step", "x"], "--at-step", int)

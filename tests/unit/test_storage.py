@@ -275,6 +275,30 @@ def test_backoff_is_exponential_with_jitter_and_capped(flaky):
         assert 0.5 * want <= got < 1.5 * want
 
 
+def test_no_wait_passes_the_backoff_cap_jitter_included(flaky, monkeypatch):
+    """Pins: every wait is <= max_backoff_seconds (the documented 4 s), even when the jitter draws high.
+    Guards: waits of up to 6 s behind a cap documented as 4 s."""
+    monkeypatch.setattr(storage.random, "random", lambda: 0.999)
+    s = Store("flakytest://bucket/run", retries=8, backoff_seconds=0.1)
+    FlakyFS.failures = 8
+    s.put_bytes("k", b"v")
+    assert len(flaky) == 8 and max(flaky) == 4.0 and flaky[:2] == [0.1 * 1.499, 0.2 * 1.499]
+
+
+def test_retry_deadline_shortens_the_retries_of_stores_built_inside(flaky):
+    """Pins: Stores built inside `retry_deadline(s)` (without their own deadline) stop after s seconds;
+    outside it, and with an explicit deadline, the 60 s default holds. Guards: a read-only CLI command
+    retrying for a minute, or the short budget leaking into training's Stores."""
+    with storage.retry_deadline(3.0):
+        short, explicit = Store("flakytest://bucket/run"), Store("flakytest://bucket/run", deadline_seconds=30.0)
+    assert (short.deadline_seconds, explicit.deadline_seconds) == (3.0, 30.0)
+    assert Store("flakytest://bucket/run").deadline_seconds == storage.DEADLINE_SECONDS == 60.0
+    FlakyFS.failures = 10**6
+    with pytest.raises(StorageUnavailable):
+        short.get_bytes("k")
+    assert sum(flaky) <= 3.0
+
+
 def test_persistent_fault_is_storage_unavailable(flaky):
     """Pins: faults outlasting the retries give StorageUnavailable naming the URI, the operation and
     the attempts, with the cause chained and secret-looking values redacted.

@@ -1,0 +1,352 @@
+"""The figures of docs/benchmarks.md, rendered from bench/results/*.json: one source for every number.
+
+    .venv/bin/python bench/figures.py           # after a bench run: rewrite the page's generated sections
+    .venv/bin/python bench/figures.py --check   # write nothing; exit 1 naming each stale section (the tests)
+
+Each bench's figures sit in docs/benchmarks.md between `<!-- figures-{bench}:begin (generated ...) -->`
+and `<!-- figures-{bench}:end -->`: when and on what the bench ran, then its tables, rendered from
+bench/results/{bench}.json (the schema of bench/results_file.py). The prose around the sections says
+what is measured and how and quotes no figure; other pages link to the page rather than quote it. A
+bench without a results file renders one line saying how to make it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = "docs/benchmarks.md"
+REGENERATE = ".venv/bin/python bench/figures.py"
+
+
+# ----------------------------------------------------------------------------- formatting
+
+
+def _f(x: float, digits: int = 3) -> str:
+    return f"{x:,.{digits}f}"
+
+
+def _s(x: float, digits: int = 3) -> str:
+    return f"{_f(x, digits)} s"
+
+
+def _x(x: float) -> str:
+    return f"{x:.2f}×"
+
+
+def _mib(n: float) -> str:
+    mib = n / 2 ** 20
+    return f"{mib:,.1f} MiB" if mib < 10 else f"{mib:,.0f} MiB"
+
+
+def _rate(x: float) -> str:
+    """4328958 -> '4.33M'; 546.6 -> '547'."""
+    return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x:,.0f}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def measured(record: dict) -> str:
+    """When, on what and how long: the line every section starts with."""
+    m, seconds = record["machine"], record["seconds"]
+    where = f"{m['cpus']} CPUs" + (f", {m['platform']}, Python {m['python']}" if m.get("platform") else "")
+    took = f"; the whole bench took {seconds:,.0f} s" if seconds else ""
+    notes = "".join(f" Note: {n}." for n in record.get("notes", []))
+    return f"Measured {record['started_at'][:10]} on {where}{took} (`bench/results/{record['bench']}.json`).{notes}"
+
+
+def _rows(record: dict, kind: str) -> list[dict]:
+    return [r for r in record["rows"] if r.get("kind") == kind]
+
+
+# ----------------------------------------------------------------------------- async_speedup
+
+
+def render_async_speedup(results: dict[str, dict]) -> list[str]:
+    rec = results["async_speedup"]
+    fig, cfg = rec["figures"], rec["config"]
+    t = cfg["generation_step_seconds"]
+    lines = [measured(rec), "",
+             f"The default (σ {cfg['sigma']}, push `{fig['push_model']}` from `{fig['push_source']}`: "
+             f"{_s(fig['push_seconds'])} with the engines paused {_s(fig['pause_seconds'])} of it, T = {_s(t, 1)}, "
+             f"push ÷ T = {fig['push_seconds'] / t:.2f}), {cfg['steps']} steps, medians of the last "
+             f"{cfg['steps'] - cfg['warmup_steps']}:", ""]
+    lines += _table(["driver", "s/step", "efficiency", "whole run (fill included)", "slots held",
+                     "consumed staleness max / mean"], [_driver_row(r) for r in _rows(rec, "driver")])
+    lines += ["", _speedup_line(rec), "", *_push_against_step(rec, results.get("real_model")), ""]
+    return lines + _sensitivity(rec)
+
+
+def _driver_row(r: dict) -> list[str]:
+    return [r["driver"].replace("fully-async", "fully async"), _f(r["step_seconds"]), f"{r['efficiency']:.2f}",
+            _s(r["whole_run_seconds"], 1),
+            f"{r['slot_utilisation']:.2f}", f"{r['staleness_max']} / {r['staleness_mean']:.2f}"]
+
+
+def _speedup_line(rec: dict) -> str:
+    fig, drivers = rec["figures"], {r["driver"]: r for r in _rows(rec, "driver")}
+    line = (f"Ideal {_f(fig['ideal_step_seconds'])} s/step; **speedup of fully async over sync "
+            f"{_x(fig['speedup'])} per step** ({_x(fig['speedup_whole_run'])} whole run).")
+    pushes = [f"{name.replace('-async', ' async')} {_s(r['phases']['push'])}" for name, r in drivers.items()
+              if "phases" in r]
+    if pushes:
+        line += f" Each driver's push (median): {', '.join(pushes)}."
+    if {"sync", "one-step-off"} <= drivers.keys():
+        line += (f" Sync waited {_s(drivers['sync']['phases']['wait batch'])} per batch, one-step-off "
+                 f"{_s(drivers['one-step-off']['phases']['prefetch wait'])} for its prefetched batch before each push.")
+    return line
+
+
+def _push_against_step(rec: dict, real: dict | None) -> list[str]:
+    """The default's push ÷ T beside the same push against a real model's step (real_model.json)."""
+    if not real or not real["figures"].get("steps_per_minute"):
+        return []
+    step = 60 / real["figures"]["steps_per_minute"]
+    push = rec["figures"]["push_seconds"]
+    return [f"Against a real step: `real_model.json`'s SmolLM2-135M run took {_s(step, 1)} a step "
+            f"({real['figures']['steps_per_minute']:.2f} steps/min), so the same push there is a push ÷ T of "
+            f"{push / step:.2f}, nearer the tiny-store rows below than the default."]
+
+
+def _sensitivity(rec: dict) -> list[str]:
+    rows = _rows(rec, "sensitivity")
+    if not rows:
+        return []
+    cfg, t = rec["config"], rec["config"]["generation_step_seconds"]
+    steps = cfg["table_steps"]
+    head = (f"Sensitivity ({steps} steps per cell, median of the last {steps - cfg['warmup_steps']}; speedup = "
+            "sync ÷ fully async s/step, efficiency = ideal ÷ fully async s/step):")
+    table = _table(["σ", "push cost", "push", "pause", "push ÷ T", "sync s/step", "fully async s/step", "ideal",
+                    "speedup", "efficiency"],
+                   [[f"{r['sigma']}", r["push"], _s(r["push_seconds"]), _s(r["pause_seconds"]),
+                     f"{r['push_seconds'] / t:.2f}", _f(r["sync_step_seconds"]), _f(r["fully_async_step_seconds"]),
+                     _f(r["ideal_step_seconds"]), _x(r["speedup"]), f"{r['efficiency']:.2f}"] for r in rows])
+    return [head, "", *table, ""]
+
+
+# ----------------------------------------------------------------------------- buffer
+
+
+def render_buffer(results: dict[str, dict]) -> list[str]:
+    rec = results["buffer"]
+    cfg = rec["config"]
+    lines = [measured(rec), f"Medians of {cfg['repeats']} rounds of {cfg['groups']} groups from "
+             f"{cfg['producers']} producer threads:", ""]
+    rows = _rows(rec, "throughput")
+    lines += _table(["store", "buffer", "raw, same objects", "naive", "ratio raw/buffer", "naive/buffer",
+                     "put p50 / p99"], [_throughput_row(r) for r in rows])
+    lines += ["", "The buffer's objects per round: " + "; ".join(_objects(r) for r in rows) + "."]
+    return lines + [""] + [_index_line(r) for r in _rows(rec, "index_memory")] + [""]
+
+
+_STORES = {"file": "file://", "s3": "S3 (SeaweedFS)"}
+
+
+def _throughput_row(r: dict) -> list[str]:
+    return [_STORES.get(r["store"], r["store"]),
+            f"{_rate(r['buffer_groups_per_s'])} groups/s, {_rate(r['buffer_tokens_per_s'])} tokens/s "
+            f"({_rate(r['buffer_response_tokens_per_s'])} response), {r['buffer_mb_per_s']:.0f} MB/s",
+            f"{_rate(r['raw_groups_per_s'])} groups/s, {r['raw_mb_per_s']:.0f} MB/s",
+            f"{_rate(r['naive_groups_per_s'])} groups/s", f"**{r['ratio']:.2f}**", f"{r['ratio_naive']:.2f}",
+            f"{r['put_p50_s'] * 1e3:.1f} / {r['put_p99_s'] * 1e3:.1f} ms"]
+
+
+def _objects(r: dict) -> str:
+    counts = sorted(x["objects"] for x in r["rounds"])
+    span = f"{counts[0]}–{counts[-1]}" if counts[0] != counts[-1] else f"{counts[0]}"
+    return (f"{_STORES.get(r['store'], r['store'])} {span} objects for {r['groups']} groups (median "
+            f"{r['object_bytes_median'] / 1e6:.2f} MB, largest {r['object_bytes_max'] / 1e6:.2f} MB)")
+
+
+def _index_line(r: dict) -> str:
+    return (f"Index at {r['groups']:,} reopened groups ({r['group']}, {r['groups_per_object']} to an object): "
+            f"**{r['index_bytes_per_group']:,.0f} B per group of index**, besides the "
+            f"{r['object_bytes_per_group']:,.0f} B per group of object bytes its rows view "
+            f"({r['python_bytes_per_group']:,.0f} B of Python memory per group in all; {r['objects']:,} objects; "
+            f"laid out in {r['layout_seconds']:.0f} s, reopened in {r['reopen_seconds_traced']:.0f} s under "
+            "tracemalloc).")
+
+
+# ----------------------------------------------------------------------------- engine
+
+
+def render_engine(results: dict[str, dict]) -> list[str]:
+    rec = results["engine"]
+    cfg = rec["config"]
+    lines = [measured(rec), f"Medians of {cfg['repeats']} interleaved repeats, {cfg['threads']} thread each; "
+             "ratios are the engine's against padded / against bucketed:", ""]
+    lines += _table(["case", "useful tokens (computed: padded / bucketed)", "transformers padded",
+                     "transformers bucketed", "engine in-process", "engine over HTTP"],
+                    [_engine_row(r) for r in rec["rows"]])
+    tail = next((r for r in rec["rows"] if r.get("key") == "tail"), None)
+    if tail:
+        verdict = "meets" if tail["ratio_vs_padded"] >= 2 else "misses"
+        lines += ["", f"The long tail {verdict} its 2× target against padded `generate` in this run."]
+    return lines + [""]
+
+
+def _engine_row(r: dict) -> list[str]:
+    tail = r.get("key") == "tail"
+
+    def speed(seconds: float) -> str:  # the long tail in tokens/s, the default batch in ms
+        return f"{r['useful_tokens'] / seconds:,.0f} tok/s" if tail else f"{seconds * 1e3:.1f} ms"
+
+    buckets = f"{r['buckets']} bucket" + ("s" if r["buckets"] != 1 else "")
+    cells = [r["case"], f"{r['useful_tokens']:,} ({r['padded_tokens']:,} / {r['bucketed_tokens']:,} in {buckets})",
+             speed(r["padded_s"]), speed(r["bucketed_s"]),
+             f"{speed(r['engine_s'])}: {_bold(_x(r['ratio_vs_padded']), tail)} / {_x(r['ratio_vs_bucketed'])}"]
+    http = (f"{speed(r['http_s'])}: {_x(r['http_ratio_vs_padded'])} / {_x(r['http_ratio_vs_bucketed'])}"
+            if r.get("http_s") else "not run")
+    return cells + [http]
+
+
+def _bold(text: str, on: bool) -> str:
+    return f"**{text}**" if on else text
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+_MODELS = {"tiny": "builtin:tiny-gpt", "smollm": "SmolLM2-135M-size"}
+
+
+def render_weights(results: dict[str, dict]) -> list[str]:
+    rec = results["weights"]
+    lines = [measured(rec), f"Medians of {rec['config']['repeats']} pushes (distributed: after the first, "
+             "which forms the group):", ""]
+    lines += _table(["model", "transport", "push", "engines paused", "baseline", "ratio"],
+                    [_weights_row(r) for r in rec["rows"]])
+    return lines + [""]
+
+
+def _weights_row(r: dict) -> list[str]:
+    model = f"{_MODELS.get(r['model'], r['model'])} ({_mib(r['bytes'])})"
+    if r["transport"] == "distributed":
+        buckets = r.get("buckets", 1)
+        transport = f"distributed, {buckets} bucket" + ("s" if buckets != 1 else "")
+        push = _s(r["push_s"]) + (f" (first push {_s(r['first_push_s'])})" if r.get("first_push_s") else "")
+    else:
+        transport, push = r["transport"], f"{_s(r['push_s'])} (export {_s(r['export_s'])})"
+    return [model, transport, push, _s(r["pause_s"]), f"{r['baseline']} {_s(r['baseline_s'])}", f"{r['ratio']:.2f}"]
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def render_resume(results: dict[str, dict]) -> list[str]:
+    rec = results["resume"]
+    cfg = rec["config"]
+    lines = [measured(rec), f"{cfg['consumed']:,} groups consumed, {cfg['step_groups']} a step, "
+             f"{cfg['groups_per_object']} to an object; median of {cfg['repeats']} reopens:", ""]
+    lines += _table(["store", "backlog", "history (every manifest)", "compacted", "+ retention",
+                     "objects (after retention)", "index bytes per buffered group"],
+                    [[_STORES.get(r["store"], r["store"]), f"{r['backlog']:,}", _s(r["history_s"], 2),
+                      _s(r["compacted_s"], 2), _s(r["compacted_retention_s"], 2),
+                      f"{r['objects']:,} ({r['objects_after_retention']:,})",
+                      f"{r['memory']['index_bytes_per_group']:,.0f}"] for r in rec["rows"]])
+    return lines + [""]
+
+
+# ----------------------------------------------------------------------------- real_model
+
+
+def render_real_model(results: dict[str, dict]) -> list[str]:
+    rec = results["real_model"]
+    fig = rec["figures"]
+    reward = [r["reward_5_step_mean"] for r in rec["rows"]]
+    return [measured(rec), "",
+            f"`{fig['flags']}`: {fig['steps']} steps in {fig['wall_seconds']:,.0f} s "
+            f"({fig['steps_per_minute']:.2f} steps/min; the import took {fig['import_seconds']:.0f} s before it); "
+            f"held-out greedy accuracy **{fig['heldout_accuracy_before']:.1%} → {fig['heldout_accuracy_after']:.1%}** "
+            f"({fig['heldout_accuracy_gain'] * 100:+.1f} points); the training reward's 5-step mean went "
+            f"{reward[4]:.2f} (step 4) → {reward[-1]:.2f} (step {len(reward) - 1}), first past 0.4 at step "
+            f"{fig['first_step_5_step_mean_above_0_4']}.", ""]
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+RENDERERS = {
+    "async_speedup": render_async_speedup,
+    "buffer": render_buffer,
+    "engine": render_engine,
+    "weights": render_weights,
+    "resume": render_resume,
+    "real_model": render_real_model,
+}
+
+
+def load_results(results_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(results_dir.glob("*.json"))}
+
+
+def render(bench: str, results: dict[str, dict]) -> str:
+    if bench not in results:
+        return f"No results committed yet: run `.venv/bin/python bench/{bench}.py`, then `{REGENERATE}`.\n"
+    return "\n".join(RENDERERS[bench](results)).rstrip("\n") + "\n"
+
+
+def markers(bench: str) -> tuple[str, str]:
+    return (f"<!-- figures-{bench}:begin (generated by `{REGENERATE}` from bench/results/{bench}.json) -->\n",
+            f"<!-- figures-{bench}:end -->")
+
+
+def with_section(text: str, bench: str, body: str) -> str:
+    """`text` with bench's generated section replaced by `body`; ValueError when its markers are missing."""
+    begin, end = markers(bench)
+    head, found, rest = text.partition(begin)
+    _, found_end, tail = rest.partition(end)
+    if not found or not found_end:
+        raise ValueError(f"{PAGE} has no `{begin.strip()}` ... `{end}` section")
+    return head + begin + body + end + tail
+
+
+def current_page(root: Path) -> str:
+    """What the page must hold: its hand-written text with every section rendered from the results now."""
+    text, results = (root / PAGE).read_text(), load_results(root / "bench" / "results")
+    for bench in RENDERERS:
+        text = with_section(text, bench, render(bench, results))
+    return text
+
+
+def stale_sections(root: Path) -> list[str]:
+    """The benches whose section in the page differs from what their results file renders (or is missing)."""
+    text, results = (root / PAGE).read_text(), load_results(root / "bench" / "results")
+    stale = []
+    for bench in RENDERERS:
+        try:
+            if with_section(text, bench, render(bench, results)) != text:
+                stale.append(bench)
+        except ValueError:
+            stale.append(bench)
+    return stale
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a section is stale")
+    ap.add_argument("--root", default=str(ROOT), help="repository root")
+    args = ap.parse_args(argv)
+    root = Path(args.root)
+    stale = stale_sections(root)
+    if args.check:
+        for bench in stale:
+            print(f"{PAGE}: the {bench} figures are stale; regenerate with `{REGENERATE}`", file=sys.stderr)
+        return 1 if stale else 0
+    try:
+        (root / PAGE).write_text(current_page(root))
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"wrote {PAGE} ({', '.join(stale) or 'nothing'} changed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

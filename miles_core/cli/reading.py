@@ -1,0 +1,162 @@
+"""The `miles` commands that only read run roots: runs show|list, buffer inspect, lineage, report.
+
+Each takes --storage-timeout SECONDS (default `READ_TIMEOUT_SECONDS`): unreachable storage ends the
+command after that many seconds of retries instead of the storage layer's 60 s, which exist so a
+training run rides out a restarted S3 endpoint. Options and positionals come in any order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Iterator
+
+from miles_core.buffer.inspect import group_ids, inspect_buffer
+from miles_core.cli.parsing import Command, CommandParser, add_storage_timeout, subcommands
+from miles_core.metrics.report import write_report
+from miles_core.storage import StorageUnavailable, Store, retry_deadline
+from miles_core.storage.run_root import require_run
+
+READ_TIMEOUT_SECONDS = 5.0
+RUN_URI_HELP = "a run root: {storage_root}/runs/{run_id}, a path or a URI (file://, s3://, gs://)"
+
+
+@contextlib.contextmanager
+def storage_budget(seconds: float) -> Iterator[None]:
+    """Stores opened inside give up after `seconds`; the error then says how to wait longer."""
+    try:
+        with retry_deadline(seconds):
+            yield
+    except StorageUnavailable as e:
+        raise StorageUnavailable(f"{e} Gave up after --storage-timeout={seconds:g} s; pass a larger "
+                                 "--storage-timeout to wait longer.") from e
+
+
+def _emit(data, render, as_json: bool) -> int:
+    print(json.dumps(data, indent=2, sort_keys=True) if as_json else render(data))
+    return 0
+
+
+def _existing_run(run_uri: str) -> str:
+    require_run(Store(run_uri))
+    return run_uri
+
+
+def _common(p: CommandParser, json_help: str = "print JSON instead of text") -> None:
+    p.add_argument("--json", action="store_true", help=json_help)
+    add_storage_timeout(p, READ_TIMEOUT_SECONDS)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _runs(p: CommandParser) -> None:
+    actions = subcommands(p, "actions")
+    show = actions.add_parser("show", help="state, steps, segments, lease, checkpoints, snapshots, buffer, evals",
+                              description="What a run root holds, in one screen.")
+    show.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    _common(show)
+    show.set_defaults(handler=_runs_show)
+    listing = actions.add_parser("list", help="every run under a storage root: id, state, steps, last update",
+                                 description="Every run under STORAGE_ROOT/runs/, one line each.")
+    listing.add_argument("storage_root", metavar="STORAGE_ROOT", help="the --storage-root of the runs (e.g. .miles, "
+                         "s3://bucket/miles)")
+    _common(listing)
+    listing.set_defaults(handler=_runs_list)
+
+
+def _runs_show(ns) -> int:
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
+    from miles_core.lineage.show import render_summary, run_summary
+
+    with storage_budget(ns.storage_timeout):
+        summary = run_summary(ns.run_uri)
+    return _emit(summary, render_summary, ns.json)
+
+
+def _runs_list(ns) -> int:
+    from miles_core.lineage.listing import list_runs, render_runs
+
+    with storage_budget(ns.storage_timeout):
+        runs = list_runs(ns.storage_root)
+    return _emit(runs, lambda r: render_runs(r, ns.storage_root), ns.json)
+
+
+# ----------------------------------------------------------------------------- buffer
+
+
+def _buffer(p: CommandParser) -> None:
+    actions = subcommands(p, "actions")
+    inspect = actions.add_parser("inspect", help="counts of the durable buffer (JSON), or its group ids (--ids)",
+                                 description="What the durable buffer of a run holds, read-only: counts as JSON, or "
+                                             "with --ids each group's id, status and the step that took it.")
+    inspect.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    inspect.add_argument("--ids", action="store_true",
+                         help="list every group id with its status (consumed, rejected, available) and step")
+    _common(inspect, "with --ids: print JSON instead of text (the counts are always JSON)")
+    inspect.set_defaults(handler=_buffer_inspect)
+
+
+def _buffer_inspect(ns) -> int:
+    with storage_budget(ns.storage_timeout):
+        uri = _existing_run(ns.run_uri)
+        if not ns.ids:
+            return _emit(inspect_buffer(uri), None, True)
+        rows = group_ids(uri)
+    return _emit(rows, _render_ids, ns.json)
+
+
+def _render_ids(rows: list[dict]) -> str:
+    if not rows:
+        return "no groups"
+    width = max(len("GROUP"), *(len(r["group_id"]) for r in rows))
+    lines = [f"{'GROUP':<{width}}  {'STATUS':<9}  STEP"]
+    lines += [f"{r['group_id']:<{width}}  {r['status']:<9}  {'-' if r['step'] is None else r['step']}"
+              f"{'' if r['stored'] else '  (object deleted)'}" for r in rows]
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- lineage, report
+
+
+def _lineage(p: CommandParser) -> None:
+    p.description = ("Where one group came from and went: its prompt, samples and token versions, the step "
+                     "that trained (or rejected) it, the first checkpoint and snapshot that include that "
+                     "step, the evals around it.")
+    p.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    p.add_argument("group_id", metavar="GROUP_ID", help="e.g. e0-p17-a0 (`miles buffer inspect RUN_URI --ids` "
+                                                        "lists them)")
+    _common(p)
+    p.set_defaults(handler=_lineage_run)
+
+
+def _lineage_run(ns) -> int:
+    # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
+    from miles_core.lineage.trace import group_lineage, render_lineage
+
+    with storage_budget(ns.storage_timeout):
+        trace = group_lineage(ns.run_uri, ns.group_id)
+    return _emit(trace, render_lineage, ns.json)
+
+
+def _report(p: CommandParser) -> None:
+    p.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    p.add_argument("-o", "--output", default="report.html", metavar="FILE",
+                   help="where to write it: a path or a URI (default report.html)")
+    add_storage_timeout(p, READ_TIMEOUT_SECONDS)
+    p.set_defaults(handler=_report_run)
+
+
+def _report_run(ns) -> int:
+    with storage_budget(ns.storage_timeout):
+        print(write_report(_existing_run(ns.run_uri), ns.output))
+    return 0
+
+
+COMMANDS = [
+    Command("runs", "what runs hold: `runs show RUN_URI` one run, `runs list STORAGE_ROOT` every run", _runs),
+    Command("buffer", "a run's durable buffer: `buffer inspect RUN_URI` its counts, with --ids its group ids",
+            _buffer),
+    Command("lineage", "where one group of a run came from and went", _lineage),
+    Command("report", "a self-contained HTML report of a run", _report),
+]

@@ -1,0 +1,128 @@
+"""The `miles` command line as a well-made CLI (issue 24): one parser per command, in-process via main().
+
+Pins: --help/-h anywhere exits 0 with that command's usage (never read as a run URI); options come
+before or after positionals; an unknown command is named with the closest one; `miles` alone is a
+usage error (2) and `miles --help` is not; the exit-code rule (0 ok, 1 runtime failure, 2 usage or
+configuration: ConfigError is 2 in validate, fork and replay alike); every problem of a command line
+at once; missing credentials and unreachable storage as one line. The subprocess cases (no
+traceback, a closed pipe, real S3 clients) are in test_cli_subprocess.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from miles_core.cli import COMMANDS, main
+from miles_core.cli.errors import EXIT_FAILURE, EXIT_USAGE, explain
+from miles_core.cli.reading import storage_budget
+from miles_core.storage import StorageUnavailable, Store
+from tests.support.small_run import small_run
+
+HELP_LINES = [["validate"], ["import-model"], ["fork"], ["replay"], ["runs"], ["runs", "show"], ["runs", "list"],
+              ["buffer"], ["buffer", "inspect"], ["lineage"], ["report"]]
+
+
+@pytest.fixture
+def run(tmp_path):
+    return small_run(tmp_path)
+
+
+@pytest.mark.parametrize("words", HELP_LINES, ids=" ".join)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_anywhere_prints_usage_and_exits_0(words, flag, capsys, tmp_path):
+    """Guards: `miles runs show --help` answering "no run at .../--help"."""
+    for argv in ([*words, flag], [*words, str(tmp_path), flag]):
+        assert main(argv) == 0, argv
+        out, err = capsys.readouterr()
+        assert f"usage: miles {' '.join(words)}" in out and "no run at" not in out + err, (argv, out, err)
+
+
+def test_top_level_help_and_usage(capsys):
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in COMMANDS) and "DESIGN" not in out and "exit status" in out
+    assert main([]) == EXIT_USAGE
+    assert "usage: miles COMMAND" in capsys.readouterr().err
+
+
+def test_unknown_command_is_named_with_the_closest(capsys):
+    assert main(["runz", "show"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unknown command 'runz'" in err and "Did you mean 'runs'?" in err and "lineage" in err
+    assert main(["runs", "lst", "x"]) == EXIT_USAGE
+    assert "invalid choice: 'lst'" in capsys.readouterr().err
+
+
+def test_options_in_any_order(run, capsys):
+    """Guards: options that only work after the run URI."""
+    assert main(["runs", "show", "--json", run.uri]) == 0
+    assert json.loads(capsys.readouterr().out)["status"]["state"] == "segment_done"
+    assert main(["lineage", "--json", run.uri, run.trained[1]]) == 0
+    assert json.loads(capsys.readouterr().out)["fate"] == {"step": 1, "outcome": "consumed"}
+    assert main(["buffer", "inspect", "--ids", "--json", run.uri]) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 5
+
+
+def test_unknown_option_of_a_reading_command_is_a_usage_error(run, capsys):
+    assert main(["runs", "show", run.uri, "--jsn"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --jsn" in err and "usage: miles runs show" in err
+
+
+def test_every_bad_value_of_a_command_line_at_once(capsys):
+    """Guards: parsing that stops at the first bad value."""
+    assert main(["validate", "--lr", "abc", "--n-samples-per-prompt", "x", "--engine-backend", "tpu",
+                 "--rollout-batch-sise", "3", "--eps-clip", "-1"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    for needle in ("--lr: invalid float value: 'abc'", "--n-samples-per-prompt: invalid int value: 'x'",
+                   "--engine-backend: invalid choice: 'tpu'", "Did you mean --rollout-batch-size?",
+                   "--eps-clip=-1.0 must be > 0"):
+        assert needle in err, (needle, err)
+    assert "group of one" not in err  # no rule judged the default of the flag whose value was bad
+
+
+def test_config_errors_exit_2_in_validate_fork_and_replay(run, capsys):
+    """Guards: a ConfigError that exits 2 in validate but 1 in fork/replay."""
+    assert main(["validate", "--fully-async", "--colocate"]) == EXIT_USAGE
+    for argv in (["fork", run.uri, "--at-step", "1", "--new-run", "b", "--tiny-hidden-size", "64"],
+                 ["fork", "--lr", "abc", run.uri, "--at-step", "1", "--new-run", "b"],
+                 ["fork", run.uri, "--at-step", "1", "--new-run", "b", "--run-id", "z"],
+                 ["fork", run.uri, "--new-run", "b"],
+                 ["fork", run.uri, "--at-step", "1", "--new-run", "../b"],
+                 ["replay", run.uri, "--rollout-batch-size", "8"],
+                 ["replay", run.uri, "--lr", "abc", "--steps", "x"]):
+        capsys.readouterr()
+        assert main(argv) == EXIT_USAGE, argv
+        err = capsys.readouterr().err
+        assert err.startswith(("miles fork:", "miles replay:", "usage: miles")) and "Traceback" not in err, err
+    assert not (Store(run.storage_root).list("runs/b"))
+
+
+def test_runtime_failures_exit_1(run, tmp_path, capsys):
+    for argv in (["runs", "show", f"{run.storage_root}/runs/typo"], ["lineage", run.uri, "g9999"],
+                 ["fork", run.uri, "--at-step", "0", "--new-run", "b"], ["buffer", "inspect", str(tmp_path / "no")]):
+        assert main(argv) == EXIT_FAILURE, argv
+        assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_missing_credentials_are_one_line_of_what_to_set():
+    class NoCredentialsError(Exception):  # botocore's class, matched by name
+        pass
+
+    try:
+        try:
+            raise NoCredentialsError("Unable to locate credentials")
+        except NoCredentialsError as e:
+            raise RuntimeError("wrapped by the client") from e
+    except RuntimeError as wrapped:
+        status, line = explain(wrapped)
+    assert status == EXIT_USAGE and "AWS_ACCESS_KEY_ID" in line and "Unable to locate credentials" in line
+
+
+def test_unreachable_storage_names_the_timeout_flag():
+    with pytest.raises(StorageUnavailable, match="--storage-timeout=2 s"):
+        with storage_budget(2):
+            raise StorageUnavailable("storage at s3://b/r unreachable")
+    assert explain(StorageUnavailable("x"))[0] == EXIT_FAILURE
