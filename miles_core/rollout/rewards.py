@@ -16,7 +16,7 @@ at most N of them without a default, and no keyword-only parameter without a def
 Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
     task_reward   the default: dispatches on the sample's task (metadata "task"): reverse4/copy4 ->
                   `builtin_tasks.digits_reward`, exact_match -> exact_match, math -> math_answer,
-                  arith -> `arith.arith_reward` (the integer after "=", else the first one)
+                  arith -> `arith.arith_reward` (the integer after the first "=", else the last one)
     exact_match   1.0 when the stripped response equals the label, else 0.0
     math_answer   1.0 when the answer (last `\\boxed{...}`, else the last number) equals the label's
                   number, else 0.0
