@@ -8,7 +8,9 @@ group), runs micro-batches of `micro_batch_size` samples (right-padded; or, with
 with the loss over response tokens whose `loss_mask` is 1, clips the gradient norm and steps once.
 `export_hf(dir)` writes an HF checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what
 checkpoint.py stores.
-On CPU: fp32, plain `torch.optim.AdamW`. On GPU: bf16 Megatron DDP + Megatron's optimizer.
+On CPU: fp32, plain `torch.optim.AdamW`. On GPU, and on CPU with --bf16 or
+--use-distributed-optimizer: Megatron DDP + Megatron's optimizer (`megatron_model.build_training`;
+on CPU inside `cpu_shim.megatron_on_cpu`).
 
 One Trainer per rank (miles_core.driver.placement places them). Every rank gets the whole batch and trains
 on its data-parallel shard (miles_core.train.data_parallel); the loss is normalised by the global
@@ -248,9 +250,10 @@ class Trainer:
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py.
 
-        These are this rank's TP shards. The optimizer state is replicated over DP ranks (plain
-        AdamW on CPU, Megatron's non-distributed optimizer on GPU), so DP rank 0 of each TP rank
-        holds everything, and a checkpoint resumes at any DP size.
+        These are this rank's TP shards. DP rank 0 of each TP rank holds the whole optimizer state:
+        replicated over DP ranks (AdamW, Megatron's non-distributed optimizer), or gathered onto it
+        (the distributed optimizer: a collective, so every rank calls this; optimizer_state.py). A
+        checkpoint resumes at any DP size.
         """
         model = hf_convert.megatron_state(unwrap(self.model))
         opt_tensors, opt_skeleton = optimizer_state(self.optimizer)
