@@ -6,8 +6,8 @@ Pins: on builtin:tiny-llama (4 layers), full recompute (uniform 1, uniform 2, bl
 selective recompute make the same train_step as none (loss and grad norm to 1e-6 relative, every
 gradient to fp32 tolerance), and keep less: the peak of live tensor memory (activations,
 temporaries, gradients; parameters excluded) of one forward+backward of 8 x 96 tokens, measured
-with torch's MemTracker, is at most half of none's with uniform 1, below 0.7 of it with uniform 2 and
-block 2, and selective saves at least half the attention probabilities (layers x b x heads x s^2
+with torch's MemTracker, is lower than none's by more than 24 MiB with uniform 1 and 15 MiB with
+uniform 2 and block 2 (savings, not ratios: see the test), and selective saves at least half the attention probabilities (layers x b x heads x s^2
 fp32). `CheckpointFunction` on CPU replays the forward's randomness (the CPU generator and the
 tracker's stream) when it recomputes in backward. The rules name their flags.
 
@@ -84,10 +84,13 @@ def test_recompute_makes_the_same_step(measured, variant):
 
 
 def test_recompute_keeps_less_activation_memory(measured):
+    """Savings in bytes, not ratios: in a process where other tests ran first, MemTracker's peak
+    carries a constant offset (67 MiB once in CI: 123 vs 87 MiB, where a fresh process measures
+    54.6 vs 20.5), which the differences do not see. Fresh-process savings: 34.1, 22.6, 24.1 MiB."""
     none = measured["none"]["peak"]
-    assert measured["full-uniform-1"]["peak"] < 0.5 * none
-    assert measured["full-uniform-2"]["peak"] < 0.7 * none
-    assert measured["full-block-2"]["peak"] < 0.7 * none
+    saved = {k: (none - measured[k]["peak"]) / 2**20 for k in ("full-uniform-1", "full-uniform-2", "full-block-2")}
+    assert saved["full-uniform-1"] > 24 and saved["full-uniform-2"] > 15 and saved["full-block-2"] > 16, saved
+    assert saved["full-uniform-1"] > saved["full-uniform-2"]
     probabilities = LAYERS * B * HEADS * S * S * 4  # fp32 softmax outputs kept by the unfused attention
     assert none - measured["selective"]["peak"] > 0.5 * probabilities
 
