@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.ranks import fork_ranks
+
 pytestmark = pytest.mark.slow
 STEPS = 3
 RTOL, ATOL = 1e-5, 1e-6  # fp32: the reduce order differs between the layouts
@@ -136,21 +138,6 @@ def _dp1(hf_dir: str, tmp: str) -> None:
     dist.destroy_process_group()
 
 
-def _fork(target, args_list) -> None:
-    ctx = mp.get_context("fork")
-    procs = [ctx.Process(target=target, args=args) for args in args_list]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if codes != [0] * len(procs):
-        raise RuntimeError(f"trainer rank processes exited with {codes}")
-
-
 def _launch(tmp: str) -> None:
     """In a fresh (spawned) process: import Megatron and write the checkpoint once, then fork the
     DP=2 ranks, then the DP=1 one. Exits without interpreter teardown."""
@@ -163,8 +150,8 @@ def _launch(tmp: str) -> None:
     hf_dir = materialize_checkpoint("builtin:tiny-gpt", 1, os.path.join(tmp, "tiny-gpt"))
     other_dir = materialize_checkpoint("builtin:tiny-gpt", 2, os.path.join(tmp, "tiny-gpt-2"))
     os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
-    _fork(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)])
-    _fork(_dp1, [(hf_dir, tmp)])
+    fork_ranks(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)], timeout=300)
+    fork_ranks(_dp1, [(hf_dir, tmp)], timeout=300)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

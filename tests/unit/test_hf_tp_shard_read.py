@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from miles_core.models.safetensors_dir import MissingWeights, SafetensorsReader
 from miles_core.train import hf_convert, hf_shards
 from miles_core.train.megatron_model import ModelSpec
+from tests.support.ranks import fork_ranks
 
 TP = 2
 SLACK = 0.01  # of the sharded bytes; the split is exact for these shapes
@@ -182,19 +183,15 @@ def _launch(dirs: dict[str, str], tmp: str) -> None:
     import miles_core.train.megatron_model  # noqa: F401
 
     os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
-    ctx = mp.get_context("fork")
-    ranks = [ctx.Process(target=_worker, args=(r, dirs, tmp)) for r in range(TP)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
-    codes = [p.exitcode for p in ranks]
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
+    try:
+        fork_ranks(_worker, [(r, dirs, tmp) for r in range(TP)])
+        code = 0
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        code = 1
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if codes == [0] * TP else 1)
+    os._exit(code)
 
 
 @pytest.fixture(scope="module")

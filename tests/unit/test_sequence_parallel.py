@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.support.ranks import fork_ranks
+
 TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
 PROMPT = 5
@@ -123,18 +125,7 @@ def _launch(tmp: str) -> None:
 
     models = _write_models(tmp)
     os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
-    ctx = mp.get_context("fork")
-    ranks = [ctx.Process(target=_worker, args=(r, models, tmp)) for r in range(TP)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(240)
-    codes = [p.exitcode for p in ranks]
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    if codes != [0] * TP:
-        raise RuntimeError(f"TP rank processes exited with {codes}")
+    fork_ranks(_worker, [(r, models, tmp) for r in range(TP)], timeout=240)
     torch.save({name: _run(hf_dir, 1) for name, hf_dir in models.items()}, os.path.join(tmp, "tp1.pt"))
     sys.stdout.flush()
     sys.stderr.flush()

@@ -38,6 +38,7 @@ from miles_core.train import metric_names as TM
 from miles_core.train.megatron_model import masked_token_logprobs, unwrap
 from miles_core.train.packing import block_causal_mask, pack_rows, plan_micro_batches
 from miles_core.train.trainer import Trainer, _pack, _pack_row, trainable_samples
+from tests.support.ranks import fork_ranks
 
 torch.set_num_threads(1)
 
@@ -221,18 +222,7 @@ def _launch(tmp: str) -> None:
 
     hf_dir = materialize_checkpoint("builtin:tiny-llama", 1, os.path.join(tmp, "tiny-llama"))
     os.environ["MILES_STRICT_DEVICE"] = "cuda"
-    ctx = mp.get_context("fork")
-    ranks = [ctx.Process(target=_worker, args=(r, hf_dir, tmp)) for r in range(DP)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(120)
-    codes = [p.exitcode for p in ranks]
-    for p in ranks:
-        if p.is_alive():
-            p.kill()
-    if codes != [0] * DP:
-        raise RuntimeError(f"DP rank processes exited with {codes}")
+    fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(DP)])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
