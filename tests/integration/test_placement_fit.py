@@ -20,11 +20,17 @@ SGLANG = ["--engine-backend", "sglang"]
 
 
 @pytest.fixture
-def logical_cluster():
+def logical_cluster(monkeypatch):
     """start(nodes) -> a Ray cluster on this machine of those nodes ({num_cpus, num_gpus, resources}),
-    connected; the first node is the head."""
+    connected; the first node is the head.
+
+    Ray's test `Cluster` records its address in /tmp/ray/ray_current_cluster, where every `ray.init()`
+    without an address on this machine (a `pyflyte run` in CI's other lane) would join it; it is not
+    recorded."""
     import ray
     from ray.cluster_utils import Cluster
+
+    monkeypatch.setattr(ray._private.utils, "write_ray_address", lambda *a, **k: None)
 
     if ray.is_initialized():
         ray.shutdown()
