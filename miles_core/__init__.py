@@ -31,6 +31,8 @@ LAYERS = (
      "evaluation of snapshots: the modes, the in-run scheduler, the follower and backfills"),
     ("driver", ("driver",),
      "one training segment: placement of the roles on Ray, the roles wired into the loop, the loop"),
+    ("elastic", ("elastic",),
+     "producer jobs: engines in another cluster that join a running run through its run root alone"),
     ("lineage", ("lineage",),
      "what a run root holds and where a group came from and went; fork and replay"),
     ("cli", ("cli",),

@@ -51,3 +51,27 @@ def train_cluster(gpu_workers: int, gpus_per_worker: int) -> ClusterShape:
 
 
 TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER)
+
+
+# A producer job's own Ray cluster (workflows/rollout_producer.py): engines only, e.g. on a preemptible
+# GPU node pool in another zone; MILES_PRODUCER_* variables, read at registration like the above.
+PRODUCER_GPU_WORKERS = int(os.environ.get("MILES_PRODUCER_GPU_WORKERS", "1"))
+PRODUCER_GPUS_PER_WORKER = int(os.environ.get("MILES_PRODUCER_GPUS_PER_WORKER", "1"))
+
+PRODUCER_CLUSTER = RayJobConfig(
+    head_node_config=HeadNodeConfig(
+        ray_start_params={"num-gpus": "0", "log-color": "false"},
+        requests=Resources(cpu="2", mem="8Gi"),
+    ),
+    worker_node_config=[
+        WorkerNodeConfig(
+            group_name="rollout",
+            replicas=PRODUCER_GPU_WORKERS,
+            requests=Resources(cpu=str(CPUS_PER_GPU * PRODUCER_GPUS_PER_WORKER),
+                               mem=f"{64 * PRODUCER_GPUS_PER_WORKER}Gi", gpu=str(PRODUCER_GPUS_PER_WORKER)),
+            limits=Resources(gpu=str(PRODUCER_GPUS_PER_WORKER)),
+        )
+    ],
+    shutdown_after_job_finishes=True,
+    ttl_seconds_after_finished=600,
+)

@@ -42,6 +42,7 @@ def build_buffer(cfg: RunConfig, unused_handler: UnusedSamplesHandler, *, consum
         coalesce_seconds=cfg.buffer.buffer_coalesce_seconds,
         consumed_through_step=consumed_through_step,
         writer_id=writer_id,
+        foreign_poll_seconds=cfg.buffer.producer_poll_seconds if cfg.buffer.allow_rollout_producers else None,
     )
 
 

@@ -85,7 +85,8 @@ class DurableBuffer:
     def __init__(self, store: Store, *, capacity_groups: int, unused_handler: UnusedSamplesHandler,
                  max_weight_staleness: int | None = None,
                  dynamic_filter: Callable[[Group], tuple[bool, str]] | None = None,
-                 coalesce_seconds: float = 0.0, writer_id: str | None = None):
+                 coalesce_seconds: float = 0.0, writer_id: str | None = None,
+                 foreign_poll_seconds: float | None = None, index_commits: bool = True):
         if capacity_groups < 1:
             raise ValueError(f"buffer capacity must be >= 1 group, got {capacity_groups}")
         self.store = store
@@ -96,6 +97,7 @@ class DurableBuffer:
         self.coalesce_seconds = max(0.0, coalesce_seconds)
         self.writer_id = validate_name(writer_id or O.new_writer_id(), "buffer writer id")
         self._seq = 0
+        self.index_commits = index_commits  # False: a producer's writer, which commits and never serves
 
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
@@ -117,6 +119,10 @@ class DurableBuffer:
         self._closed = False
         self._window = M.Window()
         self.quarantined_total = 0
+        self.committed_total = 0  # groups committed by this writer
+        self._seen: set[str] = set()  # object keys indexed (or found done) by this buffer
+        self._prompts: dict[tuple[int, int, int], str] = {}  # (epoch, position, attempt) -> the group id holding it
+        self._tail = None if foreign_poll_seconds is None else _Tail(self, foreign_poll_seconds)
         self._writer = threading.Thread(target=self._write_loop, name=f"buffer-writer-{self.writer_id}", daemon=True)
         self._writer.start()
 
@@ -141,18 +147,42 @@ class DurableBuffer:
         except BaseException:
             buf.close()
             raise
+        if buf._tail is not None:
+            buf._tail.start()  # after the reopen's own listing: an object is indexed once
         return buf
 
     def _load(self, through: int) -> None:
         consumed = self._load_consumption(through)
-        keys = [k for k in self.store.list(O.GROUPS) if k.endswith(".arrow") and not self._is_done(k)]
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="buffer-reopen") as pool:
-            for key, stored in zip(keys, pool.map(self._fetch, keys)):
-                if isinstance(stored, BaseException):
-                    self._quarantine(key, stored)
-                elif stored is not None:
-                    self._index_object(key, stored, consumed)
-        self._reserved = len(self._available)
+        self._consumed_prompts(consumed)
+        listed = [k for k in self.store.list(O.GROUPS) if k.endswith(".arrow")]
+        with self._lock:
+            self._index_keys([k for k in listed if not self._is_done(k)], consumed)
+            self._seen.update(listed)
+            self._reserved = len(self._available)
+
+    def _consumed_prompts(self, consumed: set[str]) -> None:
+        """The prompts (epoch, position, attempt) of consumed or rejected groups, read from their ids,
+        so another writer's duplicate of one is refused."""
+        for gid in consumed:
+            prompt = O.prompt_of_id(gid)
+            if prompt is not None:
+                self._prompts.setdefault(prompt, gid)
+
+    def _index_keys(self, keys: list[str], consumed: set[str]) -> int:
+        """Fetch and index these objects (in parallel); returns the groups made available."""
+        before = len(self._available)
+        self._lock.release()  # reads run unlocked; indexing below holds the lock again
+        try:
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="buffer-reopen") as pool:
+                fetched = list(zip(keys, pool.map(self._fetch, keys)))
+        finally:
+            self._lock.acquire()
+        for key, stored in fetched:
+            if isinstance(stored, BaseException):
+                self._quarantine(key, stored)
+            elif stored is not None:
+                self._index_object(key, stored, consumed)
+        return len(self._available) - before
 
     def _load_consumption(self, through: int) -> set[str]:
         """Group ids consumed or rejected through `through` (in objects not entirely done); fills `_done`."""
@@ -208,6 +238,7 @@ class DurableBuffer:
 
     def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> None:
         fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]
+        fresh = [sg for sg in fresh if not self._duplicate(sg)]
         if not fresh:  # consumed entirely, but no manifest said so: remember it as done
             self._note_done(key)
             return
@@ -217,6 +248,26 @@ class DurableBuffer:
             self._available.append(entry)
             self._unrecorded[sg.group_id] = entry
             self._remaining.setdefault(key, set()).add(sg.group_id)
+            self._note_prompt(sg.group_id)
+
+    def _note_prompt(self, group_id: str) -> None:
+        prompt = O.prompt_of_id(group_id)
+        if prompt is not None:
+            self._prompts.setdefault(prompt, group_id)
+
+    def _duplicate(self, sg: "O.StoredGroup") -> bool:
+        """Another writer's group for the same prompt attempt as a group already committed (a claim
+        block taken over while its first holder was still committing): refused, recorded as rejected,
+        counted. A retry of a rejected group has the next attempt number and is no duplicate."""
+        prompt = O.prompt_of_id(sg.group_id)
+        holder = self._prompts.get(prompt) if prompt is not None else None
+        if holder is None or holder == sg.group_id:
+            return False
+        log.warning("buffer: group %s repeats prompt %s of group %s; refused as a duplicate",
+                    sg.group_id, prompt, holder)
+        self._rejected.append(sg.group_id)
+        self._window.duplicates += 1
+        return True
 
     def _note_done(self, key: str) -> None:
         parsed = O.split_group_key(key)
@@ -285,6 +336,16 @@ class DurableBuffer:
         if p.error is not None:
             raise p.error
 
+    def _index_commit(self, key: str, batch: list[_PendingPut]) -> None:
+        for p in batch:
+            p.entry.key = key
+            self._available.append(p.entry)
+            self._unrecorded[p.entry.group_id] = p.entry
+            self._note_prompt(p.entry.group_id)
+        self._remaining[key] = {p.entry.group_id for p in batch}
+        self._members[key] = [p.entry.group_id for p in batch]
+        self._not_empty.notify_all()
+
     def _filter(self, group: Group) -> tuple[bool, str]:
         try:
             keep, reason = self.dynamic_filter(group)
@@ -327,15 +388,15 @@ class DurableBuffer:
             return
         now = time.monotonic()
         with self._lock:
-            for p in batch:
-                p.entry.key = key
-                self._available.append(p.entry)
-                self._unrecorded[p.entry.group_id] = p.entry
-                self._window.put_seconds.append(now - p.slot_at)
-            self._remaining[key] = {p.entry.group_id for p in batch}
-            self._members[key] = [p.entry.group_id for p in batch]
             self._window.bytes_written += len(data)
-            self._not_empty.notify_all()
+            self._window.put_seconds.extend(now - p.slot_at for p in batch)
+            self.committed_total += len(batch)
+            self._seen.add(key)
+            if self.index_commits:
+                self._index_commit(key, batch)
+            else:  # a producer's writer: committed is done; the slot frees at once
+                self._reserved -= len(batch)
+                self._not_full.notify_all()
         for p in batch:
             p.batch = None
             p.done.set()
@@ -417,8 +478,10 @@ class DurableBuffer:
                     left.discard(gid)
                     if not left:
                         done.add(entry.key)
+            writers = collections.Counter(O.writer_of(e.key) for gid in group_ids
+                                          if (e := self._unrecorded.get(gid)) is not None)
         manifest = {"step": step, "consumed": list(group_ids), "rejected": rejected,
-                    "objects_done": sorted(done), "written_at": time.time()}
+                    "objects_done": sorted(done), "writers": dict(sorted(writers.items())), "written_at": time.time()}
         chaos.point("buffer.record")
         self.store.put_json(O.consumed_key(step), manifest)
         with self._lock:
@@ -496,6 +559,8 @@ class DurableBuffer:
             if self._closed:
                 return
             self._closed = True
+            if self._tail is not None:
+                self._tail.stop()
             self._has_pending.notify_all()
             self._not_full.notify_all()
             self._not_empty.notify_all()
@@ -507,3 +572,46 @@ class DurableBuffer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _Tail:
+    """Indexes the groups other writers (producer jobs) commit to the run's buffer: every
+    `poll_seconds` one listing of `buffer/groups/`, then the objects not seen yet, fetched and
+    indexed like a reopen (undecodable ones quarantined, duplicates of a held position refused).
+    Those groups take buffer slots too, so this process's own producer is held back while the
+    buffer is full of theirs; they are never refused for space (they are committed already)."""
+
+    def __init__(self, buffer: DurableBuffer, poll_seconds: float):
+        self.buffer, self.poll_seconds = buffer, max(0.05, poll_seconds)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="buffer-tail", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_seconds):
+            try:
+                self.poll()
+            except Exception as e:  # noqa: BLE001 - an outage delays other writers' groups, never the run
+                log.warning("buffer: listing other writers' groups failed (tried again in %.1f s): %s",
+                            self.poll_seconds, e)
+
+    def poll(self) -> int:
+        """One pass; returns the groups it made available."""
+        b = self.buffer
+        own = f"{O.GROUPS}{b.writer_id}/"
+        listed = [k for k in b.store.list(O.GROUPS) if k.endswith(".arrow") and not k.startswith(own)]
+        with b._lock:
+            new = sorted(k for k in listed if k not in b._seen and not b._is_done(k))
+            b._seen.update(new)
+            if b._closed or not new:
+                return 0
+            added = b._index_keys(new, set())
+            b._reserved += added
+            if added:
+                b._not_empty.notify_all()
+        return added

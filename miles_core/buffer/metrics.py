@@ -21,6 +21,7 @@ BUFFER_MAX_STALENESS = PREFIX + "buffer_max_staleness"
 PUT_SECONDS = PREFIX + "put_seconds"
 BYTES_WRITTEN = PREFIX + "bytes_written"
 QUARANTINED = PREFIX + "quarantined"
+DUPLICATE_GROUPS_FILTERED = PREFIX + "duplicate_groups_filtered"
 UNUSED_DROPPED = PREFIX + "unused_dropped"
 UNUSED_RECYCLED = PREFIX + "unused_recycled"
 PRODUCER_BLOCKED_SECONDS = "perf/producer_blocked_seconds"
@@ -38,6 +39,7 @@ METRIC_NAMES: tuple[str, ...] = (
     PUT_SECONDS,
     BYTES_WRITTEN,
     QUARANTINED,
+    DUPLICATE_GROUPS_FILTERED,
     UNUSED_DROPPED,
     UNUSED_RECYCLED,
     PRODUCER_BLOCKED_SECONDS,
@@ -63,6 +65,7 @@ class Window:
     put_seconds: list[float] = field(default_factory=list)  # slot acquired -> committed, per put
     bytes_written: int = 0
     quarantined: int = 0
+    duplicates: int = 0
     blocked_seconds: float = 0.0
     drops: Counter = field(default_factory=Counter)
 
@@ -73,6 +76,7 @@ class Window:
             STALE_GROUPS_FILTERED: self.stale,
             BYTES_WRITTEN: self.bytes_written,
             QUARANTINED: self.quarantined,
+            DUPLICATE_GROUPS_FILTERED: self.duplicates,
             PRODUCER_BLOCKED_SECONDS: self.blocked_seconds,
         }
         if self.put_seconds:

@@ -19,6 +19,7 @@ the reader can keep each group's rows as a compact Arrow slice without regroupin
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import uuid
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from miles_core.samples import SAMPLE_SCHEMA, Group, SchemaError, batch_to_groups
+from miles_core.storage import ObjectNotFound, Store
+
+log = logging.getLogger(__name__)
 
 GROUPS = "buffer/groups/"
 CONSUMED = "buffer/consumed/"
@@ -42,6 +46,22 @@ def new_writer_id() -> str:
 
 def group_key(writer: str, seq: int) -> str:
     return f"{GROUPS}{writer}/{seq:012d}.arrow"
+
+
+def writer_of(key: str) -> str:
+    """The writer of a group object key ("" for another key)."""
+    parsed = split_group_key(key)
+    return parsed[0] if parsed is not None else ""
+
+
+def prompt_of_id(group_id: str) -> tuple[int, int, int] | None:
+    """(epoch, position, attempt) from a data-source group id `e{epoch}-p{position}-a{attempt}[-{holder}]`;
+    None for another id."""
+    parts = group_id.split("-")
+    if len(parts) < 3 or [p[:1] for p in parts[:3]] != ["e", "p", "a"]:
+        return None
+    nums = [p[1:] for p in parts[:3]]
+    return tuple(int(n) for n in nums) if all(n.isdigit() for n in nums) else None
 
 
 def consumed_key(step: int) -> str:
@@ -156,6 +176,24 @@ def position_of(group: Group) -> tuple[int, int] | None:
         if isinstance(meta, dict) and isinstance(meta.get("epoch"), int) and isinstance(meta.get("position"), int):
             return (meta["epoch"], meta["position"])
     return None
+
+
+def committed_positions(store: Store, writer: str) -> set[tuple[int, int]]:
+    """(epoch, position) of every data-source group that buffer writer `writer` committed in the run root
+    `store` (its objects under buffer/groups/{writer}/): what a writer taking over a prompt claim block
+    from it must not generate again. An object that does not decode is skipped with a warning (its groups
+    are never read by the trainer either). Objects deleted after consumption are not seen."""
+    out: set[tuple[int, int]] = set()
+    for key in store.list(f"{GROUPS}{writer}/"):
+        if split_group_key(key) is None:
+            continue
+        try:
+            groups = decode_object(store.get_bytes(key), key)
+        except (SchemaError, ObjectNotFound) as e:
+            log.warning("committed positions of writer %s: skipping %s (%s)", writer, key, str(e)[:300])
+            continue
+        out.update(g.position for g in groups if g.position is not None)
+    return out
 
 
 def rows_to_group(rows: pa.RecordBatch) -> Group:

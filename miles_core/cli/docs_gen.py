@@ -52,6 +52,7 @@ FALLBACK_MEANINGS: dict[str, str] = {
     "rollout/fully_async/put_seconds": "Seconds spent committing groups to object storage in this window.",
     "rollout/fully_async/bytes_written": "Bytes of sample batches committed to object storage in this window.",
     "rollout/fully_async/quarantined": "Buffer objects that failed to decode and were moved to buffer/quarantine/.",
+    "rollout/fully_async/duplicate_groups_filtered": "Groups refused at the buffer because another writer's group for the same prompt attempt was committed first (a prompt block taken over from a producer still committing).",
     "rollout/fully_async/unused_dropped": "Rejected groups discarded by --async-unused-samples-handler=drop.",
     "rollout/fully_async/unused_recycled": "Rejected groups whose prompt went back to the data source (--async-unused-samples-handler=retry).",
     "rollout/dynamic_filter/drop_{reason}": "Groups dropped at put by --dynamic-sampling-filter-path, per reason it returned.",

@@ -97,6 +97,10 @@ class BufferSection:
     async_unused_samples_handler: str = opt("drop", "What happens to rejected (aborted or stale) groups: drop (counted) or retry (prompt back to the data source).", choices=("drop", "retry"))
     custom_async_data_buffer_path: str = opt("", "module:Class replacing the durable buffer; built with (config, unused_samples_handler).")
     buffer_delete_consumed_objects: bool = opt(False, "At each checkpoint, delete the buffer objects whose groups were all consumed (or rejected) through it. Keeps listings and storage bounded by the backlog; loses the consumed groups' data (replay, lineage of their samples). The per-step consumption manifests stay.")
+    allow_rollout_producers: bool = opt(False, "Let rollout producer jobs (workflows/rollout_producer.py, in this cluster or another) feed this run's buffer through the run root alone: prompts are claimed in blocks in the run root by every writer, the trainer lists the buffer for other writers' groups, and every weight version is published to the run root whatever --weight-transport. Needed for --rollout-num-engines 0. docs/elastic.md.")
+    prompt_claim_block_size: Optional[int] = opt(None, "Prompts per claim block under --allow-rollout-producers (default: --rollout-batch-size, one step's worth). A killed writer's unfinished block is generated again by another writer after --prompt-claim-ttl-seconds.")
+    prompt_claim_ttl_seconds: float = opt(60.0, "A prompt claim expires this long after its holder's last renewal (holders renew every third of it); then another writer claims the block's prompts that were not committed.")
+    producer_poll_seconds: float = opt(1.0, "Under --allow-rollout-producers: how often the trainer lists the buffer for groups committed by other writers, and producers read the run's published weights and feed.")
     buffer_coalesce_seconds: float = opt(0.0, "Extra wait for more puts before committing an object. 0 = group commit: puts that arrive while the previous object is being written go into the next object together (measured best: bench/buffer.py).")
 
 

@@ -48,6 +48,7 @@ def run_loop(roles) -> LoopResult:
         roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
         version, push_metrics = roles.weights.push(step, last=last)
         roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
+        roles.feed.publish(step, version)
         roles.evals.on_step(step, version, last=last)
         step_metrics = metrics | batch.metrics | push_metrics | roles.batches.metrics()
         step_metrics[STEP_SECONDS] = time.monotonic() - step_t0

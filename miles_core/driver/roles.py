@@ -15,6 +15,7 @@ from typing import Any, Callable
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from miles_core.driver.feed import NoFeed
 from miles_core.driver.loop import Batch
 from miles_core.metrics import names as N
 
@@ -93,12 +94,14 @@ class WeightPusher:
     def __init__(self, trainer, rollout, interval: int, version_box: list[int]):
         self.trainer, self.rollout = trainer, rollout
         self.interval, self.version_box = interval, version_box
+        self.snapshot: str | None = None  # the run-root URI of the pushed weights, when published there
 
     def push(self, step: int, last: bool = False) -> tuple[int, dict]:
         if (step + 1) % self.interval != 0 and not last:
             return self.version_box[0], {}
         out = self.trainer.call("push_weights", step).result()
         version = out.pop("version")
+        self.snapshot = out.pop("snapshot", None) or self.snapshot
         self.rollout.call("set_version", version).result()
         self.version_box[0] = version
         return version, out | {N.PUBLISHED_VERSION: version}
@@ -185,6 +188,7 @@ class Roles:
     metrics: MetricsLog
     progress: Progress
     deadline: Deadline
+    feed: Any = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
 
 
 def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1):

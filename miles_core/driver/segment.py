@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
+from miles_core.driver.feed import feed_publisher
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
@@ -126,18 +127,21 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
         stack.callback(progress.close)
         if start_step == 0:
             sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
+        pusher = WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box)
+        pusher.snapshot = trainer.call("published_weights").result()
+        feed = Fenced(feed_publisher(cfg, store, rollout, pusher, segment), lease.check, "publish")
+        feed.publish(start_step - 1, version_box[0])  # producers may start before the first step ends
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
             batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
             trainer=TrainerRole(trainer),
-            weights=Fenced(WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box),
-                           lease.check, "push"),
+            weights=Fenced(pusher, lease.check, "push"),
             checkpoints=Fenced(Checkpointer(
                 trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
                 on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
                 lease.check, "save"),
             evals=evals, metrics=MetricsLog(sink), progress=progress,
-            deadline=Deadline(cfg.run.deadline_seconds))
+            deadline=Deadline(cfg.run.deadline_seconds), feed=feed)
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
         return result, version_box[0]

@@ -21,7 +21,7 @@ import logging
 import os
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.launcher import free_port
+from miles_core.engines.launcher import free_port, lost_actors
 from miles_core.metrics import names as N
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
@@ -60,11 +60,16 @@ class TrainerWorker:
         self.run_store = Store(cfg.run_uri)
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = self.transport = None
+        self.engine_urls, self.engine_actors = [], []
+        self.version = 0  # the weight version of the last push (the engines' sync keeps it when there are engines)
+        self.publish = cfg.buffer.allow_rollout_producers  # every version in the run root, for producer jobs
+        self.snapshot: str | None = None
         if rank == 0 and engine_urls:  # a trainer without engines (tests, export-only) pushes nothing
             self._connect_engines(engine_urls, engine_actors or [])
 
     def _connect_engines(self, engine_urls: list[str], engine_actors: list) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = self.loop or asyncio.new_event_loop()
+        self.engine_urls, self.engine_actors = list(engine_urls), list(engine_actors)
         # An engine that dies mid-run is restarted by its actor; the push waits for it (control calls
         # retried 0.5 s doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
         self.engines = EngineClient(list(engine_urls), control_retries=6)
@@ -90,22 +95,108 @@ class TrainerWorker:
         return StoreWeightTransport(self.trainer, self.run_store, prefix="weights",
                                     loaders=[_loader(ray, a) for a in engine_actors] or None)
 
+    def set_engines(self, engine_urls: list[str], engine_actors: list) -> None:
+        """The fleet changed (rank 0; the other ranks have nothing to do): every later push reaches exactly
+        these engines (the distributed transport forms its group again, with them, at the next push)."""
+        if self.rank != 0:
+            return
+        staged = self.transport if isinstance(self.transport, StoreWeightTransport) else None
+        self._disconnect_engines()
+        if engine_urls:
+            self._connect_engines(engine_urls, engine_actors)
+            self.sync.version = self.version
+            if staged is not None and isinstance(self.transport, StoreWeightTransport):
+                self.transport.key, self.transport.uri = staged.key, staged.uri  # still what the engines hold
+
+    def staged_weights(self) -> dict | None:
+        """{"uri", "version"} of the last pushed weights when they are in the run root (the store transport's
+        staged snapshot, or the weights published for producer jobs): what a joining engine loads before
+        it serves. None otherwise (rank 0 only): a joining engine then gets them at the next push."""
+        staged = self.transport.uri if isinstance(self.transport, StoreWeightTransport) else None
+        uri = staged or self.snapshot
+        return {"uri": uri, "version": self.version} if self.rank == 0 and uri else None
+
+    def _disconnect_engines(self) -> None:
+        if self.sync is not None:
+            if hasattr(self.transport, "close"):
+                self.loop.run_until_complete(self.transport.close())
+            self.loop.run_until_complete(self.engines.close())
+        self.engines = self.sync = self.transport = None
+        self.engine_urls, self.engine_actors = [], []
+
+    def _push_surviving(self, step: int):
+        """The push to the engines still there: one whose actor is gone (its node lost, its process killed)
+        is dropped before the push, or after a push that failed, which is then made once more without it
+        (under the same version). None when no engine is left."""
+        self._drop_lost_engines()
+        try:
+            return None if self.sync is None else self.loop.run_until_complete(self.sync.push(step))
+        except Exception:
+            if not self._drop_lost_engines():
+                raise
+        log.warning("weights: engines were lost during the push; pushing again to the %d left", len(self.engine_urls))
+        return None if self.sync is None else self.loop.run_until_complete(self.sync.push(step))
+
+    def _drop_lost_engines(self) -> bool:
+        gone = set(lost_actors(self.engine_actors))
+        if not gone:
+            return False
+        log.warning("engines %s are gone (their actors died): later pushes leave them out",
+                    [self.engine_urls[i] for i in sorted(gone)])
+        keep = [i for i in range(len(self.engine_urls)) if i not in gone]
+        self.set_engines([self.engine_urls[i] for i in keep], [self.engine_actors[i] for i in keep])
+        return True
+
     def train_step(self, step: int, groups: list) -> dict:
         return self.trainer.train_step(step, groups)
 
     def push_weights(self, step: int) -> dict:
-        """§5.4: version += 1, pause, flush unless in_place, load the weights, resume (rank 0)."""
+        """version += 1, then the engines load it (pause, load, resume: rank 0); with producers allowed
+        the version's weights are in the run root too ("snapshot": their URI), whatever the transport.
+        Without engines (all generation by producer jobs) the push is that export alone."""
         if self.rank != 0:
-            self.trainer.join_export()
+            for _ in range(self._exports_per_push()):
+                self.trainer.join_export()
             return {}
-        result = self.loop.run_until_complete(self.sync.push(step))
+        out = self._push_to_engines(step) if self.sync is not None else {"version": self.version + 1}
+        self.version = out["version"]
+        self.snapshot = self._published(step) or self.snapshot
+        return out | ({"snapshot": self.snapshot} if self.snapshot else {})
+
+    def published_weights(self) -> str | None:
+        """The run-root URI of the last pushed version's weights when producers may join, else None."""
+        return self.snapshot
+
+    def _push_to_engines(self, step: int) -> dict:
+        self.sync.version = max(self.sync.version, self.version)
+        result = self._push_surviving(step)
+        if result is None:  # every engine was lost
+            return {"version": self.version + 1}
         if self.transport.key is not None:
             self._drop_staged_except(self.transport.key)
-
         return {"version": result.version, N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
                 N.WEIGHT_EXPORT_SECONDS: result.export_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
+    def _exports_per_push(self) -> int:
+        """Weight gathers rank 0 makes per push (its TP peers take part in each): one, and a second when
+        the distributed transport's broadcast is followed by the run-root export for producers."""
+        return 2 if self.publish and self.cfg.engine.weight_transport == "distributed" else 1
+
+    def _published(self, step: int) -> str | None:
+        """The run-root URI of this version's weights when producers may join (exported here unless the
+        store transport just staged them), else None."""
+        if not self.publish:
+            return None
+        if isinstance(self.transport, StoreWeightTransport):
+            return self.transport.uri
+        if self.sync is None and self._exports_per_push() == 2:
+            self.trainer.hf_state_dict()  # the gather the broadcast would have made: rank 0's TP peers wait in it
+        key = export_snapshot(self.trainer, self.run_store, step, prefix="weights")
+        self._drop_staged_except(key)
+        return self.run_store.uri(key)
+
     def set_version(self, version: int) -> None:
+        self.version = version
         if self.sync is not None:
             self.sync.version = version
 
@@ -135,16 +226,20 @@ class TrainerWorker:
     def close(self) -> None:
         try:
             if self.loop is not None:
-                if hasattr(self.transport, "close"):
-                    self.loop.run_until_complete(self.transport.close())
-                self.loop.run_until_complete(self.engines.close())
+                self._disconnect_engines()
                 self.loop.close()
         finally:
             self.trainer.close()
 
     def _drop_staged_except(self, keep_key: str | None) -> None:
-        for key in {k.split("/")[1] for k in self.run_store.list("weights") if "/" in k}:
-            if keep_key and keep_key.endswith(key):
+        """Delete staged weights but `keep_key`'s (and, when producers may be copying the previous
+        version right now, the newest one before it)."""
+        staged = sorted({k.split("/")[1] for k in self.run_store.list("weights") if "/" in k})
+        keep = [k for k in staged if keep_key and keep_key.endswith(k)]
+        if self.publish:
+            keep += [k for k in staged if keep and k < keep[0]][-1:]
+        for key in staged:
+            if key in keep:
                 continue
             try:
                 self.run_store.delete_prefix(f"weights/{key}")

@@ -112,7 +112,7 @@ def test_metric_names_are_the_design_names():
         "buffer_avg_staleness", "buffer_max_staleness", "put_seconds", "bytes_written", "quarantined")}
     design |= {"rollout/dynamic_filter/drop_{reason}", "perf/producer_blocked_seconds"}
     assert design <= set(METRIC_NAMES)
-    assert set(METRIC_NAMES) - design == {M.UNUSED_DROPPED, M.UNUSED_RECYCLED}
+    assert set(METRIC_NAMES) - design == {M.UNUSED_DROPPED, M.UNUSED_RECYCLED, M.DUPLICATE_GROUPS_FILTERED}
     assert M.drop_metric("Zero Std!") == "rollout/dynamic_filter/drop_zero_std"
 
 
