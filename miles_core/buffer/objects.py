@@ -64,6 +64,22 @@ def prompt_of_id(group_id: str) -> tuple[int, int, int] | None:
     return tuple(int(n) for n in nums) if all(n.isdigit() for n in nums) else None
 
 
+TRAINER_HOLDER = "trainer"  # the prompt-claim holder of the run's own rollout (producer jobs hold by their id)
+
+
+def holder_of_id(group_id: str) -> str:
+    """Who generated a data-source group, from its id `e{epoch}-p{position}-a{attempt}-{holder}`: a producer
+    job's id, or TRAINER_HOLDER; "" for an id without a holder (a run that never allowed producers)."""
+    if prompt_of_id(group_id) is None:
+        return ""
+    return group_id.split("-", 3)[3] if group_id.count("-") >= 3 else ""
+
+
+def from_producer(group_id: str) -> bool:
+    """Whether a producer job (not the run's own rollout) generated the group with this id."""
+    return holder_of_id(group_id) not in ("", TRAINER_HOLDER)
+
+
 def consumed_key(step: int) -> str:
     return f"{CONSUMED}{step:08d}.json"
 
@@ -183,17 +199,32 @@ def committed_positions(store: Store, writer: str) -> set[tuple[int, int]]:
     `store` (its objects under buffer/groups/{writer}/): what a writer taking over a prompt claim block
     from it must not generate again. An object that does not decode is skipped with a warning (its groups
     are never read by the trainer either). Objects deleted after consumption are not seen."""
-    out: set[tuple[int, int]] = set()
-    for key in store.list(f"{GROUPS}{writer}/"):
-        if split_group_key(key) is None:
-            continue
-        try:
-            groups = decode_object(store.get_bytes(key), key)
-        except (SchemaError, ObjectNotFound) as e:
-            log.warning("committed positions of writer %s: skipping %s (%s)", writer, key, str(e)[:300])
-            continue
-        out.update(g.position for g in groups if g.position is not None)
-    return out
+    return CommittedPositions(store)(writer)
+
+
+class CommittedPositions:
+    """`committed_positions` that remembers what it read: each call decodes only the writer's objects
+    committed since the last call (a writer taking over several blocks of one dead writer reads its
+    objects once)."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._read: dict[str, set[str]] = {}
+        self._positions: dict[str, set[tuple[int, int]]] = {}
+
+    def __call__(self, writer: str) -> set[tuple[int, int]]:
+        read, out = self._read.setdefault(writer, set()), self._positions.setdefault(writer, set())
+        for key in self.store.list(f"{GROUPS}{writer}/"):
+            if key in read or split_group_key(key) is None:
+                continue
+            try:
+                groups = decode_object(self.store.get_bytes(key), key)
+            except (SchemaError, ObjectNotFound) as e:
+                log.warning("committed positions of writer %s: skipping %s (%s)", writer, key, str(e)[:300])
+                continue
+            read.add(key)
+            out.update(g.position for g in groups if g.position is not None)
+        return set(out)
 
 
 def rows_to_group(rows: pa.RecordBatch) -> Group:

@@ -10,6 +10,8 @@
     miles import-model SRC DEST_URI                 a GGUF file (or import:NAME) or an HF directory, imported
     miles fork RUN_URI --at-step K --new-run ID [FLAGS...]    a new run from step K's checkpoint
     miles replay RUN_URI [--steps N] [--from-step K] [--out URI] [FLAGS...]   retrain on the recorded groups
+    miles engines add|remove RUN_URI N             a running run's engine fleet grows or shrinks by N
+    miles engines show RUN_URI [--json]            its engine target and fleet
 
 Every command answers -h/--help anywhere on its line, takes its options before or after its
 positional arguments, and reports every problem of its command line at once. Exit status (see
@@ -26,11 +28,11 @@ import os
 import sys
 
 from miles_core import __version__
-from miles_core.cli import making, reading
+from miles_core.cli import engines, making, reading
 from miles_core.cli.errors import EXIT_OK, EXIT_USAGE, explain
 from miles_core.cli.parsing import Command, ParserExit, UsageError, unknown_command
 
-COMMANDS = {c.name: c for c in [*making.COMMANDS, *reading.COMMANDS]}
+COMMANDS = {c.name: c for c in [*making.COMMANDS, *reading.COMMANDS, *engines.COMMANDS]}
 
 
 def usage() -> str:

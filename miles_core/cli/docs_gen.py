@@ -33,6 +33,7 @@ METRIC_SOURCES: list[tuple[str, str]] = [
     ("miles_core.rollout.metrics", "ROLLOUT_METRIC_NAMES"),   # DESIGN §12
     ("miles_core.metrics.names", "PERF_METRICS"),             # DESIGN §12 perf/*
     ("miles_core.metrics.names", "RUN_METRICS"),              # the random-policy level
+    ("miles_core.metrics.names", "PRODUCER_METRICS"),         # who generated each step's batch
     ("miles_core.train.losses", "METRIC_NAMES"),              # DESIGN §5.6
     ("miles_core.train.metric_names", "TRAIN_STEP_METRICS"),  # trainer step counts and time
     ("miles_core.eval.metric_names", "EVAL_METRICS"),         # DESIGN §7.2, §7.3
@@ -184,7 +185,8 @@ def render_metrics(metrics: list[Metric] | None = None) -> str:
         "",
         "Metric events are appended to `metrics/{component}/{part}.jsonl` in the run root (step, wall time,",
         "name, value). Names are interface: dashboards and `miles report` read them. `{placeholders}` stand",
-        "for a dataset name (`{ds}`), a pass@k count (`{k}`) or a reason (`{reason}`).",
+        "for a dataset name (`{ds}`), a pass@k count (`{k}`), a reason (`{reason}`) or a producer job's id",
+        "(`{producer_id}`).",
         "",
     ]
     groups: dict[str, list[Metric]] = {}

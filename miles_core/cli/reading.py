@@ -52,7 +52,7 @@ def _common(p: CommandParser, json_help: str = "print JSON instead of text") -> 
 
 def _runs(p: CommandParser) -> None:
     actions = subcommands(p, "actions")
-    show = actions.add_parser("show", help="state, steps, segments, lease, checkpoints, snapshots, buffer, evals",
+    show = actions.add_parser("show", help="state, steps, segments, lease, checkpoints, snapshots, buffer, evals, producers",
                               description="What a run root holds, in one screen.")
     show.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
     _common(show)
@@ -120,7 +120,8 @@ def _render_ids(rows: list[dict]) -> str:
 
 
 def _lineage(p: CommandParser) -> None:
-    p.description = ("Where one group came from and went: its prompt, samples and token versions, the step "
+    p.description = ("Where one group came from and went: who generated it (the run's own rollout or a producer "
+                     "job), its prompt, samples and token versions, the step "
                      "that trained (or rejected) it, the first checkpoint and snapshot that include that "
                      "step, the evals around it.")
     p.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)

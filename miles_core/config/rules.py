@@ -55,7 +55,7 @@ def type_problems(cfg: RunConfig) -> list[str]:
 
 def rule_problems(cfg: RunConfig) -> list[str]:
     rules = (_ranges, _bounds, _finite, _parallel_rules, _memory_saving_rules, _driver_rules, _unsupported, _loss_rules,
-             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors)
+             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors, _producer_rules)
     return [problem for rule in rules for problem in rule(cfg)]
 
 
@@ -105,7 +105,7 @@ def _ranges(cfg: RunConfig) -> list[str]:
     at_least(r.rollout_temperature, 0.0, "--rollout-temperature")
     at_least(r.max_weight_staleness, 0, "--max-weight-staleness")
     at_least(r.update_weights_interval, 1, "--update-weights-interval")
-    at_least(cfg.engine.rollout_num_engines, 1, "--rollout-num-engines")
+    p.extend(_engine_count(cfg.engine.rollout_num_engines, b.allow_rollout_producers))
     at_least(t.micro_batch_size, 1, "--micro-batch-size")
     at_least(t.save_interval, 1, "--save-interval")
     at_least(e.eval_interval, 1, "--eval-interval")
@@ -177,6 +177,42 @@ def _finite(cfg: RunConfig) -> list[str]:
         value = getattr(getattr(cfg, s.section), s.name)
         if s.kind == "float" and value is not None and not math.isfinite(value):
             p.append(f"{s.flag}={value} must be a finite number.")
+    return p
+
+
+def _engine_count(engines: int, producers: bool) -> list[str]:
+    """No engine at all is a run whose every group comes from rollout producer jobs."""
+    if engines >= 1 or (engines == 0 and producers):
+        return []
+    if engines == 0:
+        return ["--rollout-num-engines=0 needs --allow-rollout-producers: without engines only rollout producer "
+                "jobs generate, and they may feed a run only when it allows them."]
+    return [f"--rollout-num-engines={engines} must be >= 1 (or 0 with --allow-rollout-producers)."]
+
+
+def _producer_rules(cfg: RunConfig) -> list[str]:
+    """What rollout producer jobs need of the run that allows them."""
+    b = cfg.buffer
+    if not b.allow_rollout_producers:
+        return []
+    p = []
+    if cfg.driver != "fully-async":
+        p.append(f"--allow-rollout-producers with the {cfg.driver} driver is not supported: producer jobs feed the "
+                 "fully async driver's buffer (drop --one-step-off / --no-fully-async).")
+    if b.custom_async_data_buffer_path:
+        p.append("--allow-rollout-producers with --custom-async-data-buffer-path is not supported: producers' groups "
+                 "reach the trainer through the durable buffer, which the custom buffer replaces.")
+    if b.buffer_delete_consumed_objects:
+        p.append("--allow-rollout-producers with --buffer-delete-consumed-objects is not supported: a writer that "
+                 "takes over a dead writer's prompt block reads what it committed from its group objects.")
+    if cfg.engine.rollout_num_engines == 0 and b.async_unused_samples_handler == "retry":
+        p.append("--async-unused-samples-handler=retry with --rollout-num-engines 0 is not supported: a rejected "
+                 "group's prompt is retried by the trainer's own engines, and it has none (use drop).")
+    if b.prompt_claim_block_size is not None and b.prompt_claim_block_size < 1:
+        p.append(f"--prompt-claim-block-size={b.prompt_claim_block_size} must be >= 1.")
+    if not b.prompt_claim_ttl_seconds > 0 or not b.producer_poll_seconds > 0:
+        p.append(f"--prompt-claim-ttl-seconds={b.prompt_claim_ttl_seconds} and --producer-poll-seconds="
+                 f"{b.producer_poll_seconds} must be > 0.")
     return p
 
 

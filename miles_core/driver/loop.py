@@ -47,10 +47,11 @@ def run_loop(roles) -> LoopResult:
         last = step == roles.end_step - 1 or roles.deadline.expired()
         roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
         version, push_metrics = roles.weights.push(step, last=last)
+        fleet_metrics = roles.fleet.reconcile(step, version)  # engines join and leave (engines/target.json)
         roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
         roles.feed.publish(step, version)
         roles.evals.on_step(step, version, last=last)
-        step_metrics = metrics | batch.metrics | push_metrics | roles.batches.metrics()
+        step_metrics = metrics | batch.metrics | push_metrics | fleet_metrics | roles.batches.metrics()
         step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
         roles.metrics.log(step, step_metrics)
         roles.progress.update(step, step_metrics)

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
 from miles_core.driver.feed import NoFeed
+from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch
 from miles_core.metrics import names as N
 
@@ -189,6 +190,7 @@ class Roles:
     progress: Progress
     deadline: Deadline
     feed: Any = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
+    fleet: Any = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
 
 
 def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1):

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from miles_core.config import RunConfig
 from miles_core.driver.feed import feed_publisher
 from miles_core.driver.fenced import Fenced
+from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
 from miles_core.driver.plan import is_finished
@@ -118,7 +119,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
             cfg, exporter=lambda step, uri: trainer.call("export_hf", step, uri).result(),
-            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls(),
+            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls,
             pause_submission=lambda: rollout.call("pause").result(),
             resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model)
         stack.callback(evals.close)
@@ -141,10 +142,22 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
                 on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
                 lease.check, "save"),
             evals=evals, metrics=MetricsLog(sink), progress=progress,
-            deadline=Deadline(cfg.run.deadline_seconds), feed=feed)
+            deadline=Deadline(cfg.run.deadline_seconds), feed=feed,
+            fleet=_fleet_role(cfg, store, lease, stack, fleet, trainer, rollout, start_step, version_box[0]))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
         return result, version_box[0]
+
+
+def _fleet_role(cfg: RunConfig, store, lease, stack: contextlib.ExitStack, fleet, trainer, rollout, start_step: int,
+                version: int):
+    """The engine fleet's role: toward engines/target.json (from now: a target asked for before this segment
+    applies before its first step) while the run goes on; its last record at the end."""
+    role = FleetReconciler(fleet, trainer, rollout, store, target=cfg.engine.rollout_num_engines, version=version,
+                           min_engines=0 if cfg.buffer.allow_rollout_producers else 1, fence=lease.check)
+    stack.callback(role.close)  # before the rollout manager stops (registered earlier)
+    role.reconcile(start_step - 1, version)
+    return role.start()
 
 
 def _random_policy_level(cfg: RunConfig) -> float:

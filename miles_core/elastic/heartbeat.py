@@ -52,11 +52,19 @@ class Heartbeat:
         beat = dataclasses.replace(self, heartbeat_at=now, **changes)
         interval = max(now - self.heartbeat_at, 1e-9)
         rate = (beat.tokens - self.tokens) / interval
-        history = [*self.history, [round(now, 3), beat.groups_committed]][-HISTORY_POINTS:]
+        history = thinned([*self.history, [round(now, 3), beat.groups_committed]])
         return dataclasses.replace(beat, tokens_per_second=rate, history=history)
 
 
-HISTORY_POINTS = 720  # one point per heartbeat: an hour at 5 s
+HISTORY_POINTS = 720  # one point per heartbeat (an hour at 5 s), then every other point of the whole life
+
+
+def thinned(history: list) -> list:
+    """`history`, every other point dropped once it holds more than HISTORY_POINTS (the first and the
+    last kept): the record stays small and still spans the producer's whole life, coarser the longer."""
+    if len(history) <= HISTORY_POINTS:
+        return history
+    return [*history[:-1:2], history[-1]]
 
 
 def heartbeat_key(producer_id: str) -> str:

@@ -30,14 +30,14 @@ from dataclasses import dataclass
 from miles_core.buffer import build_unused_handler
 from miles_core.buffer.contract import load_dynamic_filter
 from miles_core.buffer.durable import DurableBuffer
-from miles_core.buffer.objects import committed_positions, new_writer_id
+from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
 from miles_core.config.record import read_run_config
 from miles_core.elastic import heartbeat as H
-from miles_core.rollout.feed import Feed, FeedError, read_feed
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.rollout.claims import ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource
+from miles_core.rollout.feed import Feed, FeedError, read_feed
 from miles_core.rollout.manager import RejectionNotifier, make_producer
 from miles_core.rollout.prompts import load_prompts
 from miles_core.samples import Group
@@ -67,11 +67,14 @@ class ProducerResult:
 
 
 def run_producer(run_uri: str, *, num_engines: int = 1, producer_id: str = "", idle_exit_seconds: float = 1800.0,
-                 stop: threading.Event | None = None) -> ProducerResult:
-    """Join the run at `run_uri` and generate for it until it ends (see the module docstring)."""
+                 stop: threading.Event | None = None, store: Store | None = None) -> ProducerResult:
+    """Join the run at `run_uri` and generate for it until it ends (see the module docstring). `store`: the
+    run root's Store to read and write it through (default `Store(run_uri)`)."""
     from miles_core.driver.placement import ensure_ray
 
-    store = require_run(Store(run_uri))
+    store = require_run(store or Store(run_uri))
+    if producer_id == TRAINER_HOLDER:
+        raise ProducerError(f"producer id {producer_id!r} is the run's own rollout's; give this producer another id")
     cfg = joined_config(store)
     if num_engines < 1:
         raise ProducerError(f"a producer needs at least one engine, got {num_engines}")
@@ -146,10 +149,13 @@ class ProducerJob:
         self.version = 0
         self.fleet = self.engine = self.producer = self.sink = self.claims = self.renewer = None
         self.t0 = time.monotonic()
+        self.next_state_check = 0.0
+        self.feed_changed_at = time.monotonic()
 
     # ------------------------------------------------------------------ the job
     async def run(self) -> ProducerResult:
         reason = ""
+        await asyncio.to_thread(self._check_id_free)  # before its own first heartbeat
         try:
             self._heartbeat(H.STARTING)
             reason = await self._join()
@@ -198,26 +204,29 @@ class ProducerJob:
 
     # ------------------------------------------------------------------ the run root
     async def _poll(self) -> str:
-        """Read the run's state and feed; a reason to stop, or ""."""
+        """Read the feed (and, every HEARTBEAT_SECONDS, the run's state); a reason to stop, or ""."""
         if self.stop_event.is_set():
             return "asked to stop"
-        reason = await asyncio.to_thread(run_ended, self.store)
-        if reason:
-            return reason
+        if time.monotonic() >= self.next_state_check:
+            self.next_state_check = time.monotonic() + HEARTBEAT_SECONDS
+            reason = await asyncio.to_thread(run_ended, self.store)
+            if reason:
+                return reason
         try:
             feed = await asyncio.to_thread(read_feed, self.store)
         except FeedError as e:
             log.warning("producer %s: %s", self.producer_id, e)
             return ""
         if feed is not None and (self.feed is None or feed.written_at != self.feed.written_at):
-            self.feed = feed
+            self.feed, self.feed_changed_at = feed, time.monotonic()
             if self.sink is not None:
                 self.sink.feed_read()
         return self._idle_reason()
 
     def _idle_reason(self) -> str:
-        """Stop when the feed has not changed for idle_exit_seconds and the run is not running."""
-        if self.feed is None or time.time() - self.feed.written_at < self.idle_exit_seconds:
+        """Stop when the feed has not changed for idle_exit_seconds (on this host's clock) and the run
+        is not running."""
+        if self.feed is None or time.monotonic() - self.feed_changed_at < self.idle_exit_seconds:
             return ""
         status = read_status(self.store)
         if status is not None and status.state == RUNNING:
@@ -242,6 +251,19 @@ class ProducerJob:
         self.version = feed.version
         self.producer.set_version(feed.version)
         log.info("producer %s: engines serve weights v%d", self.producer_id, feed.version)
+
+    def _check_id_free(self, wait_seconds: float = 1.5 * HEARTBEAT_SECONDS) -> None:
+        """Two live producers under one id would take each other's prompt claims for their own. Live
+        means its heartbeat changes while this one watches it (no clock of another host is compared):
+        a killed producer's id (a retry of its task) is free."""
+        beat = H.read_heartbeat(self.store, self.producer_id)
+        if beat is None or beat.state == H.STOPPED:
+            return
+        time.sleep(wait_seconds)
+        again = H.read_heartbeat(self.store, self.producer_id)
+        if again is not None and again.state != H.STOPPED and again.heartbeat_at != beat.heartbeat_at:
+            raise ProducerError(f"producer id {self.producer_id!r} is in use by a live producer on {again.host}; "
+                                "give this producer another id")
 
     def _room(self) -> bool:
         feed = self.feed
@@ -274,7 +296,7 @@ class ProducerJob:
                                    ttl_seconds=b.prompt_claim_ttl_seconds)
         source = DataSource(rows, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed,
                             shuffle=cfg.data.rollout_shuffle, claims=self.claims,
-                            committed_by=lambda writer: committed_positions(self.store, writer))
+                            committed_by=CommittedPositions(self.store))
         producer = make_producer(cfg, source, self.engine, max_staleness=None)  # the feed's room bounds it
         handler = RejectionNotifier(build_unused_handler(b.async_unused_samples_handler, recycle=producer.recycle),
                                     producer.on_rejected)

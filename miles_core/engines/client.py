@@ -2,7 +2,10 @@
 
 `EngineClient` holds several engine URLs and one aiohttp session (connection reuse). `generate`
 picks the engine with the fewest requests in flight from this client. Every other call is a control
-call fanned out to all engines (or one, where it takes `url`).
+call fanned out to all engines (or one, where it takes `url`). The engines change with the fleet
+(`set_urls`): a client may start with none (a generate then waits, as for refused connections below,
+for one to be set); a dropped engine gets no new request and `in_flight` counts its requests until
+they end; `served_versions` tells, per engine, the weight versions it generated with.
 
 Failure rules (DESIGN §9):
 - a `/generate` that may have reached the engine is never sent again. If the engine dies, drops the
@@ -171,9 +174,9 @@ class EngineClient:
     def __init__(self, urls: list[str], *, request_timeout_seconds: float = 600.0,
                  connect_timeout_seconds: float = 10.0, control_timeout_seconds: float = 120.0,
                  control_retries: int = 3, retry_backoff_seconds: float = 0.5, refused_wait_seconds: float = 30.0):
-        if not urls:
-            raise ValueError("EngineClient needs at least one engine URL")
-        self._engines = [_Engine(u.rstrip("/")) for u in urls]
+        self._engines = [_Engine(u.rstrip("/")) for u in urls]  # none: generate waits for `set_urls`
+        self._leaving: list[_Engine] = []  # dropped by set_urls with requests still in flight
+        self._served: dict[str, list[int]] = {}  # url -> [lowest, highest token version, requests]
         self.request_timeout_seconds = request_timeout_seconds
         self.connect_timeout_seconds = connect_timeout_seconds
         self.control_timeout_seconds = control_timeout_seconds
@@ -207,12 +210,29 @@ class EngineClient:
         return [e.url for e in self._engines]
 
     def set_urls(self, urls: list[str]) -> None:
-        """Replace the engine list (e.g. after the fleet changed); in-flight counts of kept URLs stay."""
-        old = {e.url: e for e in self._engines}
-        self._engines = [old.get(u.rstrip("/")) or _Engine(u.rstrip("/")) for u in urls]
+        """Replace the engine list (e.g. after the fleet changed); in-flight counts of kept URLs stay. A
+        dropped engine gets no new request; its requests in flight finish (or abort) and `in_flight`
+        counts them until they do."""
+        old = {e.url: e for e in [*self._leaving, *self._engines]}
+        self._engines = [old.pop(u.rstrip("/"), None) or _Engine(u.rstrip("/")) for u in dict.fromkeys(urls)]
+        self._leaving = [e for e in old.values() if e.in_flight > 0]
 
     def in_flight(self) -> dict[str, int]:
-        return {e.url: e.in_flight for e in self._engines}
+        """Requests in flight per engine, engines dropped by `set_urls` included while they have any."""
+        self._leaving = [e for e in self._leaving if e.in_flight > 0]
+        return {e.url: e.in_flight for e in [*self._engines, *self._leaving]}
+
+    def served_versions(self) -> dict[str, dict[str, int]]:
+        """Per engine URL ever answered: the lowest and highest weight version of the tokens it generated,
+        and how many answers had tokens (what a joining engine served: never below its joining version)."""
+        return {u: {"min_version": lo, "max_version": hi, "requests": n} for u, (lo, hi, n) in self._served.items()}
+
+    def _note_served(self, result: "GenerateResult") -> "GenerateResult":
+        if result.token_versions and result.engine_url:
+            lo, hi = min(result.token_versions), max(result.token_versions)
+            seen = self._served.setdefault(result.engine_url, [lo, hi, 0])
+            seen[0], seen[1], seen[2] = min(seen[0], lo), max(seen[1], hi), seen[2] + 1
+        return result
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *, rid: str | None = None,
@@ -238,7 +258,7 @@ class EngineClient:
             tried.add(eng.url)
             eng.in_flight += 1
             try:
-                return await self._generate_on(eng, payload, t0)
+                return self._note_served(await self._generate_on(eng, payload, t0))
             except aiohttp.ClientConnectorError as e:  # refused: the request never left, safe elsewhere
                 eng.suspect_until = time.monotonic() + 2.0
                 if rounds == 0:

@@ -26,6 +26,12 @@ error, `/health` answers 503, new requests get 503, and the process exits (code 
 `--exit-after-fault-seconds` so its launcher restarts it (SGLang's server exits when its scheduler dies).
 `MILES_CPU_ENGINE_FAULT_ONCE=<marker path>` makes one step fail (test hook).
 
+Latency-bound stand-in (benches): `MILES_CPU_ENGINE_SECONDS_PER_TOKEN=S` makes every batching step last
+at least S seconds (an asyncio sleep after the step's compute, before its tokens go out), so each
+request gets one token per S seconds however many run beside it: a GPU engine's decode latency, with
+`--max-running-requests` as its batch capacity, on a machine whose cores are not the limit. Pauses,
+weight updates and aborts keep their own costs. Unset or 0: no pacing.
+
 Streaming: with `--incremental-streaming-output` (the default here; SGLang's flag) each chunk carries only
 the new `output_ids`, `text` and `meta_info.output_token_logprobs`; `completion_tokens` is cumulative.
 A request whose tokens span weight versions carries SGLang 0.5.23's `meta_info.weight_versions`
@@ -82,6 +88,7 @@ log = logging.getLogger("miles_core.engines.cpu_server")
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"  # SGLang's sglang.srt.constants.HEALTH_CHECK_RID_PREFIX
 FAULT_ONCE_ENV = "MILES_CPU_ENGINE_FAULT_ONCE"  # test hook: a marker path; see CpuEngineServer._inject_fault
+SECONDS_PER_TOKEN_ENV = "MILES_CPU_ENGINE_SECONDS_PER_TOKEN"  # bench hook: the least seconds a step lasts
 FLUSH_REFUSED = "Flush cache failed.\n"  # SGLang 0.5.23's body when the scheduler refuses (empty message)
 FLUSH_DONE = ("Cache flushed.\nPlease check backend logs for more details. "
               "(When there are running or waiting requests, the operation will not be performed.)\n")
@@ -129,6 +136,7 @@ class CpuEngineServer:
         self.on_fatal = None  # called once when the loop dies (main() exits the process, as SGLang does)
         self.last_output = time.monotonic()  # when the loop last produced any event (SGLang's last_receive_tstamp)
         self._fault_marker = os.environ.get(FAULT_ONCE_ENV)
+        self.seconds_per_token = _seconds_per_token(os.environ.get(SECONDS_PER_TOKEN_ENV, ""))
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Weight-update groups: joins, receives and destroys run here, one at a time, off the engine
         # thread and off the event loop (a rendezvous or a broadcast blocks until every rank takes part).
@@ -203,6 +211,7 @@ class CpuEngineServer:
             if self._stale:  # never step on a model that lacks received buckets
                 await self._rebuild(None)
             inbox, self._inbox = self._inbox, []
+            t0 = time.monotonic()
             try:
                 events = await self._call(self._add_and_step, inbox)
             except asyncio.CancelledError:
@@ -210,7 +219,14 @@ class CpuEngineServer:
             except Exception as e:  # noqa: BLE001 - a fault in a step: the engine state cannot be trusted
                 self._die(f"{type(e).__name__}: {e}", inbox)
                 return
+            await self._pace(t0)
             self._dispatch(events)
+
+    async def _pace(self, t0: float) -> None:
+        """With MILES_CPU_ENGINE_SECONDS_PER_TOKEN set, sleep out the rest of the step's seconds."""
+        rest = self.seconds_per_token - (time.monotonic() - t0)
+        if rest > 0:
+            await asyncio.sleep(rest)
 
     def _die(self, why: str, inbox: list[Request]) -> None:
         """The batching loop failed: every request in flight ends with finish_reason abort and the
@@ -679,6 +695,17 @@ async def _next_groups(queue: asyncio.Queue) -> list[list[TokenEvent]]:
         else:
             groups.append([ev])
     return groups
+
+
+def _seconds_per_token(text: str) -> float:
+    """MILES_CPU_ENGINE_SECONDS_PER_TOKEN as seconds (unset: 0); a clear error for anything else."""
+    try:
+        seconds = float(text or 0)
+    except ValueError:
+        raise ValueError(f"{SECONDS_PER_TOKEN_ENV}={text!r}: not a number of seconds") from None
+    if not seconds >= 0:
+        raise ValueError(f"{SECONDS_PER_TOKEN_ENV}={text!r}: must be >= 0")
+    return seconds
 
 
 def _final_text(prog: _Progress, params: SamplingParams) -> str:

@@ -42,8 +42,11 @@ Token: with `MILES_ENGINE_API_KEY` set (required when bound beyond loopback), ev
 load sends it and the server requires it (`miles_core.engines.auth`); SGLang gets it as `--api-key`,
 masked in the logged command line.
 
-Naming: methods of `EngineFleet` are blocking (they wait on the actors). This module never calls
-`ray.init`: inside a Flyte Ray task the plugin has done it; tests do it themselves.
+Resizing: a run's fleet changes while it goes on (miles_core.driver.fleet_reconciler): `spawn` starts one
+more engine in the background, `lost` finds the engines whose actor died, `remove` shuts one down in
+the background. The other methods of `EngineFleet` block (they wait on the actors) and see the serving
+engines only. This module never calls `ray.init`: inside a Flyte Ray task the plugin has done it; tests
+do it themselves.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
@@ -376,24 +380,51 @@ class EngineActor:
         self.server.stop()
 
 
+STARTING, SERVING, DRAINING = "starting", "serving", "draining"
+
+
+@dataclass
+class FleetMember:
+    """One engine actor of a fleet. `state` is the fleet owner's word for it: starting (and the phases a
+    driver adds before it serves), serving, draining; `urls()` and the index-based methods see the
+    serving ones."""
+
+    name: str
+    actor: Any
+    started: Any  # the Ray ref of actor.start(): the URL once healthy
+    url: str = ""
+    state: str = STARTING
+    since: float = field(default_factory=time.time)
+    detail: dict = field(default_factory=dict)  # JSON-able notes of the owner (the version it joined at)
+    loading: Any = None  # the Ray ref of a load in the background (`begin_load`)
+
+
 class EngineFleet:
-    """N engine actors. `with EngineFleet(spec, n) as fleet: fleet.urls()`; all methods block."""
+    """Engine actors. `with EngineFleet(spec, n) as fleet: fleet.urls()`; the methods named like actions
+    block, except the ones that change the fleet while a run goes on (`spawn`, `remove`, `reap`): a
+    spawned engine starts in the background (`started` tells when its URL is known) and a removed one
+    shuts down in the background. Engines are named `{prefix}-{k}` with k growing, never reused."""
 
     def __init__(self, spec: EngineLaunchSpec, num_engines: int, *, num_cpus_per_engine: float = 1.0,
                  name_prefix: str = "engine", resources: dict[str, float] | None = None):
         import ray
 
         gpus = spec.tp_size if spec.backend == "sglang" else 0
-        actor_cls = ray.remote(EngineActor).options(num_cpus=num_cpus_per_engine, num_gpus=gpus,
-                                                    max_concurrency=8, resources=resources or None)
-        self.spec = spec
-        self.actors = [actor_cls.remote(spec, f"{name_prefix}-{i}") for i in range(num_engines)]
-        self._urls: list[str] = []
+        self._actor_cls = ray.remote(EngineActor).options(num_cpus=num_cpus_per_engine, num_gpus=gpus,
+                                                          max_concurrency=8, resources=resources or None)
+        self.spec, self.name_prefix, self._next = spec, name_prefix, 0
+        self.members: list[FleetMember] = []
+        self._retiring: list[tuple[Any, Any, float]] = []  # (actor, its shutdown ref, kill deadline)
+        for _ in range(num_engines):
+            self.spawn()
 
     def start(self) -> "EngineFleet":
+        """Wait for every engine spawned so far to be healthy (EngineStartError otherwise); they serve."""
         import ray
 
-        self._urls = ray.get([a.start.remote() for a in self.actors])
+        starting = [m for m in self.members if m.state == STARTING]
+        for m, url in zip(starting, ray.get([m.started for m in starting])):
+            m.url, m.state, m.since = url, SERVING, time.time()
         return self
 
     def __enter__(self) -> "EngineFleet":
@@ -402,8 +433,15 @@ class EngineFleet:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
+    @property
+    def actors(self) -> list:
+        return [m.actor for m in self.serving()]
+
+    def serving(self) -> list[FleetMember]:
+        return [m for m in self.members if m.state == SERVING]
+
     def urls(self) -> list[str]:
-        return list(self._urls)
+        return [m.url for m in self.serving()]
 
     def restart_counts(self) -> list[int]:
         import ray
@@ -417,7 +455,7 @@ class EngineFleet:
 
     def actor_handles(self) -> list:
         """The Ray actor handles, engine i at index i (to call from other actors, e.g. a trainer rank)."""
-        return list(self.actors)
+        return self.actors
 
     def restart(self, i: int) -> str:
         """Restart engine i now (kill, start on the same port with the noted weights) and block until it
@@ -432,14 +470,107 @@ class EngineFleet:
 
         ray.get([a.load_weights.remote(uri, weight_version, flush_cache) for a in self.actors])
 
-    def shutdown(self) -> None:
+    # ---- changes while a run goes on ------------------------------------------------------------
+    def spawn(self) -> FleetMember:
+        """A new engine, starting in the background (Ray places it when the cluster has room)."""
+        name = f"{self.name_prefix}-{self._next}"
+        self._next += 1
+        actor = self._actor_cls.remote(self.spec, name)
+        member = FleetMember(name, actor, actor.start.remote())
+        self.members.append(member)
+        return member
+
+    def started(self, member: FleetMember) -> bool:
+        """Whether `member`'s start has finished, its URL noted; raises what its start raised (a Ray
+        error wrapping EngineStartError, or the actor's death)."""
         import ray
 
-        if not self.actors:
-            return
+        if member.url:
+            return True
+        if not ray.wait([member.started], timeout=0)[0]:
+            return False
+        member.url = ray.get(member.started)
+        return True
+
+    def begin_load(self, member: FleetMember, uri: str, weight_version: int) -> None:
+        """`member` loads the snapshot at `uri` as `weight_version`, in the background (`loaded` tells)."""
+        member.loading = member.actor.load_weights.remote(uri, weight_version)
+
+    def loaded(self, member: FleetMember) -> bool:
+        """Whether `member`'s load finished; raises what it raised (EngineLoadError wrapped by Ray)."""
+        import ray
+
+        if not ray.wait([member.loading], timeout=0)[0]:
+            return False
+        ref, member.loading = member.loading, None
+        ray.get(ref)
+        return True
+
+    def lost(self, timeout_seconds: float = 2.0) -> list[FleetMember]:
+        """The started members whose actor is gone (its process killed, its node lost)."""
+        started = [m for m in self.members if m.url]
+        dead = set(lost_actors([m.actor for m in started], timeout_seconds))
+        return [m for i, m in enumerate(started) if i in dead]
+
+    def remove(self, member: FleetMember, graceful: bool = True) -> None:
+        """Take `member` out of the fleet: shut it down in the background (graceful; `reap` ends its actor
+        once done), or end its actor now."""
+        import ray
+
+        self.members.remove(member)
+        if graceful:
+            self._retiring.append((member.actor, member.actor.shutdown.remote(), time.monotonic() + 60.0))
+        else:
+            ray.kill(member.actor)
+
+    def reap(self) -> None:
+        """End the actors of removed engines whose shutdown finished (or ran out of time)."""
+        import ray
+
+        now, keep = time.monotonic(), []
+        for actor, ref, deadline in self._retiring:
+            if ray.wait([ref], timeout=0)[0] or now > deadline:
+                ray.kill(actor)
+            else:
+                keep.append((actor, ref, deadline))
+        self._retiring = keep
+
+    def shutdown(self) -> None:
+        """Every engine stops its server (60 s at most; 5 s for one still starting, which Ray may never have
+        placed), then every actor ends."""
+        import ray
+
+        started, starting = [m for m in self.members if m.url], [m for m in self.members if not m.url]
+        actors = [m.actor for m in self.members] + [a for a, _, _ in self._retiring]
+        refs = [m.actor.shutdown.remote() for m in started] + [r for _, r, _ in self._retiring]
+        early = [m.actor.shutdown.remote() for m in starting]
+        self.members, self._retiring = [], []
         try:
-            ray.get([a.shutdown.remote() for a in self.actors], timeout=60)
+            for waiting, seconds in ((refs, 60), (early, 5)):
+                if waiting:
+                    ray.wait(waiting, num_returns=len(waiting), timeout=seconds)
         finally:
-            for a in self.actors:
+            for a in actors:
                 ray.kill(a)
-            self.actors = []
+
+
+def lost_actors(actors: list, timeout_seconds: float = 2.0) -> list[int]:
+    """The indexes of `actors` that are gone (a call raises Ray's ActorDiedError); one that does not answer
+    within the timeout is busy, and one Ray calls unavailable may come back: neither is gone yet."""
+    import ray
+
+    if not actors:
+        return []
+    refs = [a.url.remote() for a in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_seconds)
+    done, gone = set(ready), []
+    for i, ref in enumerate(refs):
+        if ref not in done:
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.ActorDiedError:
+            gone.append(i)
+        except ray.exceptions.RayActorError:
+            pass
+    return gone

@@ -120,10 +120,18 @@ def _client(urls: Sequence[str], timeout: float):
 class SharedEngines:
     mode = "shared"
 
-    def __init__(self, ctx: EvalContext, loop: EventLoopThread, engine_urls: Sequence[str],
+    def __init__(self, ctx: EvalContext, loop: EventLoopThread,
+                 engine_urls: Sequence[str] | Callable[[], Sequence[str]],
                  pause_submission: Callable[[], Any], resume_submission: Callable[[], Any]):
-        self.ctx, self.loop, self.urls = ctx, loop, list(engine_urls)
+        """`engine_urls`: the rollout engines, or a callable giving those serving now (the fleet changes
+        while the run goes on)."""
+        self.ctx, self.loop = ctx, loop
+        self._urls = engine_urls if callable(engine_urls) else (lambda urls=list(engine_urls): urls)
         self.pause_submission, self.resume_submission = pause_submission, resume_submission
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._urls())
 
     def start(self, job: EvalJob) -> concurrent.futures.Future:
         done: concurrent.futures.Future = concurrent.futures.Future()
@@ -153,7 +161,10 @@ class SharedEngines:
             self.loop.submit(_maybe_await(out)).result()
 
     async def _run(self, job: EvalJob, t0: float) -> Outcome:
-        async with _client(self.urls, self.ctx.request_timeout_seconds) as client:
+        urls = self.urls
+        if not urls:
+            return record_failure(self.ctx, job, EvalSkip("no rollout engine serves now", "unhealthy"))
+        async with _client(urls, self.ctx.request_timeout_seconds) as client:
             try:
                 await check_health(client)
                 evals = await evaluate_all(client, self.ctx.datasets, self.ctx.sampling)

@@ -289,14 +289,15 @@ class NoEvals:
 
 
 def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any = None,
-                         shared_engine_urls: Sequence[str] = (), pause_submission: Callable[[], Any] | None = None,
+                         shared_engine_urls: Sequence[str] | Callable[[], Sequence[str]] = (),
+                         pause_submission: Callable[[], Any] | None = None,
                          resume_submission: Callable[[], Any] | None = None,
                          dedicated_engine_urls: Sequence[str] = (), initial_model: str | None = None,
                          run_uri: str | None = None, datasets: list[EvalDataset] | None = None) -> EvalScheduler | NoEvals:
     """The eval scheduler for `cfg`, its mode decided here once (cfg.eval.eval_mode).
 
-    shared: needs shared_engine_urls (the rollout engines) and the producer's pause/resume
-    submission hooks (sync callables, or returning awaitables such as Ray object refs).
+    shared: needs shared_engine_urls (the rollout engines, or a callable giving those serving now) and the
+    producer's pause/resume submission hooks (sync callables, or returning awaitables such as Ray object refs).
     dedicated: uses dedicated_engine_urls when given, else starts --eval-num-gpus worth of engines
     (Ray actors) on `initial_model` and stops them at close(). tasks: nothing more; an
     eval_follower task must run beside training. `exporter` writes a snapshot (export mode).
@@ -316,7 +317,8 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
                       latest_step=lambda: sched_box[0].latest_step() if sched_box else -1,
                       request_timeout_seconds=cfg.rollout.engine_request_timeout_seconds)
     if e.eval_mode == "shared":
-        if not shared_engine_urls or pause_submission is None or resume_submission is None:
+        if not (callable(shared_engine_urls) or shared_engine_urls) or pause_submission is None \
+                or resume_submission is None:
             raise ValueError("--eval-mode=shared needs the rollout engine URLs and the producer's "
                              "pause/resume submission hooks")
         mode = SharedEngines(ctx, loop, shared_engine_urls, pause_submission, resume_submission)

@@ -5,7 +5,8 @@
 
 State and steps (STATUS.json), segments (config.json, config_segment_{n}.json), the lease holder
 (LEASE.json), complete checkpoints and LATEST, complete snapshots, the buffer's counts
-(`miles buffer inspect`), eval results per dataset, and the origin of a forked run (FORK.json).
+(`miles buffer inspect`), eval results per dataset, the origin of a forked run (FORK.json), and the
+producer jobs that fed it (miles_core.lineage.producers).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import time
 from miles_core.buffer.inspect import inspect_buffer
 from miles_core.eval.results import all_results
 from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.lineage.producers import TRAINER, producer_rows
 from miles_core.lineage.recorded import FORK_KEY, RecordedRun
 from miles_core.storage import ObjectNotFound
 from miles_core.storage.lease import LEASE_KEY, LeaseRecord
@@ -39,6 +41,7 @@ def run_summary(run_uri: str) -> dict:
         "buffer": inspect_buffer(run.uri),
         "eval": _evals(run),
         "forked_from": get_json_or_none(run.store, FORK_KEY),
+        "producers": producer_rows(run.store, run.later_manifests(-1)),
     }
 
 
@@ -84,7 +87,37 @@ def render_summary(s: dict) -> str:
     if s["forked_from"]:
         f = s["forked_from"]
         lines.append(f"forked from  {f.get('source_run')} at step {f.get('at_step')}")
-    return "\n".join(lines)
+    return "\n".join(lines + _producer_lines(s.get("producers") or []))
+
+
+PRODUCER_COLUMNS = ("PRODUCER", "HOST", "STATE", "FIRST HEARTBEAT", "LAST HEARTBEAT", "COMMITTED", "CONSUMED",
+                    "REJECTED AT GET", "TOKENS/S")
+
+
+def _producer_lines(rows: list[dict]) -> list[str]:
+    """A table of the producer jobs (and the run's own rollout) when any producer fed the run."""
+    if not rows:
+        return ["producers    none (a run with --allow-rollout-producers takes them: docs/elastic.md)"]
+    table = [PRODUCER_COLUMNS, *(_producer_cells(r) for r in rows)]
+    widths = [max(len(row[i]) for row in table) for i in range(len(PRODUCER_COLUMNS))]
+    joined = len(rows) - 1
+    return [f"producers    {joined} joined; rejected at get: too stale, or another writer's duplicate"] + [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in table]
+
+
+def _producer_cells(r: dict) -> tuple[str, ...]:
+    if r["producer_id"] == TRAINER:
+        return (TRAINER, "-", "(the run's own rollout)", "-", "-", "-", str(r["groups_consumed"]),
+                str(r["groups_rejected_at_get"]), "-")
+    if r["state"] is None:
+        return (r["producer_id"], "?", "(no heartbeat record)", "?", "?", "?", str(r["groups_consumed"]),
+                str(r["groups_rejected_at_get"]), "?")
+    state = r["state"] + (f": {r['stop_reason']}" if r["stop_reason"] else "")
+    if r["silent_seconds"] is not None:
+        state += f" (silent {r['silent_seconds']:.0f} s: killed?)"
+    return (r["producer_id"], r["host"], state, _when(r["started_at"]), _when(r["heartbeat_at"]),
+            str(r["groups_committed"]), str(r["groups_consumed"]), str(r["groups_rejected_at_get"]),
+            f"{r['tokens_per_second']:.1f}")
 
 
 def _status_line(s: dict) -> str:

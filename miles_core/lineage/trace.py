@@ -3,7 +3,8 @@
     trace = group_lineage("file:///x/.miles/runs/default", "e0-p17-a0")   # LineageError if unknown
     print(render_lineage(trace))
 
-From the run root alone: the group's object and prompt (decoded with the run's tokenizer), each
+From the run root alone: who generated it (a producer job and its host, or the run's own rollout:
+miles_core.lineage.producers), the group's object and prompt (decoded with the run's tokenizer), each
 sample's status, reward, response and the weight versions of its tokens; the step whose
 consumption manifest lists it (trained, or rejected at get). For a trained group: the first
 complete checkpoint and the first snapshot that include that step, and the eval results around it
@@ -21,6 +22,7 @@ from collections import Counter
 from miles_core.buffer.objects import rows_to_group
 from miles_core.eval.results import all_results, requests
 from miles_core.eval.snapshots import SnapshotLayout
+from miles_core.lineage.producers import TRAINER, producer_of
 from miles_core.lineage.recorded import LineageError, RecordedRun
 from miles_core.rollout.manager import tokenizer_decode
 
@@ -32,8 +34,8 @@ def group_lineage(run_uri: str, group_id: str) -> dict:
     if found is None and fate is None:
         raise LineageError(_unknown(run, group_id, ids))
     trained = fate["step"] if fate is not None and fate["outcome"] == "consumed" else None
-    return {"run_uri": run.uri, "group_id": group_id, **(_describe(run, *found) if found else
-                                                           {"object": None, "note": _deleted_note(run)}),
+    return {"run_uri": run.uri, "group_id": group_id, "generated_by": producer_of(run.store, group_id),
+            **(_describe(run, *found) if found else {"object": None, "note": _deleted_note(run)}),
             "fate": fate, **_what_includes(run, trained)}
 
 
@@ -116,7 +118,7 @@ def _unknown(run: RecordedRun, group_id: str, ids: list[str]) -> str:
     close = difflib.get_close_matches(group_id, ids, n=3)
     hint = f"; close: {', '.join(close)}" if close else ""
     return (f"no group {group_id!r} in {run.uri}: not in any of its {len(ids)} committed groups nor in any "
-            f"consumption manifest{hint}. Group ids look like e{{epoch}}-p{{position}}-a{{attempt}} "
+            f"consumption manifest{hint}. Group ids look like e{{epoch}}-p{{position}}-a{{attempt}}[-{{producer}}] "
             "(`miles buffer inspect RUN_URI --ids` lists them).")
 
 
@@ -124,7 +126,7 @@ def _unknown(run: RecordedRun, group_id: str, ids: list[str]) -> str:
 
 
 def render_lineage(t: dict) -> str:
-    lines = [f"group        {t['group_id']} in {t['run_uri']}"]
+    lines = [f"group        {t['group_id']} in {t['run_uri']}", _generated_line(t["generated_by"])]
     if t["object"] is None:
         lines.append(f"object       {t['note']}")
     else:
@@ -143,6 +145,12 @@ def render_lineage(t: dict) -> str:
     lines += [f"eval {name:<8}before: {_eval_row(n['before'])}; after: {_eval_row(n['after'])}"
               for name, n in sorted(t["eval"].items())]
     return "\n".join(lines)
+
+
+def _generated_line(by: dict) -> str:
+    if by["producer_id"] == TRAINER:
+        return "generated    by the run's own rollout"
+    return f"generated    by producer job {by['producer_id']} (host {by['host'] or 'unknown: no heartbeat record'})"
 
 
 def _versions(counts: dict) -> str:

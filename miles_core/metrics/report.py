@@ -1,16 +1,19 @@
-"""The run report: one self-contained HTML file (plotly, JS inline) built from `metrics/` alone.
+"""The run report: one self-contained HTML file (plotly, JS inline) built from `metrics/` (and the
+heartbeats of producer jobs, `producers/heartbeats/`, for their generation throughput).
 
     write_report(run_uri, "report.html")     # `miles report RUN_URI -o report.html`
     render_report(run_uri) -> str            # the same HTML (the Flyte Deck uses it)
 
 Panels: reward (with eval means), staleness, buffer queue size against capacity, throughput,
-wait times, eval curves; and a bottleneck reading from the queue: pinned at 0 -> rollout-bound
+wait times, eval curves, groups committed per minute by each producer job over time (runs that had
+producer jobs only); and a bottleneck reading from the queue: pinned at 0 -> rollout-bound
 (the trainer drains faster than the producer fills), pinned at capacity -> train-bound (the
 producer is blocked on a full buffer).
 """
 
 from __future__ import annotations
 
+import datetime
 import html
 import os
 from dataclasses import dataclass
@@ -19,6 +22,7 @@ import fsspec
 
 from miles_core.metrics import names as N
 from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
+from miles_core.storage import StorageError, StorageUnavailable, Store
 from miles_core.storage.run_root import read_config, read_status
 
 # A verdict needs the queue to sit at an end this often (after warm-up).
@@ -134,6 +138,64 @@ def report_figures(events: list[dict], capacity: int | None = None) -> list:
     return figs
 
 
+# Written by producer jobs (miles_core.elastic.heartbeat, a layer above this one): read here as plain records.
+PRODUCER_HEARTBEATS = "producers/heartbeats/"
+THROUGHPUT_WINDOW_SECONDS = 60.0
+
+
+def producer_histories(store: Store) -> dict[str, list[list[float]]]:
+    """producer id -> its heartbeats' [[unix time, groups committed], ...]; a record that does not parse
+    is left out (the report never fails on one)."""
+    out = {}
+    for key in store.list(PRODUCER_HEARTBEATS):
+        try:
+            record = store.get_json(key)
+        except StorageUnavailable:
+            raise
+        except StorageError:  # gone since the listing, or not JSON
+            continue
+        if isinstance(record, dict) and isinstance(record.get("producer_id"), str):
+            out[record["producer_id"]] = [p for p in record.get("history") or [] if _is_point(p)]
+    return out
+
+
+def _is_point(p) -> bool:
+    return isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) for v in p)
+
+
+def groups_per_minute(history: list[list[float]]) -> tuple[list[float], list[float]]:
+    """(times, groups committed per minute up to each time) over windows of THROUGHPUT_WINDOW_SECONDS
+    (half the history's span when shorter): heartbeats come every few seconds, too noisy one by one."""
+    if len(history) < 2 or history[-1][0] <= history[0][0]:
+        return [], []
+    window = min(THROUGHPUT_WINDOW_SECONDS, (history[-1][0] - history[0][0]) / 2)
+    times, rates, (t0, n0) = [], [], history[0]
+    for t, n in history[1:]:
+        if t - t0 >= window:
+            times.append(t)
+            rates.append((n - n0) * 60.0 / (t - t0))
+            t0, n0 = t, n
+    return times, rates
+
+
+def throughput_figure(histories: dict[str, list[list[float]]]):
+    """Groups committed per minute by each producer job over wall-clock time; None without any point."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for producer_id, history in sorted(histories.items()):
+        times, rates = groups_per_minute(history)
+        if times:
+            when = [datetime.datetime.fromtimestamp(t, datetime.timezone.utc) for t in times]
+            fig.add_trace(go.Scatter(x=when, y=rates, mode="lines+markers", name=producer_id, marker={"size": 4}))
+    if not fig.data:
+        return None
+    fig.update_layout(title="Generation throughput per producer job", xaxis_title="time (UTC)",
+                      yaxis_title="groups committed / minute", height=360,
+                      margin={"l": 50, "r": 20, "t": 50, "b": 40}, legend={"orientation": "h", "y": -0.25})
+    return fig
+
+
 def eval_figure(events: list[dict]):
     """Eval curves alone (the backfill Deck)."""
     return _figure("Eval", eval_metric_names(events), events, "value")
@@ -151,13 +213,18 @@ def render_report(run, title: str | None = None) -> str:
     status = read_status(store)
     bottleneck = diagnose_bottleneck(events, capacity, staleness_limit(run_config))
     return render_html(events, title or f"miles run {store.uri()}", capacity=capacity, bottleneck=bottleneck,
-                       summary=_summary_rows(store.uri(), events, status, capacity))
+                       summary=_summary_rows(store.uri(), events, status, capacity),
+                       producers=producer_histories(store))
 
 
 def render_html(events: list[dict], title: str, *, capacity: int | None = None,
-                bottleneck: Bottleneck | None = None, summary: list[tuple[str, str]] | None = None) -> str:
+                bottleneck: Bottleneck | None = None, summary: list[tuple[str, str]] | None = None,
+                producers: dict[str, list[list[float]]] | None = None) -> str:
     bottleneck = bottleneck or diagnose_bottleneck(events, capacity)
     figs = report_figures(events, capacity)
+    throughput = throughput_figure(producers or {})
+    if throughput is not None:
+        figs.append(throughput)
     # plotly.js inline exactly once (with the first figure): the file opens offline.
     divs = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in (summary or []))

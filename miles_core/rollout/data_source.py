@@ -22,17 +22,31 @@ skipped when the cursor reaches them. So no prompt is generated twice or lost.
 
 Recycle queue (`--async-unused-samples-handler retry`): `recycle(group)` puts the prompt of a
 rejected group back; recycled prompts are served before new ones, under the next attempt number.
+
+Claim mode (`claims=`, under `--allow-rollout-producers`: several writers generate for one run).
+The source serves only the positions of the blocks its holder claimed in the run root
+(miles_core.rollout.claims, miles_core.rollout.block_cursor): epoch by epoch in the same seeded
+order, skipping what a block's earlier writers committed (`committed_by(writer)`), finishing a block
+once every position served from it settled. Group ids become `e{epoch}-p{position}-a{attempt}-{holder}`
+(unique across writers) and the metadata also carries `"writer": holder`. `restore` adopts the
+holder's own unfinished blocks (`claims.adopt_own`) and serves their unsettled positions first. A
+checkpoint taken in one mode cannot be resumed in the other (DataSourceError).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
+from miles_core.rollout.block_cursor import BlockCursor, saved_progress
+from miles_core.rollout.claims import PromptClaims
 from miles_core.samples import Group, Sample
+
+log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 _ANY_ATTEMPT = 1 << 62
@@ -69,7 +83,9 @@ class DataSource:
     Not thread-safe; the producer calls it from one asyncio loop.
     """
 
-    def __init__(self, rows: list[dict], n_samples_per_prompt: int, *, seed: int = 1, shuffle: bool = True):
+    def __init__(self, rows: list[dict], n_samples_per_prompt: int, *, seed: int = 1, shuffle: bool = True,
+                 claims: PromptClaims | None = None,
+                 committed_by: Callable[[str], set[tuple[int, int]]] | None = None):
         if not rows:
             raise DataSourceError("the prompt dataset has no rows; nothing to generate from")
         if n_samples_per_prompt < 1:
@@ -86,18 +102,28 @@ class DataSource:
         self._outstanding: dict[Position, int] = {}  # served, not settled -> attempt
         self._next_attempt: dict[Position, int] = {}  # positions served more than once
         self._skip: dict[Position, int] = {}  # committed at/after the cursor -> highest attempt
+        self.claims = claims
+        self._cursor = _claim_cursor(claims, committed_by, len(rows))
 
     # ------------------------------------------------------------------ serving
     def next_group(self) -> Group:
         """The next prompt group: a recycled prompt first, else the next cursor position."""
-        if self._recycled:
-            served = self._recycled.popleft()
-        else:
-            served = self._advance()
+        served = self._next_recycled() or self._advance()
         self._outstanding[(served.epoch, served.position)] = served.attempt
         return self._make_group(served)
 
+    def _next_recycled(self) -> ServedPrompt | None:
+        while self._recycled:
+            served = self._recycled.popleft()
+            key = (served.epoch, served.position)
+            if self._cursor is None or not self._cursor.gave_away(key):
+                return served
+            log.info("prompt claims: not retrying %s: its block went to another writer, which generates it", key)
+        return None
+
     def _advance(self) -> ServedPrompt:
+        if self._cursor is not None:
+            return self._advance_claimed()
         while True:
             if self.position >= len(self.rows):
                 self.epoch, self.position = self.epoch + 1, 0
@@ -107,6 +133,11 @@ class DataSource:
                 del self._skip[pos]
                 continue
             return ServedPrompt(pos[0], pos[1], 0)
+
+    def _advance_claimed(self) -> ServedPrompt:
+        pos = self._cursor.next_position(lambda p: self._skip.pop(p, None) is not None)
+        self.epoch, self.position = pos[0], pos[1] + 1
+        return ServedPrompt(pos[0], pos[1], max(self._next_attempt.get(pos, 0), self._outstanding.get(pos, -1) + 1))
 
     def order(self, epoch: int) -> list[int]:
         """Dataset row indices in the order epoch `epoch` serves them."""
@@ -123,6 +154,8 @@ class DataSource:
         gid = f"e{served.epoch}-p{served.position}-a{served.attempt}"
         meta = _row_metadata(row)
         meta.update(epoch=served.epoch, position=served.position, attempt=served.attempt)
+        if self.claims is not None:
+            gid, meta["writer"] = f"{gid}-{self.claims.holder}", self.claims.holder
         if row.get("task"):
             meta["task"] = row["task"]
         meta_json = json.dumps(meta, sort_keys=True)
@@ -140,6 +173,8 @@ class DataSource:
         pos = position_of(group)
         if pos is not None and self._outstanding.get(pos[:2]) == pos[2]:
             del self._outstanding[pos[:2]]
+            if self._cursor is not None:
+                self._cursor.settled(pos[:2])
 
     def recycle(self, group: Group) -> None:
         """Serve this group's prompt again (the retry handler), under the next attempt number."""
@@ -165,7 +200,7 @@ class DataSource:
     # ------------------------------------------------------------------ durable state
     def state(self) -> dict:
         """JSON-able cursor state for the checkpoint (see the module docstring)."""
-        return {
+        state = {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "position": self.position,
@@ -176,6 +211,9 @@ class DataSource:
             "recycled": [[s.epoch, s.position, s.attempt] for s in self._recycled],
             "skip": sorted([e, p, a] for (e, p), a in self._skip.items()),
         }
+        if self._cursor is not None:
+            state["claims"] = self._cursor.state()
+        return state
 
     def restore(self, state: dict, committed: Iterable[tuple[int, ...]] = ()) -> "RestoreReport":
         """Continue from a checkpointed `state()`, skipping what the buffer already committed.
@@ -190,6 +228,7 @@ class DataSource:
             raise DataSourceError(
                 f"the checkpoint's data-source cursor was saved over {state['num_rows']} prompt rows, but the "
                 f"dataset now has {len(self.rows)}; resume with the same --prompt-data (or start a new run id)")
+        _check_mode(state, self._cursor is not None)
         self.seed, self.shuffle = state["seed"], state["shuffle"]
         self.epoch, self.position = state["epoch"], state["position"]
         best: dict[Position, int] = {}
@@ -200,6 +239,8 @@ class DataSource:
         for e, p, a in state.get("skip", []):  # committed beyond an earlier checkpoint, counted then
             best[(e, p)] = max(best.get((e, p), -1), a)
             already_skipped.add((e, p))
+        if self._cursor is not None:
+            return self._restore_claimed(state, best, already_skipped)
 
         report = RestoreReport()
         self._outstanding, self._recycled, self._next_attempt = {}, deque(), {}
@@ -220,6 +261,43 @@ class DataSource:
         report.committed_beyond_checkpoint += len(self._skip.keys() - already_skipped)
         return report
 
+    def _restore_claimed(self, state: dict, best: dict[Position, int], already_skipped: set) -> "RestoreReport":
+        """Claim mode: adopt the holder's unfinished blocks; serve their unsettled positions first (the
+        checkpoint's in-flight and recycled ones under their attempt), skip what was committed."""
+        saved = state["claims"]
+        adopted = self.claims.adopt_own()
+        self._cursor.restore(adopted, saved)
+        mine, from_blocks = {b.index for b in adopted}, {(e, p) for e, p in saved.get("open", [])}
+        report = RestoreReport()
+        self._outstanding, self._recycled, self._next_attempt = {}, deque(), {}
+        for e, p, a in state.get("outstanding", []):
+            if best.get((e, p), -1) >= a:
+                report.committed_outstanding += 1
+            elif self._serve_restored(ServedPrompt(e, p, a), (e, p) in from_blocks, mine):
+                report.reserved_outstanding += 1
+        for e, p, a in state.get("recycled", []):
+            self._next_attempt[(e, p)] = a + 1
+            if best.get((e, p), -1) >= a:
+                report.committed_beyond_checkpoint += 1
+            else:
+                self._serve_restored(ServedPrompt(e, p, a), (e, p) in from_blocks, mine)
+        self._skip = {k: a for k, a in best.items() if self.claims.index_of(k) in mine}
+        progress = saved_progress(saved)
+        report.committed_beyond_checkpoint += sum(
+            1 for k in self._skip.keys() - already_skipped if k[1] >= progress.get(self.claims.index_of(k), -1))
+        return report
+
+    def _serve_restored(self, served: ServedPrompt, from_block: bool, mine: set[int]) -> bool:
+        """Serve a checkpointed unsettled prompt again: a retry of a committed group (only this source
+        retries it), or a block's position if its block was adopted; False when another writer has it."""
+        key = (served.epoch, served.position)
+        if from_block and self.claims.index_of(key) not in mine:
+            return False
+        self._recycled.append(served)
+        if from_block:
+            self._cursor.reserve(key)
+        return True
+
 
 @dataclass
 class RestoreReport:
@@ -228,6 +306,25 @@ class RestoreReport:
     committed_outstanding: int = 0  # in flight at the checkpoint, committed since: nothing to do
     reserved_outstanding: int = 0  # in flight at the checkpoint, lost: served again (already counted)
     committed_beyond_checkpoint: int = 0  # started after the checkpoint and committed: now counted
+
+
+def _claim_cursor(claims: PromptClaims | None, committed_by, num_rows: int) -> BlockCursor | None:
+    if claims is None:
+        if committed_by is not None:
+            raise DataSourceError("committed_by is only used with prompt claims (claims=...)")
+        return None
+    if claims.num_rows != num_rows:
+        raise DataSourceError(f"the prompt claims are over {claims.num_rows} rows but the dataset has {num_rows}")
+    return BlockCursor(claims, committed_by)
+
+
+def _check_mode(state: dict, claimed: bool) -> None:
+    if claimed and "claims" not in state:
+        raise DataSourceError("the checkpoint's data-source cursor was saved without --allow-rollout-producers; "
+                              "resuming it with the flag is not supported (start a new run id, or resume without it)")
+    if not claimed and "claims" in state:
+        raise DataSourceError("the checkpoint's data-source cursor was saved with --allow-rollout-producers "
+                              "(prompts claimed in blocks); resuming it without the flag is not supported")
 
 
 def _row_metadata(row: dict) -> dict:

@@ -5,7 +5,8 @@
 takes exactly `batch_size` groups (`--rollout-batch-size`) through `ProducerGuardedBuffer`, sorts
 them by prompt index, applies the `--rollout-sample-filter-path` function (mark only: it may set
 `loss_mask` entries to 0; it may not drop groups or samples), and attaches the rollout metrics of
-the batch (`miles_core.rollout.metrics`), the buffer's window metrics and the producer's. While
+the batch (`miles_core.rollout.metrics`: with producer jobs, who generated it), the buffer's window
+metrics and the producer's. While
 starved it logs a warning every `starved_warn_seconds` (30 s); the time it waited is
 `perf/train_wait_seconds`.
 
@@ -155,7 +156,7 @@ async def drain_batch(consumer: ProducerGuardedBuffer, batch_size: int, *, curre
     groups.sort(key=lambda g: (g.prompt_index, g.group_id))
     if sample_filter is not None:
         apply_sample_filter(sample_filter, groups)
-    metrics = M.batch_metrics(groups)
+    metrics = M.batch_metrics(groups) | M.writer_metrics(groups)
     metrics[M.TRAIN_WAIT_SECONDS] = wait_seconds
     metrics.update(consumer.get_metrics())
     if producer_metrics is not None:

@@ -27,9 +27,11 @@ import threading
 from typing import Any, Callable
 
 from miles_core.buffer import build_buffer, build_unused_handler
+from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
 from miles_core.engines.client import EngineClient
 from miles_core.models.source import is_builtin, tokenizer_source
 from miles_core.models.tokenizer import load_tokenizer
+from miles_core.rollout.claims import ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.drain import (
     DrainedBatch,
@@ -111,6 +113,42 @@ def tokenizer_decode(cfg) -> Callable[[list[int]], str]:
     return decode
 
 
+def run_claims(cfg, holder: str, writer: str, num_rows: int) -> PromptClaims | None:
+    """Prompt claims in the run root when producers may join the run (else None: no claim I/O)."""
+    b = cfg.buffer
+    if not b.allow_rollout_producers:
+        return None
+    return PromptClaims(Store(cfg.run_uri), holder, writer=writer, num_rows=num_rows,
+                        block_size=b.prompt_claim_block_size or cfg.rollout.rollout_batch_size,
+                        ttl_seconds=b.prompt_claim_ttl_seconds)
+
+
+def claim_mode(cfg, claims: PromptClaims | None) -> dict:
+    """The DataSource arguments that make it serve claimed blocks only (nothing without claims)."""
+    if claims is None:
+        return {}
+    return {"claims": claims, "committed_by": CommittedPositions(Store(cfg.run_uri))}
+
+
+def make_producer(cfg, source: DataSource, engine, decode: Callable[[list[int]], str] | None = None, *,
+                  batch_mode: bool = False, max_staleness: int | None | bool = True) -> Producer:
+    """The run's producer over `source` and `engine` (its sink is set later): rewards, submission
+    budget, staleness admission (`max_staleness=None`: none; True: the run's), sampling settings and
+    the custom generate function, all from the run's config."""
+    r = cfg.rollout
+    rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg),
+                        timeout_seconds=r.reward_timeout_seconds)
+    budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
+    staleness = r.max_weight_staleness if max_staleness is True else max_staleness
+    admission = StalenessAdmission(staleness, r.rollout_batch_size * r.update_weights_interval)
+    return Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
+                    admission=admission, sampling_params=sampling_params(r), batch_mode=batch_mode,
+                    max_seq_len=cfg.data.max_seq_len,
+                    generate_fn=load_generate_function(r.custom_generate_function_path,
+                                                       r.custom_generate_timeout_seconds),
+                    generate_args=GenerateArgs(engine=engine, config=cfg))
+
+
 class RolloutManager:
     """See the module docstring. Arguments other than `cfg` replace the component built from it
     (tests and custom deployments): `engine` (else an EngineClient over `engine_urls`), `rows` (else
@@ -128,32 +166,32 @@ class RolloutManager:
         self.engine = engine
         if rows is None:
             rows = load_prompts(Store(cfg.run_uri))
-        source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle)
-        rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg),
-                            timeout_seconds=r.reward_timeout_seconds)
-        budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
-        admission = StalenessAdmission(r.max_weight_staleness, r.rollout_batch_size * r.update_weights_interval)
-        self.producer = Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
-                                 admission=admission, sampling_params=sampling_params(r), batch_mode=self.batch_mode,
-                                 max_seq_len=cfg.data.max_seq_len,
-                                 generate_fn=load_generate_function(r.custom_generate_function_path,
-                                                                    r.custom_generate_timeout_seconds),
-                                 generate_args=GenerateArgs(engine=engine, config=cfg))
+        self.writer_id = new_writer_id()
+        self.claims = run_claims(cfg, TRAINER_HOLDER, self.writer_id, len(rows))
+        # Renewed from now on: blocks adopted at restore below must not lapse before start().
+        self.claims_renewer = ClaimRenewer(self.claims).start() if self.claims is not None else None
+        source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle,
+                            **claim_mode(cfg, self.claims))
+        self.producer = make_producer(cfg, source, engine, decode, batch_mode=self.batch_mode)
+        admission = self.producer.admission
         handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
         if buffer_factory is None:
             if consumed_through_step is None:
                 raise ValueError("RolloutManager needs consumed_through_step (the resume checkpoint's step, -1 "
                                  "without one) to open the run's buffer")
-            self.buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step)
+            self.buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step,
+                                       writer_id=self.writer_id)
         else:
             self.buffer = buffer_factory(handler)
         notify_filter_drops(self.buffer, self.producer.on_rejected)
+        if isinstance(self.engine, EngineClient):  # a fleet of 0 engines starts no group until one joins
+            self.producer.set_engines_available(bool(self.engine.urls))
         self.producer.sink = self.buffer
         # Resume (or a fresh start over a run root whose buffer already holds groups, e.g. a crash
         # before the first checkpoint): skip what the buffer committed, count it as started.
         committed = getattr(self.buffer, "committed_positions", None)
         committed = committed() if callable(committed) else set()
-        if state is not None or committed:
+        if state is not None or committed or self.claims is not None:  # claims: adopt this holder's blocks
             report = self.producer.restore(state or self.producer.state(), committed)
             log.info("rollout state restored: %s; started groups %d", report, admission.started_groups)
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
@@ -172,6 +210,8 @@ class RolloutManager:
     async def stop(self, grace_seconds: float = 30.0) -> None:
         self.stopping = True
         await self.producer.stop(grace_seconds)
+        if self.claims is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._release_claims)
         self.consumer.close()
         close = getattr(self.buffer, "close", None)
         if callable(close):
@@ -206,6 +246,20 @@ class RolloutManager:
         self.version = version
         self.producer.set_version(version)
 
+    async def set_engine_urls(self, urls: list[str]) -> None:
+        """The engines generation may use from now on (the fleet changed): a dropped engine gets no new
+        request (its requests in flight finish or abort); with none, no group starts until one joins."""
+        self.engine.set_urls(list(urls))
+        self.producer.set_engines_available(bool(urls))
+
+    def engine_in_flight(self) -> dict[str, int]:
+        """Requests in flight per engine URL, engines dropped by `set_engine_urls` included while they have any."""
+        return self.engine.in_flight()
+
+    def engine_served_versions(self) -> dict[str, dict[str, int]]:
+        """Per engine URL: the lowest and highest weight version it generated with (EngineClient.served_versions)."""
+        return self.engine.served_versions()
+
     async def pause(self) -> None:
         self.producer.pause()
 
@@ -214,6 +268,15 @@ class RolloutManager:
 
     def state(self) -> dict:
         return self.producer.state()
+
+    def feed_state(self) -> dict:
+        """What producer jobs need of this buffer (miles_core.driver.feed): its queue and capacity."""
+        return {"queue_size": int(getattr(self.buffer, "queue_size", 0)), "capacity": self.cfg.buffer_capacity_groups}
+
+    def _release_claims(self) -> None:
+        if self.claims_renewer is not None:
+            self.claims_renewer.stop()
+        self.claims.release()
 
     async def record_consumed(self, step: int, group_ids: list[str]) -> None:
         record = getattr(self.buffer, "record_consumed", None)

@@ -7,7 +7,10 @@ per-batch metrics of `batch_metrics`, the producer's window metrics, and the dra
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
+from miles_core.buffer.objects import TRAINER_HOLDER, holder_of_id
+from miles_core.metrics import names as N
 from miles_core.samples import Group, SampleStatus
 
 REWARD_MEAN = "rollout/reward/mean"
@@ -76,4 +79,17 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         out[WEIGHT_VERSION_MIN] = float(min(versions))
         out[WEIGHT_VERSION_MAX] = float(max(versions))
     out[MIXED_VERSION_RATIO] = sum(s.mixed_version for s in samples) / len(samples)
+    return out
+
+
+def writer_metrics(groups: list[Group]) -> dict[str, float]:
+    """Who generated a consumed batch, from its group ids: the groups of producer jobs, in all and per
+    producer id, and how many producers fed it. Nothing for a batch of a run without prompt claims (its
+    ids name no holder: no producer can feed it)."""
+    holders = Counter(holder_of_id(g.group_id) for g in groups)
+    if not groups or holders.get("", 0) == len(groups):
+        return {}
+    producers = {h: n for h, n in holders.items() if h not in ("", TRAINER_HOLDER)}
+    out = {N.PRODUCERS_CONSUMED_GROUPS: float(sum(producers.values())), N.PRODUCERS_COUNT: float(len(producers))}
+    out.update({N.PRODUCER_CONSUMED_GROUPS.format(producer_id=h): float(n) for h, n in producers.items()})
     return out

@@ -5,11 +5,13 @@ and spawns a group task: the group's n samples are generated concurrently on the
 by the reward function, and `put` into the buffer. A group may start only when every gate is open:
 
 - not paused (Mode-1 eval on shared engines) and not stopping;
+- an engine to generate on (`set_engines_available`: a fleet of 0 engines starts no group until one joins);
 - the submission budget (`SubmissionBudget`: group slots or sample credits, DESIGN §5.2);
 - staleness admission (`StalenessAdmission`, DESIGN §5.3) with `--max-weight-staleness`;
 - the put backlog: fewer than `budget_groups` generated groups waiting for scoring or `put`. Under sample
   granularity a group gives its credits back when its samples finish, so without this gate a full
   buffer (put blocks: backpressure) would let finished groups pile up in memory without bound;
+- every extra gate in `gates` (a producer job's room in the run's buffer, read from the run root);
 - the batch quota, when one is set (`allow(k)`: the sync and one-step-off drivers generate
   exactly k groups; rejected groups give their place back so they are replaced).
 
@@ -99,6 +101,8 @@ class Producer:
         self.max_seq_len = max_seq_len  # prompt + response, in tokens (--max-seq-len); None: no cap
         self.error: BaseException | None = None
         self.paused = False
+        self.engines_available = True
+        self.gates: list[Callable[[], bool]] = []  # more conditions to start a group; call `wake()` when one opens
         self._stopping = False
         self._quota: int | None = 0 if batch_mode else None  # None: unlimited (fully async)
         self._groups: dict[asyncio.Task, Group] = {}
@@ -112,6 +116,7 @@ class Producer:
         self._window_t0 = time.monotonic()
         self._window_tokens = 0
         self._window_groups = 0
+        self.tokens_total = 0  # response tokens generated since start (a producer job's heartbeat)
         budget.listeners.append(self._wake.set)
 
     # ------------------------------------------------------------------ lifecycle
@@ -168,6 +173,15 @@ class Producer:
         self.paused = False
         self._wake.set()
 
+    def set_engines_available(self, available: bool) -> None:
+        """Whether any engine serves now (the fleet changed); without one no group starts."""
+        self.engines_available = bool(available)
+        self._wake.set()
+
+    def wake(self) -> None:
+        """Re-check the gates (from any thread): one of `gates` may have opened."""
+        self._call_on_loop(self._wake.set)
+
     def set_version(self, version: int) -> None:
         """The trainer published weight version `version` (after a weight update)."""
         self.admission.set_version(version)
@@ -191,9 +205,9 @@ class Producer:
 
     # ------------------------------------------------------------------ gates
     def _admissible(self) -> bool:
-        return (not self.paused and (self._quota is None or self._quota > 0)
+        return (not self.paused and self.engines_available and (self._quota is None or self._quota > 0)
                 and self._awaiting_put < self.budget.budget_groups
-                and self.budget.can_acquire() and self.admission.can_admit())
+                and self.budget.can_acquire() and self.admission.can_admit() and all(g() for g in self.gates))
 
     async def _wait_admissible(self) -> bool:
         while True:
@@ -263,6 +277,7 @@ class Producer:
             ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
         fill_sample(sample, out, time.monotonic() - t0)
         self._window_tokens += len(sample.response_ids)
+        self.tokens_total += len(sample.response_ids)
         return None
 
     async def _run_episode(self, sample: Sample, params: dict, t0: float) -> list[Sample] | None:
@@ -279,6 +294,7 @@ class Producer:
         for s in samples:
             s.generation_seconds = s.generation_seconds or time.monotonic() - t0
             self._window_tokens += sum(s.loss_mask)  # generated tokens, not the environment's
+            self.tokens_total += sum(s.loss_mask)
         return samples
 
     async def _put(self, group: Group) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import free_port, lost_actors
@@ -33,6 +34,8 @@ from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.sync import StoreWeightTransport, WeightSync
 
 log = logging.getLogger(__name__)
+
+PRODUCER_GRACE_SECONDS = 120.0  # superseded weights kept for producer jobs still copying them
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -64,6 +67,7 @@ class TrainerWorker:
         self.version = 0  # the weight version of the last push (the engines' sync keeps it when there are engines)
         self.publish = cfg.buffer.allow_rollout_producers  # every version in the run root, for producer jobs
         self.snapshot: str | None = None
+        self._superseded: dict[str, float] = {}  # staged weights -> when a newer version replaced them
         if rank == 0 and engine_urls:  # a trainer without engines (tests, export-only) pushes nothing
             self._connect_engines(engine_urls, engine_actors or [])
 
@@ -95,11 +99,12 @@ class TrainerWorker:
         return StoreWeightTransport(self.trainer, self.run_store, prefix="weights",
                                     loaders=[_loader(ray, a) for a in engine_actors] or None)
 
-    def set_engines(self, engine_urls: list[str], engine_actors: list) -> None:
+    def set_engines(self, engine_urls: list[str], engine_actors: list) -> int | None:
         """The fleet changed (rank 0; the other ranks have nothing to do): every later push reaches exactly
-        these engines (the distributed transport forms its group again, with them, at the next push)."""
+        these engines (the distributed transport forms its group again, with them, at the next push).
+        Returns the version of the last push: an engine that holds it is as current as the others."""
         if self.rank != 0:
-            return
+            return None
         staged = self.transport if isinstance(self.transport, StoreWeightTransport) else None
         self._disconnect_engines()
         if engine_urls:
@@ -107,6 +112,7 @@ class TrainerWorker:
             self.sync.version = self.version
             if staged is not None and isinstance(self.transport, StoreWeightTransport):
                 self.transport.key, self.transport.uri = staged.key, staged.uri  # still what the engines hold
+        return self.version
 
     def staged_weights(self) -> dict | None:
         """{"uri", "version"} of the last pushed weights when they are in the run root (the store transport's
@@ -232,15 +238,17 @@ class TrainerWorker:
             self.trainer.close()
 
     def _drop_staged_except(self, keep_key: str | None) -> None:
-        """Delete staged weights but `keep_key`'s (and, when producers may be copying the previous
-        version right now, the newest one before it)."""
+        """Delete staged weights but `keep_key`'s. When producers may join, a superseded version stays
+        PRODUCER_GRACE_SECONDS after it was superseded: a producer starting or loading engines from it
+        right now (it read the feed before this push) still finds it."""
         staged = sorted({k.split("/")[1] for k in self.run_store.list("weights") if "/" in k})
-        keep = [k for k in staged if keep_key and keep_key.endswith(k)]
-        if self.publish:
-            keep += [k for k in staged if keep and k < keep[0]][-1:]
+        now = time.monotonic()
         for key in staged:
-            if key in keep:
+            if keep_key and keep_key.endswith(key):
                 continue
+            if self.publish and now - self._superseded.setdefault(key, now) < PRODUCER_GRACE_SECONDS:
+                continue
+            self._superseded.pop(key, None)
             try:
                 self.run_store.delete_prefix(f"weights/{key}")
             except Exception as e:  # noqa: BLE001 - staging cleanup never fails a step

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import async_speedup, buffer, resume, results_file
+from bench import async_speedup, buffer, elastic, results_file, resume
 from bench.async_speedup import TimedEngines, WeightClock, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,6 +164,47 @@ def test_the_raw_baseline_writes_the_objects_the_buffer_wrote(tmp_path):
     assert sizes("raw") == committed and row["bytes"] == sum(committed)
 
 
+# ----------------------------------------------------------------------------- elastic
+
+
+def _steps(times: list[float]) -> list[elastic.Step]:
+    return [elastic.Step(k, t, [], []) for k, t in enumerate(times)]
+
+
+def test_elastic_phase_rates_are_medians_of_the_seconds_between_manifests():
+    """Pins: a phase's steps/min is 60 / the median interval of its steps (each measured from the step
+    before it), and its groups are counted by who generated them (the id's claim holder)."""
+    steps = _steps([0, 4, 8, 12, 14, 16, 30])
+    steps[4].consumed = ["e0-p1-a0-trainer", "e0-p2-a0-p1", "e0-p3-a0-p1"]
+    steps[5].rejected = ["e0-p4-a0-p2"]
+    assert elastic.intervals(steps, 4, 6) == [2, 2, 14]
+    row = elastic.phase_row("two", steps, 4, 6, {4: {"perf/train_step_seconds": 0.3}})
+    assert row["steps_per_minute"] == 30.0 and row["steps"] == 3 and row["train_step_seconds"] == 0.3
+    assert row["groups_by_writer"] == {"trainer": 1, "p1": 2, "p2": 0} and row["rejected_at_get"] == 1
+
+
+def test_elastic_recovery_is_the_time_from_the_kill_until_three_steps_run_at_the_one_producer_level():
+    """Pins: 0 when the steps right after the kill keep the level; the dip's length when they do not;
+    None when they never get back. Guards: a recovery measured from the first step after the kill."""
+    level = 30.0  # steps/min: 2 s a step
+    assert elastic.recovery_seconds(_steps([0, 2, 4, 6, 8, 10, 12]), kill_at=5.0, level=level) == 0.0
+    dip = _steps([0, 2, 4, 14, 16, 18, 20])  # killed at 5, a 10 s step, then 2 s steps
+    assert elastic.recovery_seconds(dip, kill_at=5.0, level=level) == pytest.approx(9.0)
+    assert elastic.recovery_seconds(_steps([0, 2, 4, 10, 16, 22, 28]), kill_at=5.0, level=level) is None
+
+
+def test_elastic_committed_groups_are_consumed_rejected_or_still_buffered():
+    steps = _steps([0, 1])
+    steps[0].consumed, steps[1].rejected = ["a", "b"], ["c"]
+    fates = elastic.fates(steps, [("a", (0, 1)), ("c", (0, 2)), ("d", (0, 3))])
+    assert fates == {"committed": 3, "consumed": 1, "rejected_at_get": 1, "still_buffered": 1}
+
+
+def test_elastic_quick_mode_fills_only_the_flags_left_at_their_defaults():
+    a = elastic.parse_args(["--quick", "--window-steps", "5", "--results", ""])
+    assert a.window_steps == 5 and a.seconds_per_token == elastic.QUICK["seconds_per_token"]
+
+
 # ----------------------------------------------------------------------------- engine, resume
 
 
@@ -213,6 +254,22 @@ def test_weights_writes_push_pause_and_ratio(tmp_path):
     assert record["figures"]["tiny_store_ratio"] > 0
     costs = async_speedup.measured_push_costs(str(out))
     assert costs["tiny-store"].push_seconds == record["rows"][0]["push_s"]
+
+
+@pytest.mark.slow
+def test_elastic_quick_writes_steps_per_minute_ratios_and_the_kill_cost(tmp_path):
+    """Pins: the quick mode runs every phase (a trainer and two producer processes, a SIGKILL) and writes
+    the ratios to alone, each producer's time to its first consumed group and the kill's accounting; none
+    of the killed producer's committed groups goes missing."""
+    out = tmp_path / "elastic.json"
+    run_bench("elastic", "--quick", "--results", str(out), timeout=900)
+    record = check_schema(load_strict(out), "elastic", ("seconds_per_token", "window_steps", "claim_ttl_seconds"))
+    figures = record["figures"]
+    assert figures["one_ratio"] > 0 and figures["two_ratio"] > 0 and figures["p2_first_consumed_seconds"] > 0
+    assert figures["kill_in_flight_groups"] >= 0 and figures["kill_committed_groups"] == (
+        figures["kill_committed_consumed"] + figures["kill_committed_rejected_at_get"]
+        + figures["kill_committed_still_buffered"])
+    assert [r["phase"] for r in record["rows"] if r["kind"] == "phase"] == ["alone", "one", "two", "after_kill"]
 
 
 @pytest.mark.slow

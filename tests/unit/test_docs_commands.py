@@ -18,8 +18,8 @@ What is checked, by program (a failure names the doc file and line):
   command or the page sets it.
 - every `miles` command the docs use: `miles COMMAND --help` exits 0.
 - `miles validate FLAGS`: run; exit 0, or 2 when the doc shows the error it prints.
-- `miles runs show|list`, `miles buffer inspect`, `miles report`, `miles lineage`: run on a small run root
-  made here (the doc's run URI and group id replaced by the fixture's); exit 0.
+- `miles runs show|list`, `miles buffer inspect`, `miles engines show`, `miles report`, `miles lineage`: run
+  on a small run root made here (the doc's run URI and group id replaced by the fixture's); exit 0.
 - `miles fork|replay RUN ... FLAGS`: FLAGS pass validation (the recorded run is the reader's); so do
   the lines of a block that lists bare flags (`--eval-interval 20`), taken together.
 - `miles import-model import:NAME ...`: NAME is a packaged model.
@@ -318,7 +318,8 @@ def fixture_run(tmp_path_factory) -> tuple[str, str]:
 
 
 # The read-only commands: where their run URI (or storage root) is among their words.
-INSPECT = {("runs", "show"): 2, ("runs", "list"): 2, ("buffer", "inspect"): 2, ("report",): 1, ("lineage",): 1}
+INSPECT = {("runs", "show"): 2, ("runs", "list"): 2, ("buffer", "inspect"): 2, ("report",): 1, ("lineage",): 1,
+           ("engines", "show"): 2}
 
 
 def check_inspection(cmd: Command, fixture_run, tmp_path, monkeypatch) -> None:
@@ -465,7 +466,7 @@ def _shown(line: str) -> tuple[str, str]:
     return key.strip(), value.split("#")[0].strip()
 
 
-GROUPS = {"runs", "buffer"}  # commands with subcommands: `miles runs show`, `miles buffer inspect`
+GROUPS = {"runs", "buffer", "engines"}  # commands with subcommands: `miles runs show`, `miles buffer inspect`
 
 
 def _command_words(cmd: Command) -> tuple[str, ...]:

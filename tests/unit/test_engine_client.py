@@ -60,9 +60,6 @@ def test_parse_version():
 
 
 def test_client_argument_errors():
-    with pytest.raises(ValueError, match="at least one"):
-        EngineClient([])
-
     async def bad_mode():
         async with EngineClient(["http://127.0.0.1:9"]) as c:
             await c.pause_generation("sideways")
@@ -175,3 +172,47 @@ def test_weight_load_is_never_resent_after_a_timeout_and_versions_come_from_mode
     assert seen.count("/update_weights_from_disk") == 1 and seen.count("/pause_generation") == 2
     assert versions == {url: 9} and alive
     assert "/get_weight_version" not in seen and "/health" not in seen
+
+
+def test_a_client_without_engines_waits_for_set_urls_and_counts_a_dropped_engine_until_it_is_done():
+    """A fleet of 0 engines: the client is built without URLs, a generate waits (no abort) until
+    `set_urls` gives it an engine. An engine dropped by `set_urls` gets no new request, and
+    `in_flight` counts its request in flight until that answers. `served_versions` records the
+    versions each engine generated with."""
+    from aiohttp import web
+
+    release = asyncio.Event()
+
+    async def handler(request):
+        body = await request.json()
+        if body["rid"] == "slow":
+            await release.wait()
+        return web.json_response({"output_ids": [1, 2], "meta_info": {
+            "weight_version": "7", "completion_tokens": 2, "prompt_tokens": 1,
+            "output_token_logprobs": [[-0.1, 1], [-0.2, 2]], "finish_reason": {"type": "stop"}}})
+
+    async def go():
+        url, runner = await _stub(handler)
+        try:
+            async with EngineClient([], refused_wait_seconds=10.0) as c:
+                assert c.urls == [] and c.in_flight() == {}
+                waiting = asyncio.ensure_future(c.generate([1], {}, rid="first", stream=False))
+                await asyncio.sleep(0.3)
+                assert not waiting.done()  # no engine: it waits instead of aborting
+                c.set_urls([url])
+                first = await asyncio.wait_for(waiting, 5)
+                slow = asyncio.ensure_future(c.generate([1], {}, rid="slow", stream=False))
+                while not c.in_flight()[url]:
+                    await asyncio.sleep(0.01)
+                c.set_urls([])
+                assert c.urls == [] and c.in_flight() == {url: 1}  # dropped, still answering
+                release.set()
+                await asyncio.wait_for(slow, 5)
+                return first, c.in_flight(), c.served_versions(), url
+        finally:
+            await runner.cleanup()
+
+    first, after, served, url = asyncio.run(go())
+    assert first.finish_reason == "stop" and first.engine_url == url
+    assert after == {}
+    assert served == {url: {"min_version": 7, "max_version": 7, "requests": 2}}

@@ -110,11 +110,11 @@ def test_bad_component_name_rejected(tmp_path):
 
 
 def test_perf_metric_names_are_documented():
-    from miles_core.metrics.names import RUN_METRICS
+    from miles_core.metrics.names import PRODUCER_METRICS, RUN_METRICS
 
-    assert set(METRIC_NAMES) == set(PERF_METRICS) | set(RUN_METRICS)
+    assert set(METRIC_NAMES) == set(PERF_METRICS) | set(RUN_METRICS) | set(PRODUCER_METRICS)
     assert all(n.startswith("perf/") and PERF_METRICS[n] for n in PERF_METRICS)
-    assert all(RUN_METRICS[n] for n in RUN_METRICS)
+    assert all(RUN_METRICS[n] for n in RUN_METRICS) and all(PRODUCER_METRICS.values())
     assert {"perf/tokens_per_second", "perf/train_wait_seconds", "perf/producer_blocked_seconds",
             "perf/weight_update_seconds", "perf/step_seconds"} <= set(METRIC_NAMES)
 

@@ -27,6 +27,13 @@ def test_the_embedded_default_fits_two_cores():
     assert fit_problems(cfg(), TWO_CORES) == []
 
 
+def test_a_run_without_engines_asks_for_the_trainer_alone():
+    """--rollout-num-engines 0 (producer jobs generate): no engine bundle; two CPU ranks fit two cores."""
+    zero = cfg("--rollout-num-engines", "0", "--allow-rollout-producers", "--actor-num-gpus-per-node", "2")
+    assert [b.role for b in demand(zero)] == ["trainer rank 0", "trainer rank 1"]
+    assert fit_problems(zero, TWO_CORES) == []
+
+
 def test_two_cpu_ranks_on_two_cores_are_refused_naming_the_share_that_fits():
     """Pins: 1 engine (1 CPU) + 2 ranks (1 CPU each) on 2 CPUs is refused, naming both sides and the
     --num-cpus-trainer that fits; with that share the run fits."""

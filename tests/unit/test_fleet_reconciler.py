@@ -1,0 +1,289 @@
+"""The driver's fleet role (miles_core.driver.fleet_reconciler) over a fake fleet, trainer and rollout side.
+
+Pins the order that keeps a joining engine from serving stale weights: it gets no request before it
+holds the current version (loaded from the run root, then the trainer's set, then the rollout
+manager's; or, without weights in the run root, the trainer's set, a push, then the rollout
+manager's); a draining engine leaves the rollout manager at once and the trainer only when its
+requests are done (or its grace is over); a lost engine leaves both at once and is replaced; the
+target is read at most every read interval, never below the run's minimum; fleet.json records it all.
+The real fleet on Ray is exercised in tests/e2e/test_elastic_engines.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from miles_core.driver.fleet_reconciler import FleetReconciler
+from miles_core.engines.launcher import DRAINING, SERVING, STARTING, FleetMember
+from miles_core.engines.registry import read_fleet, write_target
+from miles_core.metrics.names import ENGINES
+from miles_core.storage import Store
+
+
+class Done:
+    def __init__(self, value=None):
+        self.value = value
+
+    def result(self, timeout=None):
+        return self.value
+
+
+class FakeFleet:
+    def __init__(self, n: int):
+        self.members, self.next, self.removed, self.lost_now = [], 0, [], []
+        self.start_ok: set[str] = set()  # names whose start has finished
+        self.load_ok: set[str] = set()
+        self.fail: dict[str, Exception] = {}
+        self.loads: list[tuple[str, str, int]] = []
+        for _ in range(n):
+            m = self.spawn()
+            m.url, m.state = f"http://e/{m.name}", SERVING
+
+    def serving(self):
+        return [m for m in self.members if m.state == SERVING]
+
+    def spawn(self):
+        m = FleetMember(f"engine-{self.next}", actor=f"actor-{self.next}", started=None)
+        self.next += 1
+        self.members.append(m)
+        return m
+
+    def started(self, m):
+        if m.name in self.fail:
+            raise self.fail[m.name]
+        if m.name in self.start_ok:
+            m.url = f"http://e/{m.name}"
+        return bool(m.url)
+
+    def begin_load(self, m, uri, version):
+        self.loads.append((m.name, uri, version))
+
+    def loaded(self, m):
+        return m.name in self.load_ok
+
+    def lost(self):
+        return [m for m in self.members if m.name in self.lost_now]
+
+    def remove(self, m, graceful=True):
+        self.members.remove(m)
+        self.removed.append((m.name, graceful))
+
+    def reap(self):
+        pass
+
+
+@dataclass
+class Side:
+    """The trainer or the rollout manager: every call recorded in `log` (shared, for their order)."""
+
+    name: str
+    log: list
+    answers: dict = field(default_factory=dict)
+
+    def call(self, method, *args):
+        if method in ("set_engines", "set_engine_urls"):
+            self.log.append((self.name, list(args[0])))
+        return Done(self.answers.get(method))
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture
+def rig(tmp_path):
+    log: list = []
+    fleet = FakeFleet(1)
+    trainer = Side("trainer", log, {"staged_weights": {"uri": "file:///w/v5", "version": 5}, "set_engines": 5})
+    rollout = Side("rollout", log, {"engine_in_flight": {}, "engine_served_versions": {}})
+    store, clock = Store(f"file://{tmp_path}/run"), Clock()
+    rec = FleetReconciler(fleet, trainer, rollout, store, target=1, version=5, clock=clock, drain_grace_seconds=30)
+    return rec, fleet, trainer, rollout, store, clock, log
+
+
+def urls(*names):
+    return [f"http://e/{n}" for n in names]
+
+
+def test_growing_engines_load_the_current_weights_before_any_request(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    assert rec.reconcile(0, 5) == {ENGINES: 1.0}
+    assert read_fleet(store)["engines"][0]["version"] == 5  # the first record, with the starting fleet
+    write_target(store, 3)
+    clock.now += 2
+    rec.reconcile(1, 5)
+    assert [m.state for m in fleet.members] == [SERVING, STARTING, STARTING] and log == []
+    fleet.start_ok |= {"engine-1", "engine-2"}
+    clock.now += 1
+    assert rec.reconcile(2, 5) == {ENGINES: 1.0}  # loading the staged weights of version 5: no set changes
+    assert fleet.loads == [("engine-1", "file:///w/v5", 5), ("engine-2", "file:///w/v5", 5)] and log == []
+    fleet.load_ok.add("engine-1")
+    assert rec.reconcile(3, 5) == {ENGINES: 2.0}
+    assert log == [("trainer", urls("engine-0", "engine-1")), ("rollout", urls("engine-0", "engine-1"))]
+    events = [(e["event"], e.get("name")) for e in read_fleet(store)["events"]]
+    assert ("serving", "engine-1") in events and ("target", None) in events
+
+
+def test_an_engine_whose_load_fell_behind_joins_at_the_next_push(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.start_ok.add("engine-1")
+    rec.reconcile(1, 5)
+    fleet.load_ok.add("engine-1")
+    trainer.answers["set_engines"] = 6  # a push made version 6 while it loaded 5
+    rec.reconcile(2, 6)
+    assert log == [("trainer", urls("engine-0", "engine-1"))]  # pushed to from now on, no request yet
+    rec.reconcile(3, 6)
+    assert log[-1][0] == "trainer" and len(log) == 1
+    assert rec.reconcile(4, 7) == {ENGINES: 2.0}  # the push of version 7 reached it
+    assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
+
+
+def test_without_weights_in_the_run_root_an_engine_joins_through_a_push(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    trainer.answers["staged_weights"] = None  # the distributed transport
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.start_ok.add("engine-1")
+    rec.reconcile(1, 5)
+    assert fleet.loads == [] and log == [("trainer", urls("engine-0", "engine-1"))]
+    rec.reconcile(2, 6)
+    assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
+
+
+def test_shrinking_drains_the_newest_then_removes_it(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.start_ok.add("engine-1")
+    fleet.load_ok.add("engine-1")
+    rec.reconcile(1, 5)
+    rec.reconcile(2, 5)
+    log.clear()
+    write_target(store, 1)
+    clock.now += 2
+    rollout.answers["engine_in_flight"] = {"http://e/engine-1": 3}
+    rec.reconcile(3, 6)
+    assert [m.state for m in fleet.members] == [SERVING, DRAINING]
+    assert log == [("rollout", urls("engine-0"))]  # no new request; the trainer still pushes to it
+    rollout.answers["engine_in_flight"] = {"http://e/engine-1": 0}
+    rollout.answers["engine_served_versions"] = {"http://e/engine-1": {"min_version": 5, "max_version": 6}}
+    assert rec.reconcile(4, 7) == {ENGINES: 1.0}
+    assert fleet.removed == [("engine-1", True)] and log[-1] == ("trainer", urls("engine-0"))
+    removed = [e for e in read_fleet(store)["events"] if e["event"] == "removed"]
+    assert removed[0]["name"] == "engine-1" and removed[0]["served"]["min_version"] == 5
+
+
+def test_a_drain_ends_after_its_grace(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.start_ok.add("engine-1")
+    fleet.load_ok.add("engine-1")
+    rec.reconcile(1, 5)
+    rec.reconcile(2, 5)
+    write_target(store, 1)
+    clock.now += 2
+    rollout.answers["engine_in_flight"] = {"http://e/engine-1": 1}
+    rec.reconcile(3, 5)
+    clock.now += 29
+    rec.reconcile(4, 5)
+    assert fleet.removed == []
+    clock.now += 2
+    rec.reconcile(5, 5)
+    assert fleet.removed == [("engine-1", True)]
+    assert [e for e in read_fleet(store)["events"] if e["event"] == "removed"][0]["left_in_flight"] == 1
+
+
+def test_a_lost_engine_leaves_both_sets_at_once_and_is_replaced(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.start_ok.add("engine-1")
+    fleet.load_ok.add("engine-1")
+    rec.reconcile(1, 5)
+    rec.reconcile(2, 5)
+    log.clear()
+    fleet.lost_now.append("engine-0")
+    assert rec.reconcile(3, 6) == {ENGINES: 1.0}
+    assert log == [("trainer", urls("engine-1")), ("rollout", urls("engine-1"))]
+    assert fleet.removed == [("engine-0", False)] and fleet.members[-1].name == "engine-2"  # the replacement
+    assert fleet.members[-1].state == STARTING
+
+
+def test_a_failed_start_is_dropped_and_retried_later(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0, 5)
+    fleet.fail["engine-1"] = RuntimeError("EngineStartError: no healthy /health")
+    rec.reconcile(1, 5)
+    assert fleet.removed == [("engine-1", True)] and [m.name for m in fleet.members] == ["engine-0"]
+    assert [e for e in read_fleet(store)["events"] if e["event"] == "failed"][0]["error"].startswith("EngineStart")
+    clock.now += 2  # after the back-off
+    rec.reconcile(2, 5)
+    assert [m.name for m in fleet.members] == ["engine-0", "engine-2"]
+
+
+def test_the_target_is_read_at_most_every_interval_and_kept_at_the_minimum(rig, caplog):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    rec.reconcile(0, 5)
+    write_target(store, 3)
+    rec.reconcile(1, 5)
+    assert rec.target == 1  # read 0 s ago
+    clock.now += 2
+    rec.reconcile(2, 5)
+    assert rec.target == 3
+    for m in list(fleet.members[1:]):
+        fleet.remove(m)
+    write_target(store, 0)
+    clock.now += 2
+    rec.reconcile(3, 5)
+    assert rec.target == 1 and "keeps 1" in caplog.text  # a run without producers keeps one engine
+
+
+def test_while_no_engine_serves_a_thread_of_its_own_lets_one_join(tmp_path):
+    """A run of 0 engines waits in the loop for a batch that nothing generates: the engine asked for
+    meanwhile joins without a step (the reconciler's own thread), in the same order as ever."""
+    import time
+
+    log: list = []
+    fleet = FakeFleet(0)
+    trainer = Side("trainer", log, {"staged_weights": {"uri": "file:///w/v3", "version": 3}, "set_engines": 3})
+    rollout = Side("rollout", log, {"engine_in_flight": {}, "engine_served_versions": {}})
+    store = Store(f"file://{tmp_path}/run")
+    rec = FleetReconciler(fleet, trainer, rollout, store, target=0, version=3, min_engines=0,
+                          read_interval_seconds=0).start(every_seconds=0.02)
+    try:
+        write_target(store, 1)
+        deadline = time.monotonic() + 5
+        while not fleet.members and time.monotonic() < deadline:
+            time.sleep(0.01)
+        fleet.start_ok.add("engine-0")
+        fleet.load_ok.add("engine-0")
+        while not fleet.serving() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+    finally:
+        rec.close()
+    assert log == [("trainer", urls("engine-0")), ("rollout", urls("engine-0"))]
+    assert read_fleet(store)["serving"] == 1
+
+
+def test_a_writer_that_lost_the_lease_changes_nothing(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+
+    def lost():
+        raise RuntimeError("LeaseLost: another writer holds the run")
+
+    rec.fence = lost
+    write_target(store, 3)
+    with pytest.raises(RuntimeError, match="LeaseLost"):
+        rec.reconcile(0, 5)
+    assert len(fleet.members) == 1 and read_fleet(store) is None and log == []

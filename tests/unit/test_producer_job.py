@@ -1,0 +1,69 @@
+"""When a producer job may join a run and when it stops by itself (miles_core.elastic.job), without Ray.
+
+Guards: a producer joining a run that does not allow producers (it would generate into a buffer nobody
+reads), a producer that never stops after its run finished, failed or dropped producers, two live
+producers under one id (they would take each other's prompt claims)."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_core.config import parse_flags
+from miles_core.elastic import heartbeat as H
+from miles_core.elastic.job import ProducerError, joined_config, run_ended, run_producer
+from miles_core.storage import Store
+from miles_core.storage.run_root import FAILED, FINISHED, RUNNING, write_config, write_status
+
+
+@pytest.fixture
+def run(tmp_path):
+    store = Store(f"file://{tmp_path}/runs/r")
+    write_config(store, parse_flags(["--allow-rollout-producers"]), 0)
+    write_status(store, RUNNING, last_step=3, segment=0)
+    return store
+
+
+def test_a_run_without_producers_is_refused_by_name(tmp_path):
+    store = Store(f"file://{tmp_path}/runs/r")
+    with pytest.raises(ValueError, match="no run at"):
+        run_producer(store.uri())
+    write_config(store, parse_flags([]), 0)
+    with pytest.raises(ProducerError, match="--allow-rollout-producers"):
+        joined_config(store)
+
+
+def test_the_producer_stops_when_the_run_ends_or_drops_producers(run):
+    assert joined_config(run).buffer.allow_rollout_producers and run_ended(run) == ""
+    write_status(run, FINISHED, last_step=9, segment=0)
+    assert run_ended(run) == "the run finished"
+    write_status(run, FAILED, last_step=9, segment=0)
+    assert run_ended(run) == "the run failed"
+    write_status(run, RUNNING, last_step=9, segment=1)
+    write_config(run, parse_flags([]), 1)  # the next segment continues without producers
+    assert "does not allow producers" in run_ended(run)
+
+
+def test_a_live_producer_id_is_not_taken_twice(run):
+    import threading
+
+    from miles_core.elastic.job import ProducerJob
+
+    job = ProducerJob(joined_config(run), run, 1, "spot-a", 1800.0, threading.Event())
+    live = threading.Event()
+
+    def beat():  # another producer under this id, alive: its heartbeat keeps changing
+        while not live.wait(0.05):
+            H.write_heartbeat(run, H.Heartbeat.start("spot-a", "w-other"))
+
+    H.write_heartbeat(run, H.Heartbeat.start("spot-a", "w-old"))
+    job._check_id_free(wait_seconds=0.3)  # a killed producer's id (its heartbeat does not move) is free
+    threading.Thread(target=beat, daemon=True).start()
+    try:
+        with pytest.raises(ProducerError, match="'spot-a' is in use by a live producer"):
+            job._check_id_free(wait_seconds=0.3)
+    finally:
+        live.set()
+    H.write_heartbeat(run, H.Heartbeat.start("spot-a", "w-old").update(state=H.STOPPED))
+    job._check_id_free(wait_seconds=0.3)  # a stopped producer's id may be used again
+    with pytest.raises(ProducerError, match="run's own rollout"):
+        run_producer(run.uri(), producer_id="trainer")
