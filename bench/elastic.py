@@ -1,7 +1,7 @@
 """What producer jobs buy: a run's steps per minute on its own engine, then with one and two producer jobs
 joined mid-run, and what SIGKILLing one of them costs (docs/benchmarks.md, "elastic").
 
-    .venv/bin/python bench/elastic.py            # ~7 minutes on 2 cores
+    .venv/bin/python bench/elastic.py            # ~6 minutes on 2 cores
     .venv/bin/python bench/elastic.py --quick    # ~3 minutes: 0.1 s tokens, 3-step windows, 15 s claim TTL
     flags: --seconds-per-token --slots --batch-size --n --warmup-steps --window-steps --settle-steps
            --kill-steps --claim-ttl-seconds --timeout --keep --quick --results
@@ -539,6 +539,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         for k, v in QUICK.items():
             if getattr(a, k) == p.get_default(k):
                 setattr(a, k, v)
+    for flag, least in (("warmup_steps", 1), ("window_steps", 2), ("settle_steps", 0), ("kill_steps", 2)):
+        if getattr(a, flag) < least:
+            p.error(f"--{flag.replace('_', '-')} must be >= {least}")
+    if not a.seconds_per_token > 0 or not a.claim_ttl_seconds > 0:
+        p.error("--seconds-per-token and --claim-ttl-seconds must be > 0")
     return a
 
 

@@ -607,10 +607,14 @@ class _Tail:
         listed = [k for k in b.store.list(O.GROUPS) if k.endswith(".arrow") and not k.startswith(own)]
         with b._lock:
             new = sorted(k for k in listed if k not in b._seen and not b._is_done(k))
-            b._seen.update(new)
             if b._closed or not new:
                 return 0
-            added = b._index_keys(new, set())
+            b._seen.update(new)  # first: a listing of the next poll must not index them again
+            try:
+                added = b._index_keys(new, set())
+            except BaseException:
+                b._seen.difference_update(new)  # an outage: read them again at the next poll
+                raise
             b._reserved += added
             if added:
                 b._not_empty.notify_all()

