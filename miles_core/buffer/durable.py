@@ -121,6 +121,7 @@ class DurableBuffer:
         self.quarantined_total = 0
         self.committed_total = 0  # groups committed by this writer
         self._seen: set[str] = set()  # object keys indexed (or found done) by this buffer
+        self._foreign_at: dict[str, float] = {}  # other writer -> when its last group was indexed (monotonic)
         self._prompts: dict[tuple[int, int, int], str] = {}  # (epoch, position, attempt) -> the group id holding it
         self._tail = None if foreign_poll_seconds is None else _Tail(self, foreign_poll_seconds)
         self._writer = threading.Thread(target=self._write_loop, name=f"buffer-writer-{self.writer_id}", daemon=True)
@@ -545,6 +546,20 @@ class DurableBuffer:
         with self._lock:
             return len(self._available)
 
+    def usable_queue_size(self, version: int | None) -> int:
+        """Available groups a get under `version` would not reject as stale."""
+        with self._lock:
+            if version is None or self.max_weight_staleness is None:
+                return len(self._available)
+            return sum(1 for e in self._available
+                       if (s := self._staleness(e, version)) is None or s <= self.max_weight_staleness)
+
+    def recent_foreign_writers(self, seconds: float = 60.0) -> int:
+        """Other writers (producer jobs) whose groups this buffer indexed in the last `seconds`."""
+        now = time.monotonic()
+        with self._lock:
+            return sum(1 for t in self._foreign_at.values() if now - t <= seconds)
+
     def available_group_ids(self) -> list[str]:
         with self._lock:
             return [e.group_id for e in self._available]
@@ -618,4 +633,7 @@ class _Tail:
             b._reserved += added
             if added:
                 b._not_empty.notify_all()
+            now = time.monotonic()
+            for key in new:
+                b._foreign_at[O.writer_of(key)] = now
         return added

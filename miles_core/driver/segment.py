@@ -130,7 +130,8 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
             sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
         pusher = WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box)
         pusher.snapshot = trainer.call("published_weights").result()
-        feed = Fenced(feed_publisher(cfg, store, rollout, pusher, segment), lease.check, "publish")
+        feed = feed_publisher(cfg, store, rollout, pusher, segment, lease.check)
+        stack.callback(feed.close)
         feed.publish(start_step - 1, version_box[0])  # producers may start before the first step ends
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,

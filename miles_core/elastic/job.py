@@ -32,6 +32,7 @@ from miles_core.buffer.contract import load_dynamic_filter
 from miles_core.buffer.durable import DurableBuffer
 from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
 from miles_core.config.record import read_run_config
+from miles_core.driver.placement import ensure_ray
 from miles_core.elastic import heartbeat as H
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
@@ -70,8 +71,6 @@ def run_producer(run_uri: str, *, num_engines: int = 1, producer_id: str = "", i
                  stop: threading.Event | None = None, store: Store | None = None) -> ProducerResult:
     """Join the run at `run_uri` and generate for it until it ends (see the module docstring). `store`: the
     run root's Store to read and write it through (default `Store(run_uri)`)."""
-    from miles_core.driver.placement import ensure_ray
-
     store = require_run(store or Store(run_uri))
     if producer_id == TRAINER_HOLDER:
         raise ProducerError(f"producer id {producer_id!r} is the run's own rollout's; give this producer another id")

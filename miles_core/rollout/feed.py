@@ -11,9 +11,12 @@ staleness bound. A producer reads nothing else of the trainer: no connection bet
 `room` is the producer's side of two rules the trainer's own rollout applies exactly: the buffer's
 capacity (groups committed and not consumed, plus those in flight, stay within it) and staleness
 admission (a group may start only while the groups started beyond those consumed fit in
-`(S + v + 1) * B`, v versions after the first). A producer knows only its own in-flight groups and
-the commits the trainer had not seen at the feed's writing, so several producers together may
-overshoot by what each has in flight; the trainer's get-side staleness filter still holds the bound.
+`(S + v + 1) * B`, v versions after the first). The room is shared equally by the producers whose
+groups reached the trainer lately (`producers`); each takes its share less its own in-flight groups
+and the commits the trainer had not seen at the feed's writing. A producer that just joined counts
+only once its groups arrive, so the total may overshoot briefly; the trainer's get-side staleness
+filter still holds the bound. The queue counts only groups a step can still use: stale ones are about
+to be dropped and hold no room.
 """
 
 from __future__ import annotations
@@ -39,17 +42,18 @@ class Feed:
     max_weight_staleness: int | None
     first_version: int
     written_at: float
+    producers: int = 1  # producer jobs whose groups reached the trainer lately: they share the room
 
     def room(self, in_flight: int, committed_unseen: int) -> int:
         """Groups this producer may start now, with `in_flight` of its own running and
         `committed_unseen` committed since the trainer wrote this feed."""
-        ahead = self.queue_size + committed_unseen + in_flight
-        room = self.capacity - ahead
+        room = self.capacity - self.queue_size
         if self.max_weight_staleness is not None:
             versions = max(0, self.version - self.first_version)
             limit = (self.max_weight_staleness + versions + 1) * self.groups_per_version
-            room = min(room, limit - self.consumed_groups - ahead)
-        return max(0, room)
+            room = min(room, limit - self.consumed_groups - self.queue_size)
+        share = room // max(1, self.producers) if room > 0 else 0
+        return max(0, share - committed_unseen - in_flight)
 
 
 class FeedError(ValueError):

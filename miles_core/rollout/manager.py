@@ -269,9 +269,15 @@ class RolloutManager:
     def state(self) -> dict:
         return self.producer.state()
 
-    def feed_state(self) -> dict:
-        """What producer jobs need of this buffer (miles_core.driver.feed): its queue and capacity."""
-        return {"queue_size": int(getattr(self.buffer, "queue_size", 0)), "capacity": self.cfg.buffer_capacity_groups}
+    def feed_state(self, version: int | None = None) -> dict:
+        """What producer jobs need of this buffer (miles_core.driver.feed): the groups queued that a step
+        under `version` can still use (stale ones are about to be dropped: they hold no room), its
+        capacity, and how many other writers committed lately (they share the room)."""
+        usable = getattr(self.buffer, "usable_queue_size", None)
+        queued = usable(version) if callable(usable) else int(getattr(self.buffer, "queue_size", 0))
+        writers = getattr(self.buffer, "recent_foreign_writers", None)
+        return {"queue_size": queued, "capacity": self.cfg.buffer_capacity_groups,
+                "producers": writers() if callable(writers) else 0}
 
     def _release_claims(self) -> None:
         if self.claims_renewer is not None:

@@ -232,21 +232,20 @@ def _assert_fed_by_the_producers(run: Store, consumed_writers: collections.Count
 
 @pytest.mark.timeout(1800)
 def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learns(isolated, tmp_path):
-    setup = isolated
-    _assert_isolated(setup)
+    _assert_isolated(isolated)
     storage = f"s3://{BUCKET}/elastic-{uuid.uuid4().hex[:8]}"
     run_uri = f"{storage}/runs/{RUN_ID}"
     run = Store(run_uri)
     logs = {name: tmp_path / f"{name}.log" for name in ("trainer", *PRODUCERS)}
     t0 = time.monotonic()
-    trainer = _start_trainer(setup, storage, logs["trainer"], tmp_path / "trainer-cache")
+    trainer = _start_trainer(isolated, storage, logs["trainer"], tmp_path / "trainer-cache")
     producers = {}
     try:
         # A producer joins a run that exists (its config.json); it then waits for the first published feed.
         assert _wait_until(lambda: trainer.poll() is not None or run.exists("config.json"), 900), "no config.json"
         assert trainer.poll() is None, _tail(logs["trainer"])
-        for node, p in zip(setup.nodes, PRODUCERS):
-            producers[p] = _start_producer(setup, node, run_uri, p, logs[p])
+        for node, p in zip(isolated.nodes, PRODUCERS):
+            producers[p] = _start_producer(isolated, node, run_uri, p, logs[p])
         _wait_for_trainer(trainer, run, logs)
         ended = time.monotonic()
         print(f"elastic: trainer's pyflyte run took {ended - t0:.0f} s")
@@ -263,7 +262,7 @@ def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learn
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
-    for node in setup.nodes:  # a producer's Ray and engine end with it
+    for node in isolated.nodes:  # a producer's Ray and engine end with it
         assert _wait_until(lambda: not node.pids(), 30), f"left on {node.ip}: {sorted(node.pids())}"
 
     local = _copy_run_root(run, tmp_path / "run")

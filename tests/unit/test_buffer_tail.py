@@ -129,3 +129,14 @@ def test_an_outage_while_reading_other_writers_groups_only_delays_them(store, mo
             buf._tail.poll()
         monkeypatch.setattr(store, "get_bytes", real)
         assert buf._tail.poll() == 1 and buf.queue_size == 2
+
+
+def test_the_feed_counts_usable_groups_and_recent_writers(store):
+    with DurableBuffer.open(store, capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=-1,
+                            foreign_poll_seconds=0.05, writer_id="wtrainer", max_weight_staleness=1) as buf:
+        with producer_writer(store) as w:
+            w.put(group(0, "prod"))  # token version 1
+        assert wait_for(lambda: buf.queue_size == 1)
+        assert buf.usable_queue_size(2) == 1 and buf.usable_queue_size(3) == 0  # staleness 2 > 1 at v3
+        assert buf.usable_queue_size(None) == 1
+        assert buf.recent_foreign_writers() == 1 and buf.recent_foreign_writers(seconds=0) == 0

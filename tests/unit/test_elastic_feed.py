@@ -59,3 +59,60 @@ def test_heartbeats_record_throughput_and_skip_bad_records(tmp_path, caplog):
     assert "broken.json" in caplog.text
     with pytest.raises(ValueError, match="producer id"):
         H.heartbeat_key("../etc")
+
+
+def test_producers_share_the_room():
+    assert feed(producers=2).room(in_flight=0, committed_unseen=0) == 3  # (8 - 2) // 2
+    assert feed(producers=2).room(in_flight=2, committed_unseen=1) == 0
+    assert feed(producers=0).room(in_flight=0, committed_unseen=0) == 6  # none seen yet: the newcomer takes it
+
+
+class _Call:
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+class _Rollout:
+    def __init__(self):
+        self.queue = 5
+
+    def call(self, method, version):
+        assert method == "feed_state"
+        return _Call({"queue_size": self.queue, "capacity": 8, "producers": 1})
+
+
+def test_the_feed_is_rewritten_while_a_step_waits_and_never_without_the_lease(tmp_path):
+    """A trainer starved inside a step still tells producers that room opened (else both wait for ever);
+    a trainer that lost the run's lease writes nothing."""
+    import time
+    from types import SimpleNamespace
+
+    from miles_core.config import parse_flags
+    from miles_core.driver.feed import feed_publisher
+
+    store = Store(f"file://{tmp_path}")
+    cfg = parse_flags(["--allow-rollout-producers", "--producer-poll-seconds", "0.05"])
+    rollout, lost = _Rollout(), []
+
+    def check():
+        if lost:
+            raise RuntimeError("lease lost")
+
+    pub = feed_publisher(cfg, store, rollout, SimpleNamespace(snapshot="file:///w"), 0, check)
+    try:
+        pub.publish(3, 5)
+        assert read_feed(store).queue_size == 5 and read_feed(store).step == 3
+        rollout.queue = 0  # the waiting step's get dropped stale groups: room opened
+        deadline = time.monotonic() + 5
+        while read_feed(store).queue_size != 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert read_feed(store).queue_size == 0 and read_feed(store).step == 3
+        lost.append(1)
+        rollout.queue = 7
+        time.sleep(0.3)
+        assert read_feed(store).queue_size == 0
+    finally:
+        pub.close()
