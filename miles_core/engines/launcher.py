@@ -351,6 +351,7 @@ class EngineActor:
 
     def __init__(self, spec: EngineLaunchSpec, name: str):
         logging.basicConfig(level=logging.INFO)
+        logging.getLogger("aiobotocore").setLevel(logging.WARNING)  # a line per S3 client: every weight copy
         require_uri(spec.model_path, f"{name} model")
         self.server = EngineServer(spec, name)
 

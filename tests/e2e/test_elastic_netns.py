@@ -203,10 +203,9 @@ def _copy_run_root(run: Store, dest: Path) -> Path:
 
 
 def _assert_learned(run: Path) -> None:
-    """The last 10 steps' mean reward is well above the random policy's level (recorded at step 0, 0.07
-    for the embedded default): the embedded default is near 0.95 after 60 steps with its own engine,
-    0.5 after 60 steps fed by two producers with unbounded staleness; a run that did not learn stays
-    near the random level."""
+    """The last 10 steps' mean reward is at the embedded default's bar (>= 0.6 and >= 5x the random
+    policy's level, recorded at step 0: 0.07): fed by the two producers it passes 0.6 at about step 40
+    and ends near 0.99 after 80 steps; a run that did not learn stays near the random level."""
     from miles_core.metrics.names import RANDOM_POLICY_REWARD
     from miles_core.metrics.sink import read_metrics
 
@@ -217,7 +216,7 @@ def _assert_learned(run: Path) -> None:
     last = sum(tail) / len(tail)
     print(f"elastic: random policy {random_level:.3f}, last 10 steps {last:.3f}, "
           f"curve {[round(rewards[s], 2) for s in sorted(rewards)]}")
-    assert last >= max(0.4, 5 * random_level), (random_level, last)
+    assert last >= max(0.6, 5 * random_level), (random_level, last)
 
 
 def _assert_fed_by_the_producers(run: Store, consumed_writers: collections.Counter) -> None:
