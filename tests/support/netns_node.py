@@ -19,26 +19,15 @@ import os
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 
-from tests.support.two_nodes import PRIVATE_DIRS, ROOT, TwoNodeError, _free_port, _processes, _test_block
+from tests.support.two_nodes import ROOT, TwoNodeError, _free_port, _processes, _test_block, namespace_holder
 
 
 def missing_tools() -> list[str]:
     """What an isolated node needs and this machine lacks (root, unshare, nsenter, ip)."""
     missing = [t for t in ("unshare", "nsenter", "ip") if shutil.which(t) is None]
     return missing + ([] if os.geteuid() == 0 else ["root"])
-
-
-def _private_mounts(stash: str | None) -> str:
-    """Shell commands: a tmpfs over each private dir; a checkout under one of them is bind-mounted
-    aside into `stash` first and back afterwards."""
-    keep = [str(ROOT)] if stash else []
-    cmds = [f"mount --bind {k} {stash}" for k in keep]
-    cmds += [f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in PRIVATE_DIRS]
-    cmds += [f"mkdir -p {k} && mount --bind {stash} {k}" for k in keep]
-    return " && ".join(cmds)
 
 
 def _run(cmd: list[str]) -> None:
@@ -78,16 +67,7 @@ class IsolatedNode:
         _run(["nsenter", "-t", str(self.holder.pid), "-n", "ip", "route", "add", f"{ip}/32", "via", self.host_ip])
 
     def _namespaces(self) -> None:
-        under_private = any(str(ROOT).startswith(d.rstrip("/") + "/") for d in PRIVATE_DIRS)
-        self.stash = tempfile.mkdtemp(prefix="miles-keep-", dir="/var/tmp") if under_private else None
-        script = f"{_private_mounts(self.stash)} && ip link set lo up && echo ready && exec sleep infinity"
-        self.holder = subprocess.Popen(["unshare", "-n", "-m", "--propagation", "private", "bash", "-c", script],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        line = self.holder.stdout.readline().decode(errors="replace").strip()
-        if line != "ready":
-            rest = self.holder.stdout.read().decode(errors="replace") if self.holder.poll() is not None else ""
-            raise TwoNodeError(f"an isolated node's namespaces could not be set up: {line} {rest[-2000:]}")
-        self.netns = os.readlink(f"/proc/{self.holder.pid}/ns/net")
+        self.holder, self.netns, self.stash = namespace_holder("an isolated node")
 
     def _network(self) -> None:
         block = _test_block(self.seed)

@@ -69,6 +69,28 @@ def _test_block(port: int) -> ipaddress.IPv4Network:
     raise TwoNodeError(f"no free /30 left in {TEST_NET}")
 
 
+def namespace_holder(what: str) -> tuple[subprocess.Popen, str, str | None]:
+    """(holder, its network namespace, stash): a process in new network and mount namespaces that mounts a
+    tmpfs over each private dir there and then sleeps. The checkout (code and venv) stays visible even
+    when it lives under a private dir (a CI clone in /tmp): it is bind-mounted aside into `stash` (an
+    empty dir of this machine, removed by the caller when done) first and back afterwards."""
+    keep = [str(ROOT)] if any(str(ROOT).startswith(d.rstrip("/") + "/") for d in PRIVATE_DIRS) else []
+    stash = tempfile.mkdtemp(prefix="miles-keep-", dir="/var/tmp") if keep else None
+    mounts = [f"mount --bind {k} {stash}" for k in keep]
+    mounts += [f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in PRIVATE_DIRS]
+    mounts += [f"mkdir -p {k} && mount --bind {stash} {k}" for k in keep]
+    script = f"{' && '.join(mounts)} && ip link set lo up && echo ready && exec sleep infinity"
+    holder = subprocess.Popen(["unshare", "-n", "-m", "--propagation", "private", "bash", "-c", script],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    line = holder.stdout.readline().decode(errors="replace").strip()
+    if line != "ready":
+        rest = holder.stdout.read().decode(errors="replace") if holder.poll() is not None else ""
+        if stash:
+            os.rmdir(stash)
+        raise TwoNodeError(f"{what}'s namespaces could not be set up: {line} {rest[-2000:]}")
+    return holder, os.readlink(f"/proc/{holder.pid}/ns/net"), stash
+
+
 def _processes() -> dict[int, tuple[int, str, str]]:
     """Every process of this machine: pid -> (parent pid, command line, network namespace)."""
     out = {}
@@ -164,27 +186,8 @@ class TwoNodeCluster:
         self._wait_for_engine_node()
 
     def _namespaces(self) -> None:
-        """The holder: a process in a new network and mount namespace that mounts the private dirs there
-        and then sleeps; the engine node's processes join its namespaces (`nsenter`)."""
-        script = f"{self._private_mounts()} && ip link set lo up && echo ready && exec sleep infinity"
-        self.holder = subprocess.Popen(["unshare", "-n", "-m", "--propagation", "private", "bash", "-c", script],
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-        line = self.holder.stdout.readline().decode(errors="replace").strip()
-        if line != "ready":
-            rest = self.holder.stdout.read().decode(errors="replace") if self.holder.poll() is not None else ""
-            raise TwoNodeError(f"the engine node's namespaces could not be set up: {line} {rest[-2000:]}")
-        self.netns = os.readlink(f"/proc/{self.holder.pid}/ns/net")
-
-    def _private_mounts(self) -> str:
-        """Shell commands: a tmpfs over each private dir; the checkout (code and venv) stays visible
-        even when it lives under one of them (a CI clone in /tmp): it is bind-mounted aside first and
-        back afterwards."""
-        keep = [str(ROOT)] if any(str(ROOT).startswith(d.rstrip("/") + "/") for d in PRIVATE_DIRS) else []
-        self.stash = tempfile.mkdtemp(prefix="miles-keep-", dir="/var/tmp") if keep else None
-        cmds = [f"mount --bind {k} {self.stash}" for k in keep]
-        cmds += [f"mkdir -p {d} && mount -t tmpfs tmpfs {d}" for d in PRIVATE_DIRS]
-        cmds += [f"mkdir -p {k} && mount --bind {self.stash} {k}" for k in keep]
-        return " && ".join(cmds)
+        """The holder (`namespace_holder`); the engine node's processes join its namespaces (`nsenter`)."""
+        self.holder, self.netns, self.stash = namespace_holder("the engine node")
 
     def _network(self) -> None:
         """The veth pair: the head's end here, the engine node's end moved into the holder's namespace."""
