@@ -212,19 +212,29 @@ class DurableBuffer:
     def _load_compaction(self, keys: list[str], through: int) -> tuple[int, set[str]]:
         """The newest compaction record (its step, its consumed ids); (-1, set()) without one."""
         compacted = sorted((step, k) for k in keys if (step := O.compact_step(k)) is not None)
+        for step, key in [c for c in compacted if c[0] > through]:
+            self._discard_compaction(step, key, through)
+        compacted = [c for c in compacted if c[0] <= through]
         if not compacted:
-            return -1, set()
+            return -1, set()  # every manifest through `through` is read instead
         step, key = compacted[-1]
-        if step > through:
-            raise DataBufferError(
-                f"the buffer's consumption record is compacted through step {step} ({self.store.uri(key)}), but "
-                f"the resume starts after step {through}: the groups consumed in between cannot be told apart. "
-                "Resume from the checkpoint of that step or a later one.")
         record = self._read_manifest(key)
         for writer, runs in record.get("objects_done", {}).items():
             self._done.setdefault(writer, set()).update(O.from_ranges(runs))
         self._last_step = step
         return step, set(record.get("consumed", ()))
+
+    def _discard_compaction(self, step: int, key: str, through: int) -> None:
+        """A compaction record after the resume step (the resume fell back past a damaged checkpoint): the
+        groups it folds were trained by a model that is gone, so they are served again, from the objects."""
+        if self._read_manifest(key).get("deleted_consumed_objects"):
+            raise DataBufferError(
+                f"the resume starts after step {through}, but {self.store.uri(key)} says the objects consumed through "
+                f"step {step} were deleted (--buffer-delete-consumed-objects): the groups consumed after step "
+                f"{through} are gone and cannot be trained again. Resume from the checkpoint of step {step} or "
+                "later, or delete that record to accept losing those groups.")
+        self.store.delete(key)
+        log.info("buffer: discarded %s (after resume step %d)", key, through)
 
     def _fetch(self, key: str) -> "list[O.StoredGroup] | BaseException | None":
         """An object's groups; None when it vanished; the decode error when it is undecodable."""
@@ -291,7 +301,9 @@ class DurableBuffer:
                 "resume from the checkpoint before that step.") from e
         if not isinstance(manifest, dict) or not isinstance(manifest.get("consumed", []), list):
             raise DataBufferError(f"consumption manifest {self.store.uri(key)} is not a miles manifest "
-                                  "(expected an object with a 'consumed' list)")
+                                  "(expected an object with a 'consumed' list); without it the run cannot tell which "
+                                  "groups were trained. Restore it from a backup, or delete it and every later one "
+                                  "and resume from the checkpoint before that step.")
         return manifest
 
     def _quarantine(self, key: str, error: BaseException) -> None:
@@ -497,7 +509,8 @@ class DurableBuffer:
 
     def compact(self, through_step: int, *, delete_consumed_objects: bool = False) -> None:
         """Fold the consumption record through `through_step` into `upto_{step}.json`; call it once the
-        checkpoint of that step is complete (a resume never starts before it again). Earlier
+        checkpoint of that step is complete (a resume that falls back past a damaged checkpoint discards this
+        record, unless `delete_consumed_objects` made it final). Earlier
         compaction records are deleted; with `delete_consumed_objects`, so is every listed object
         consumed entirely (nothing from this checkpoint on needs them)."""
         with self._lock:
@@ -505,6 +518,7 @@ class DurableBuffer:
                 raise ValueError(f"compact({through_step}): the last recorded step is {self._last_step}; compact "
                                  "right after recording and checkpointing that step")
             record = {"through_step": through_step, "written_at": time.time(),
+                      "deleted_consumed_objects": delete_consumed_objects,
                       "objects_done": {w: O.to_ranges(seqs) for w, seqs in sorted(self._done.items())},
                       "consumed": sorted(gid for key, ids in self._members.items()
                                          for gid in ids if gid not in self._remaining.get(key, ()))}

@@ -92,7 +92,8 @@ def _buffer(p: CommandParser) -> None:
                                              "with --ids each group's id, status and the step that took it.")
     inspect.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
     inspect.add_argument("--ids", action="store_true",
-                         help="list every group id with its status (consumed, rejected, available) and step")
+                         help="list every group id with its status (consumed, rejected, available, or "
+                              "consumed_or_rejected where its step's manifest does not parse) and step")
     _common(inspect, "with --ids: print JSON instead of text (the counts are always JSON)")
     inspect.set_defaults(handler=_buffer_inspect)
 

@@ -160,6 +160,7 @@ class TrainSection:
     save: str = opt("auto", "Checkpoint location: 'auto' = {run root}/checkpoints, a URI, or '' to disable.")
     save_interval: Optional[int] = opt(50, "Save a checkpoint every N steps (and always at the last step).")
     save_hf: str = opt("", "Also save an HF checkpoint at each save into this directory ({step} placeholder allowed); enables eval reuse mode.")
+    verify_checkpoint_checksums: bool = opt(False, "On resume, verify every file's sha256 against the checkpoint's COMPLETE manifest (reads the whole checkpoint on every rank). Sizes are always verified, and checksums too when the checkpoint is under 256 MiB; a checkpoint that does not verify is skipped for the newest older one that does, with a warning.")
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,15 @@ dataset, committed atomically. A snapshot that could not be evaluated gets
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import asdict, dataclass, field
 
 from miles_core.eval.metric_names import DURATION_SECONDS, LAG_STEPS, skipped_metric
-from miles_core.storage import ObjectNotFound, Store
+from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
+
+log = logging.getLogger(__name__)
 
 EVAL_PREFIX = "eval"
 REQUESTS_PREFIX = "eval/requests"
@@ -92,15 +95,27 @@ def evaluated(store: Store) -> dict[int, set[str]]:
 
 
 def all_results(store: Store) -> list[EvalResult]:
+    """Every eval result, in step order; one that does not parse (truncated, garbage) is skipped with a
+    warning naming it, so one bad file never stops `miles runs show`, `miles lineage` or the report."""
     rows = []
     for step, names in sorted(evaluated(store).items()):
         for ds in sorted(names):
             if ds == SKIPPED_NAME:
                 continue
-            r = read_result(store, step, ds)
+            r = _result_or_none(store, step, ds)
             if r is not None:
                 rows.append(r)
     return rows
+
+
+def _result_or_none(store: Store, step: int, dataset: str) -> EvalResult | None:
+    try:
+        return read_result(store, step, dataset)
+    except StorageUnavailable:
+        raise
+    except (StorageError, ValueError, TypeError, AttributeError) as e:
+        log.warning("eval result %s skipped: it does not parse (%s)", store.uri(result_key(step, dataset)), e)
+        return None
 
 
 def write_request(store: Store, step: int, snapshot_uri: str, version: int | None) -> None:

@@ -166,7 +166,7 @@ def _copy_checkpoint(src: CheckpointManager, dest: CheckpointManager, step: int)
     keys = [k for k in src.store.list(d + "/") if k != f"{d}/{MARKER}"]
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="fork-copy") as pool:
         list(pool.map(lambda k: dest.store.put_bytes(k, src.store.get_bytes(k)), keys))
-    dest.store.put_bytes(f"{d}/{MARKER}", b"")
+    dest.store.put_bytes(f"{d}/{MARKER}", src.store.get_bytes(f"{d}/{MARKER}"))  # its file list, verbatim
     dest.store.put_bytes(LATEST, d.encode())
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from miles_core.buffer import objects as O
+from miles_core.buffer.manifests import BadManifest, ConsumptionRecord, parse_manifest, read_consumption
 from miles_core.config import RunConfig, replace_fields
 from miles_core.config.record import read_run_config
 from miles_core.storage import ObjectNotFound, StorageError, Store, normalize_uri
@@ -102,19 +103,23 @@ class RecordedRun:
         return sorted(s for k in self.store.list(O.CONSUMED) if (s := O.consumed_step(k)) is not None)
 
     def later_manifests(self, after: int) -> list[dict]:
-        """The consumption manifests of the steps after `after` that exist now."""
-        keys = [O.consumed_key(s) for s in self.recorded_steps() if s > after]
-        with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="lineage-read") as pool:
-            return [m for m in pool.map(self._manifest, keys) if m is not None]
+        """The consumption manifests of the steps after `after` that exist now and parse (one that does
+        not is skipped with a warning; `consumption()` says which)."""
+        return [m for s, m in self.consumption().manifests.items() if s > after]
+
+    def consumption(self) -> ConsumptionRecord:
+        """Every manifest that parses, the steps whose manifest does not, and the compaction record."""
+        return read_consumption(self.store)
 
     def _manifest(self, key: str) -> dict | None:
         try:
-            manifest = self.store.get_json(key)
+            return parse_manifest(self.store.get_bytes(key), self.store.uri(key))
         except ObjectNotFound:
             return None
-        if not isinstance(manifest, dict) or not isinstance(manifest.get("consumed"), list):
-            raise LineageError(f"{self.store.uri(key)} is not a consumption manifest (no 'consumed' list)")
-        return manifest
+        except BadManifest as e:
+            raise LineageError(f"{e}: the groups that step trained on are unknown, so the run cannot be forked or "
+                               "replayed through it. Restore the file from a backup, or fork or replay an earlier "
+                               "step.") from e
 
     def group_keys(self) -> list[str]:
         """Every committed group object, in commit order (writer ids start with their start time)."""

@@ -151,7 +151,24 @@ def _checkpoints_line(c: dict) -> str:
 def _buffer_line(b: dict) -> str:
     return (f"buffer       {b['committed']} groups committed, {b['consumed']} consumed, {b['rejected']} rejected, "
             f"{b['available']} available, {b['quarantined']} quarantined ({b['objects']} objects, "
-            f"{b['bytes'] / 1e6:.1f} MB)")
+            f"{b['bytes'] / 1e6:.1f} MB)" + "".join(_unreadable_lines(b)))
+
+
+def _unreadable_lines(b: dict) -> list[str]:
+    """What the buffer counts cannot see: manifests that do not parse, a compaction record that does not."""
+    bad = b.get("unreadable_manifests") or []
+    covered = [r["step"] for r in bad if r["covered_by_compaction"]]
+    after = [r["step"] for r in bad if not r["covered_by_compaction"]]
+    lines, unattributed = [], b.get("consumed_or_rejected_unattributed", 0)
+    if unattributed or covered:
+        lines.append(f"\n             + {unattributed} consumed or rejected at steps whose "
+                     f"manifest does not parse ({_steps(covered) or 'none'}; counted from the compaction record)")
+    if after:
+        lines.append(f"\n             manifests of steps {_steps(after)} do not parse (after the last compaction): "
+                     "their groups are counted as available, which they may not be; a resume refuses them")
+    if b.get("compaction_error"):
+        lines.append(f"\n             compaction record skipped: {b['compaction_error']}")
+    return lines
 
 
 def _eval_lines(evals: dict[str, list[dict]]) -> list[str]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import difflib
 from collections import Counter
 
-from miles_core.buffer.objects import rows_to_group
+from miles_core.buffer.manifests import ConsumptionRecord
+from miles_core.buffer.objects import consumed_key, rows_to_group
 from miles_core.eval.results import all_results, requests
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.producers import TRAINER, producer_of
@@ -30,9 +31,10 @@ from miles_core.rollout.manager import tokenizer_decode
 def group_lineage(run_uri: str, group_id: str) -> dict:
     run = RecordedRun.open(run_uri)
     found, ids = _find_group(run, group_id)
-    fate = _fate(run, group_id)
+    record = run.consumption()
+    fate = _fate(record, group_id, found[0] if found else None)
     if found is None and fate is None:
-        raise LineageError(_unknown(run, group_id, ids))
+        raise LineageError(_unknown(run, group_id, ids) + _unreadable_hint(run, record))
     trained = fate["step"] if fate is not None and fate["outcome"] == "consumed" else None
     return {"run_uri": run.uri, "group_id": group_id, "generated_by": producer_of(run.store, group_id),
             **(_describe(run, *found) if found else {"object": None, "note": _deleted_note(run)}),
@@ -72,13 +74,25 @@ def _find_group(run: RecordedRun, group_id: str):
     return None, ids
 
 
-def _fate(run: RecordedRun, group_id: str) -> dict | None:
-    """{"step", "outcome": consumed | rejected} from the first manifest that lists the group."""
-    for manifest in run.later_manifests(-1):
+def _fate(record: ConsumptionRecord, group_id: str, key: str | None) -> dict | None:
+    """{"step", "outcome": consumed | rejected} from the first manifest that lists the group; when none
+    does but a manifest that does not parse may have, outcome "unknown" with those steps."""
+    for step, manifest in record.manifests.items():
         for outcome in ("consumed", "rejected"):
             if group_id in manifest.get(outcome, ()):
-                return {"step": manifest["step"], "outcome": outcome}
-    return None
+                return {"step": step, "outcome": outcome}
+    covered = record.covered(group_id, key)
+    steps = record.unreadable_covered() if covered else record.unreadable_after() if key else []
+    if not steps:
+        return None
+    return {"step": None, "outcome": "unknown", "unreadable_steps": steps, "consumed_or_rejected": covered}
+
+
+def _unreadable_hint(run: RecordedRun, record: ConsumptionRecord) -> str:
+    if not record.unreadable:
+        return ""
+    keys = ", ".join(run.store.uri(consumed_key(s)) for s in record.unreadable)
+    return f" Consumption manifests that do not parse (the group may be named there): {keys}."
 
 
 def _describe(run: RecordedRun, key: str, stored) -> dict:
@@ -135,6 +149,8 @@ def render_lineage(t: dict) -> str:
         lines += [f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} tokens "
                   f"{s['response']!r}, versions {_versions(s['versions'])}" for s in t["samples"]]
     lines.append(_fate_line(t["fate"]))
+    if t["fate"] is not None and t["fate"]["outcome"] == "unknown":
+        return "\n".join(lines)
     if t["fate"] is not None and t["fate"]["outcome"] == "rejected":
         lines.append("             never trained: no checkpoint, snapshot or eval includes it (with "
                      "--async-unused-samples-handler retry its prompt went back to the data source)")
@@ -160,6 +176,13 @@ def _versions(counts: dict) -> str:
 def _fate_line(fate: dict | None) -> str:
     if fate is None:
         return "consumed     not yet (still in the buffer, or in flight)"
+    if fate["outcome"] == "unknown":
+        steps = ", ".join(map(str, fate["unreadable_steps"]))
+        if fate["consumed_or_rejected"]:
+            return (f"consumed     or rejected (the compaction record says so), at a step whose consumption manifest "
+                    f"does not parse: {steps}")
+        return (f"consumed     unknown: no readable manifest names it, and the manifests of steps {steps} do not "
+                "parse (it may have been trained there, or still be in the buffer)")
     if fate["outcome"] == "rejected":
         return f"rejected     at step {fate['step']}: too stale (--max-weight-staleness) when the trainer took it"
     return f"consumed     trained at step {fate['step']}"

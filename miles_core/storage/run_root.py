@@ -19,10 +19,15 @@ Every write is one atomic object PUT (Store.put_json), so a reader sees the old 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 import time
 from dataclasses import dataclass
 
 from miles_core.storage import ObjectNotFound, Store
+from miles_core.storage.status_rebuild import rebuilt_status
+
+log = logging.getLogger(__name__)
 
 RUNNING = "running"
 SEGMENT_DONE = "segment_done"
@@ -90,11 +95,28 @@ def write_status(store: Store, state: str, *, last_step: int, segment: int, mess
 
 
 def read_status(store: Store) -> RunStatus | None:
-    d = get_json_or_none(store, STATUS_KEY)
-    if d is None:
+    """STATUS.json, None when there is none. One that does not parse (truncated, garbage) is rebuilt
+    from the checkpoints and consumption manifests (miles_core.storage.status_rebuild), with a warning:
+    the run and every reader go on; the next segment writes a fresh one."""
+    try:
+        raw = store.get_bytes(STATUS_KEY)
+    except ObjectNotFound:
         return None
+    try:
+        return _parse_status(raw)
+    except (ValueError, TypeError) as e:
+        why = f"{store.uri(STATUS_KEY)} does not parse ({e})"
+        status = RunStatus(**rebuilt_status(store, why))
+        log.warning("%s; rebuilt: %s after step %d (segment %d)", why, status.state, status.last_step, status.segment)
+        return status
+
+
+def _parse_status(raw: bytes) -> RunStatus:
+    d = json.loads(raw)
+    if not isinstance(d, dict) or not isinstance(d.get("state", ""), str):
+        raise ValueError("not a STATUS object")
     return RunStatus(d.get("state", ""), int(d.get("last_step", -1)), int(d.get("segment", 0)),
-                     float(d.get("updated_at", 0.0)), d.get("message", ""))
+                     float(d.get("updated_at", 0.0)), d.get("message") or "")
 
 
 def next_segment(store: Store) -> int:

@@ -9,18 +9,27 @@ version). Every object is committed atomically by the Store; `COMPLETE` goes las
 same state), and global rank 0 marks the directory complete after a barrier. Every rank loads its
 TP rank's files, so a checkpoint resumes at any DP size; another TP size is refused. `latest()` trusts only directories with the marker (one listing), so a crash
 mid-save leaves the previous checkpoint as the latest.
+
+Checkpoints prove themselves: COMPLETE lists every file of every rank with its size and sha256
+(miles_core/train/checkpoint_manifest.py). `load_latest` verifies the checkpoint it picks (sizes
+always; checksums with --verify-checkpoint-checksums or when the checkpoint is under
+CHEAP_CHECKSUM_BYTES) and falls back to the newest one that verifies, warning what was wrong with each
+skipped one. Every rank runs the same check on the same listing, so all ranks pick the same step.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 
 from miles_core.failures import chaos
-from miles_core.storage import ObjectNotFound, Store
+from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
+from miles_core.train import checkpoint_manifest as manifest
 from miles_core.train import collectives
 from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.tensor_files import put_tensors
@@ -29,6 +38,9 @@ MARKER = "COMPLETE"
 LATEST = "LATEST"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 TENSOR_PARTS = ("model", "optimizer", "rng")
+CHEAP_CHECKSUM_BYTES = 256 << 20  # a checkpoint this small has its checksums verified on every resume
+
+log = logging.getLogger(__name__)
 
 
 def step_dir(step: int) -> str:
@@ -65,16 +77,19 @@ class CheckpointManager:
     snapshot's `.complete` marker, so eval can reuse it.
     """
 
-    def __init__(self, store: Store | None, *, interval: int | None = None, save_hf: str = ""):
+    def __init__(self, store: Store | None, *, interval: int | None = None, save_hf: str = "",
+                 verify_checksums: bool = False):
         self.store = store
         self.interval = interval
         self.save_hf = save_hf
+        self.verify_checksums = verify_checksums
 
     @classmethod
     def from_config(cls, train, run_store: Store) -> "CheckpointManager":
         """From TrainSection: --save auto = {run root}/checkpoints, '' = disabled, else a URI."""
         store = None if not train.save else run_store.child("checkpoints") if train.save == "auto" else Store(train.save)
-        return cls(store, interval=train.save_interval, save_hf=train.save_hf)
+        return cls(store, interval=train.save_interval, save_hf=train.save_hf,
+                   verify_checksums=train.verify_checkpoint_checksums)
 
     def due(self, step: int, last: bool = False) -> bool:
         """Save after step k when (k + 1) is a multiple of --save-interval, and at the last step."""
@@ -102,17 +117,29 @@ class CheckpointManager:
         d = step_dir(step)
         writes, marks, suffix = _layout()
         if writes:
-            for part in TENSOR_PARTS:
-                put_tensors(self.store, f"{d}/{part}{suffix}.safetensors", tensors[part])
-            self.store.put_json(f"{d}/trainer{suffix}.json", meta)
+            self._write_shards(d, suffix, tensors, meta)
         chaos.point("checkpoint.write")
         _barrier()  # every TP rank's shards are committed before rank 0 marks the checkpoint complete
         if marks:
-            self.store.put_json(f"{d}/extras.json", {"step": step, **(extras or {})})
-            self.store.put_bytes(f"{d}/{MARKER}", b"")
+            extra = {"extras.json": self._put(f"{d}/extras.json", _json_bytes({"step": step, **(extras or {})}))}
+            self.store.put_bytes(f"{d}/{MARKER}", manifest.encode(manifest.merge(self.store, d, extra)))
             self.store.put_bytes(LATEST, d.encode())
         _barrier()
         return self.store.uri(d)
+
+    def _write_shards(self, d: str, suffix: str, tensors: dict, meta: dict) -> None:
+        """This rank's tensor files and trainer meta, then its part of the manifest (their digests). A
+        complete checkpoint of this step (a resume fell back before it) loses its marker first: while
+        its files are replaced it must not be trusted."""
+        self.store.delete(f"{d}/{MARKER}")
+        files = {f"{part}{suffix}.safetensors": put_tensors(self.store, f"{d}/{part}{suffix}.safetensors",
+                                                             tensors[part]) for part in TENSOR_PARTS}
+        files[f"trainer{suffix}.json"] = self._put(f"{d}/trainer{suffix}.json", _json_bytes(meta))
+        self.store.put_bytes(f"{d}/{manifest.part_name(suffix)}", _json_bytes(files))
+
+    def _put(self, key: str, data: bytes) -> dict:
+        self.store.put_bytes(key, data)
+        return manifest.digest(data)
 
     def complete_steps(self) -> list[int]:
         steps = []
@@ -136,8 +163,7 @@ class CheckpointManager:
     def read(self, step: int) -> tuple[dict, dict, dict]:
         """(tensors by part, trainer meta, extras) of this rank's files of step `step`."""
         d = step_dir(step)
-        if not self.store.exists(f"{d}/{MARKER}"):
-            raise CheckpointError(f"{self.store.uri(d)} has no {MARKER} marker; it is incomplete and not trusted")
+        files = self.listed_files(step)
         suffix = _layout()[2]
         try:
             meta = self.store.get_json(f"{d}/trainer{suffix}.json")
@@ -145,14 +171,72 @@ class CheckpointManager:
                        for part in TENSOR_PARTS}
             extras = self.store.get_json(f"{d}/extras.json")
         except ObjectNotFound as e:
-            raise CheckpointError(f"checkpoint {self.store.uri(d)} has no {e} for this trainer's layout; "
-                                  "was it saved with another --tensor-model-parallel-size?") from e
-        except json.JSONDecodeError as e:
+            raise self._missing(d, files, e) from e
+        except StorageUnavailable:
+            raise
+        except (StorageError, SafetensorError) as e:  # undecodable JSON or safetensors
             raise CheckpointError(f"checkpoint {self.store.uri(d)} is unreadable: {e}") from e
         return tensors, meta, extras
 
+    def _missing(self, d: str, files: dict | None, e: ObjectNotFound) -> CheckpointError:
+        listed = [name for name in (files or {}) if str(e).endswith(f"/{d}/{name}")]
+        if listed:
+            return CheckpointError(f"checkpoint {self.store.uri(d)} is damaged: its {MARKER} lists {listed[0]}, "
+                                   "which is missing")
+        return CheckpointError(f"checkpoint {self.store.uri(d)} has no {e} for this trainer's layout; "
+                               "was it saved with another --tensor-model-parallel-size?")
+
+    def listed_files(self, step: int) -> dict[str, dict] | None:
+        """The files step `step`'s COMPLETE lists (None: an older version's empty marker)."""
+        d = step_dir(step)
+        try:
+            raw = self.store.get_bytes(f"{d}/{MARKER}")
+        except ObjectNotFound as e:
+            raise CheckpointError(f"{self.store.uri(d)} has no {MARKER} marker; "
+                                  "it is incomplete and not trusted") from e
+        try:
+            return manifest.decode(raw, self.store.uri(f"{d}/{MARKER}"))
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+
+    def verify(self, step: int) -> list[str]:
+        """What is wrong with step `step` against its COMPLETE (empty: it verifies). Sizes always;
+        checksums with verify_checksums or when the checkpoint is under CHEAP_CHECKSUM_BYTES."""
+        try:
+            files = self.listed_files(step)
+        except CheckpointError as e:
+            return [str(e)]
+        if manifest.is_legacy(files):
+            log.info("checkpoint %s has an empty %s (written by an older version): its files are not verified",
+                     self.store.uri(step_dir(step)), MARKER)
+            return []
+        checksums = self.verify_checksums or manifest.total_size(files) < CHEAP_CHECKSUM_BYTES
+        return manifest.problems(self.store, step_dir(step), files, checksums)
+
+    def latest_verified(self) -> int | None:
+        """The newest complete step that verifies, warning for each newer one skipped and what was wrong;
+        None without a complete step; CheckpointError when none verifies."""
+        steps = self.complete_steps()
+        for step in reversed(steps):
+            wrong = self.verify(step)
+            if not wrong:
+                return step
+            log.warning("checkpoint %s does not verify, skipped (falling back to an older one): %s",
+                        self.store.uri(step_dir(step)), "; ".join(wrong))
+        if steps:
+            raise CheckpointError(
+                f"no checkpoint under {self.store.uri()} verifies (steps {steps}; the warnings above say what is "
+                "wrong with each). Restore a checkpoint from a backup, or delete the damaged step directories "
+                "to start over from step 0.")
+        return None
+
     def load_latest(self, trainer) -> tuple[int, dict] | None:
-        step = self.latest()
+        """Restore the newest checkpoint that verifies (see `latest_verified`); None without one."""
+        step = self.latest_verified()
         if step is None:
             return None
         return step, self.load(step, trainer)
+
+
+def _json_bytes(obj) -> bytes:
+    return json.dumps(obj, indent=1, sort_keys=True).encode()

@@ -28,7 +28,7 @@ def apply_ref_load(trainer, ref_load: str) -> None:
         trainer.load_hf_weights(localize(store.uri(), "models"))
         return
     manager = CheckpointManager(store)
-    step = manager.latest()
+    step = manager.latest_verified()
     if step is None:
         raise CheckpointError(f"--ref-load={ref_load!r} is neither an HF directory (no config.json) nor a "
                               "checkpoint location (no step_*/COMPLETE)")
@@ -43,7 +43,7 @@ def apply_load(trainer, load: str, own: Store | None) -> int | None:
     if not load or (own is not None and Store(normalize_uri(load)).uri() == own.uri()):
         return None
     manager = CheckpointManager(Store(normalize_uri(load)))
-    step = manager.latest()
+    step = manager.latest_verified()
     if step is None:  # miles: an empty --load falls back to the reference weights
         log.warning("--load=%s holds no checkpoint; starting from --ref-load / --hf-checkpoint", load)
         return None

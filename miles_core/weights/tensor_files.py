@@ -5,10 +5,13 @@
 `save_file` to a temporary file: on a file:// store next to the target (hidden from listings by
 the Store's temporary-name rule), fsynced and renamed into place; on object stores from a local
 temporary file in one PUT. Readers get the whole object or none either way.
+It returns the committed object's size and sha256 (a checkpoint's COMPLETE lists them): hashed from
+the local temporary file before it is committed, so the store is never read back.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 import uuid
@@ -19,7 +22,9 @@ from safetensors.torch import save_file
 from miles_core.storage import TMP_MARK, Store
 
 
-def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor],
+                metadata: dict[str, str] | None = None) -> dict:
+    """Commit `tensors` at `key`; returns {"size", "sha256"} of the committed bytes."""
     meta = {"format": "pt", **(metadata or {})}
     local = store.local_path(key)
     if local is not None:
@@ -27,6 +32,7 @@ def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor], metada
         tmp = f"{local}{TMP_MARK}{uuid.uuid4().hex}"
         try:
             save_file(tensors, tmp, metadata=meta)
+            written = _file_digest(tmp)
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)
@@ -36,10 +42,21 @@ def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor], metada
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return
+        return written
     with tempfile.TemporaryDirectory(prefix="miles-tensors-") as d:
         path = os.path.join(d, "t.safetensors")
         save_file(tensors, path, metadata=meta)
         with open(path, "rb") as f:
             data = f.read()
     store.put_bytes(key, data)
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _file_digest(path: str, chunk: int = 8 << 20) -> dict:
+    """{"size", "sha256"} of a local file just written (read from the page cache)."""
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+            size += len(block)
+    return {"size": size, "sha256": h.hexdigest()}

@@ -142,9 +142,19 @@ def test_a_compaction_record_keeps_the_consumed_groups_of_a_shared_object(storag
     assert [k for k in reads if k.startswith((O.CONSUMED, O.COMPACTED))] == [O.compact_key(0)]
 
 
-def test_a_resume_before_the_compacted_step_is_refused(storage_root):
+def test_a_resume_before_the_compacted_step_serves_the_later_groups_again(storage_root):
+    """A resume that fell back past a damaged checkpoint: the compaction record after the resume step is
+    discarded and the groups consumed after it are served again (their model state is gone)."""
     _run_steps(storage_root, range(0, 4), per_step=1, compact_at=(3,))
-    with pytest.raises(DataBufferError, match=r"compacted through step 3.*resume starts after step 1"):
+    with open_at(storage_root, 1) as buf:
+        assert ids(buf) == ["g0002", "g0003"]
+    store = Store(storage_root)
+    assert not store.list(O.COMPACTED) and not store.exists(O.consumed_key(2))
+
+
+def test_a_resume_before_a_compaction_that_deleted_objects_is_refused(storage_root):
+    _run_steps(storage_root, range(0, 4), per_step=1, compact_at=(3,), delete=True)
+    with pytest.raises(DataBufferError, match=r"after step 1.*consumed through step 3 were deleted"):
         open_at(storage_root, 1)
 
 

@@ -70,7 +70,7 @@ def test_latest_ignores_incomplete_dirs(tiny_gpt, storage_root):
         with pytest.raises(CheckpointError, match="COMPLETE"):
             ckpts.load(9, tr)
     keys = store.list("step_00000007")
-    assert sorted(k.split("/")[-1] for k in keys) == ["COMPLETE", "extras.json", "model.safetensors",
+    assert sorted(k.split("/")[-1] for k in keys) == ["COMPLETE", "extras.json", "files.json", "model.safetensors",
                                                        "optimizer.safetensors", "rng.safetensors", "trainer.json"]
 
 

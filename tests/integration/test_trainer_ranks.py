@@ -16,6 +16,8 @@ AdamW step (lr 2e-3) agree within 2e-5 absolute, log-probs within 1e-4, losses w
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -146,6 +148,10 @@ def test_tensor_parallel_matches_one_rank_and_refuses_a_tp_change(tmp_path, tiny
         print(f"TP=2 vs TP=1 max |logprob diff| {dl:.2e}, max |param diff| after a step {dp:.2e}")
         assert dp < PARAM_ATOL
         tp2.call("save_checkpoint", 0, {}).result()
+        listed = json.loads((tmp_path / "ckpt" / "step_00000000" / "COMPLETE").read_text())["files"]
+        assert {f"{part}.tp{r:02d}.{ext}" for r in (0, 1) for part, ext in
+                (("model", "safetensors"), ("optimizer", "safetensors"), ("trainer", "json"), ("files", "json"))} \
+            <= set(listed)  # every TP rank's files, with their sizes and checksums
         with pytest.raises(Exception, match="tensor-model-parallel-size"):
             one.call("restore_latest").result()
     finally:

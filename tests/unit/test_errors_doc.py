@@ -29,6 +29,7 @@ INTERNAL = {
     "SnapshotError": "defined in weights/snapshot.py but never raised",
     "DocsSourceError": "raised only by the contributors' reference generator (python -m miles_core.cli.docs_gen)",
     "ParserExit": "control flow of the CLI's parsers: ends a command after --help with its status, never printed",
+    "BadManifest": "buffer/manifests.py: readers skip and name the manifest, or turn it into a LineageError",
 }
 
 
