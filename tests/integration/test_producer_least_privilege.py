@@ -174,15 +174,12 @@ class ProducerThread(threading.Thread):
             time.sleep(0.05)
 
 
-@pytest.mark.parametrize("fleet", ["in-process", pytest.param("ray", marks=pytest.mark.slow)])
-def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(tmp_path, monkeypatch, request, fleet):
-    """fleet "ray": the job's own engine fleet (Ray actors, engine processes) on a local Ray (~15 s)."""
+def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(tmp_path, monkeypatch):
+    """The job's engine fleet runs in this process (InProcessFleet); with its real Ray fleet the same
+    producer runs in tests/e2e/test_elastic_producers.py and test_elastic_netns.py."""
     cfg, store = run_root(tmp_path)
-    if fleet == "ray":
-        request.getfixturevalue("ray_local")
-    else:
-        monkeypatch.setattr(J, "EngineFleet", InProcessFleet)
-        monkeypatch.setattr("miles_core.driver.placement.ensure_ray", lambda: None)
+    monkeypatch.setattr(J, "EngineFleet", InProcessFleet)
+    monkeypatch.setattr(J, "ensure_ray", lambda: None)
     monkeypatch.setattr(J, "HEARTBEAT_SECONDS", 0.2)  # beats (and run-state reads) every 5 s: a slow test
     confined = ProducerStore(cfg.run_uri, PRODUCER)
     before = files(store.local_path(""))

@@ -74,9 +74,23 @@ def _listener_args(ip: str) -> list[str]:
 
 
 def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None, s3_port: int | None = None,
-                  ip: str = "127.0.0.1") -> SeaweedS3:
+                  ip: str = "127.0.0.1", tries: int = 3) -> SeaweedS3:
     """A fresh server; with `data_dir` and `s3_port` of a killed one, that server again, with its data.
-    Every listener binds `ip` only (an address of this machine)."""
+    Every listener binds `ip` only (an address of this machine). A free port can be taken by another
+    process (CI's other lanes) before weed binds it: a start that failed so is tried again on new ports."""
+    for attempt in range(tries):
+        try:
+            return _start_seaweed(timeout_seconds, data_dir=data_dir, s3_port=s3_port, ip=ip)
+        except PortTaken:
+            if attempt == tries - 1:
+                raise
+
+
+class PortTaken(RuntimeError):
+    pass
+
+
+def _start_seaweed(timeout_seconds: float, *, data_dir: str | None, s3_port: int | None, ip: str) -> SeaweedS3:
     data_dir = data_dir or tempfile.mkdtemp(prefix="miles-weed-")
     s3_port = s3_port or free_port(ip)
     env = dict(os.environ, AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY)
@@ -88,7 +102,10 @@ def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None,
     deadline = time.time() + timeout_seconds
     while time.time() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"weed mini exited early (rc={proc.returncode}); log: {data_dir}/weed.log")
+            log.close()
+            said = open(os.path.join(data_dir, "weed.log"), errors="replace").read()
+            error = PortTaken if "is not available" in said else RuntimeError
+            raise error(f"weed mini exited early (rc={proc.returncode}); log: {data_dir}/weed.log")
         try:
             urllib.request.urlopen(endpoint, timeout=1)
             break
