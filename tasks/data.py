@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import uuid
+
 from flytekit import Resources, task
 
 from images import task_image
@@ -23,12 +25,12 @@ def data_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
     """Content hash of the source dataset and of what the run root holds now: prepare_data's cache key.
 
     Including the run root's current dataset makes a deleted or replaced run root miss the cache,
-    so a cache hit always means the normalized data is in place.
+    so a cache hit always means the normalized data is in place; absent data never hits it.
     """
     cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     stored = stored_dataset_info(Store(cfg.run_uri))
     source = dataset_fingerprint(cfg.data, tokenizer_source=tokenizer_source(cfg))
-    return f"{source}:{stored.content_hash if stored else 'absent'}"
+    return f"{source}:{stored.content_hash}" if stored else f"{source}:absent:{uuid.uuid4().hex}"
 
 
 @task(cache=True, cache_version=PREPARE_DATA_CACHE_VERSION, container_image=task_image("cpu"),

@@ -8,6 +8,8 @@ hash and whether the import is in place), like prepare_data.
 
 from __future__ import annotations
 
+import uuid
+
 from flytekit import Resources, task
 
 from images import task_image
@@ -24,12 +26,14 @@ IMPORT_MODEL_CACHE_VERSION = "1"
 
 @task(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="2Gi"), secret_requests=ENGINE_SECRETS)
 def model_fingerprint(flags: str, run_id: str, storage_root: str) -> str:
-    """Where the initial model lives and whether it is there: import_model's cache key."""
+    """Where the initial model lives and whether it is there: import_model's cache key. An absent model
+    gets a key of its own every time (an earlier execution's import at the same path, deleted since,
+    must not be a cache hit)."""
     cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
     if not needs_import(cfg.model.hf_checkpoint):
         return "no-import"
     uri = model_uri(cfg)
-    return f"{uri}:{'present' if Store(uri).exists(MARKER) else 'absent'}"
+    return f"{uri}:present" if Store(uri).exists(MARKER) else f"{uri}:absent:{uuid.uuid4().hex}"
 
 
 @task(cache=True, cache_version=IMPORT_MODEL_CACHE_VERSION, container_image=task_image("cpu"),
