@@ -158,14 +158,20 @@ def test_without_weights_in_the_run_root_an_engine_joins_through_a_push(rig):
     assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
 
 
-def test_shrinking_drains_the_newest_then_removes_it(rig):
-    rec, fleet, trainer, rollout, store, clock, log = rig
+def grow_to_two(rig) -> None:
+    """Target 2 from 1: engine-1 starts, loads the current weights and serves (steps 0-2)."""
+    rec, fleet, _, _, store, _, _ = rig
     write_target(store, 2)
     rec.reconcile(0, 5)
     fleet.start_ok.add("engine-1")
     fleet.load_ok.add("engine-1")
     rec.reconcile(1, 5)
     rec.reconcile(2, 5)
+
+
+def test_shrinking_drains_the_newest_then_removes_it(rig):
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    grow_to_two(rig)
     log.clear()
     write_target(store, 1)
     clock.now += 2
@@ -183,12 +189,7 @@ def test_shrinking_drains_the_newest_then_removes_it(rig):
 
 def test_a_drain_ends_after_its_grace(rig):
     rec, fleet, trainer, rollout, store, clock, log = rig
-    write_target(store, 2)
-    rec.reconcile(0, 5)
-    fleet.start_ok.add("engine-1")
-    fleet.load_ok.add("engine-1")
-    rec.reconcile(1, 5)
-    rec.reconcile(2, 5)
+    grow_to_two(rig)
     write_target(store, 1)
     clock.now += 2
     rollout.answers["engine_in_flight"] = {"http://e/engine-1": 1}
@@ -204,12 +205,7 @@ def test_a_drain_ends_after_its_grace(rig):
 
 def test_a_lost_engine_leaves_both_sets_at_once_and_is_replaced(rig):
     rec, fleet, trainer, rollout, store, clock, log = rig
-    write_target(store, 2)
-    rec.reconcile(0, 5)
-    fleet.start_ok.add("engine-1")
-    fleet.load_ok.add("engine-1")
-    rec.reconcile(1, 5)
-    rec.reconcile(2, 5)
+    grow_to_two(rig)
     log.clear()
     fleet.lost_now.append("engine-0")
     assert rec.reconcile(3, 6) == {ENGINES: 1.0}
