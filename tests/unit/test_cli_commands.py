@@ -33,11 +33,13 @@ def run(tmp_path):
 @pytest.mark.parametrize("words", HELP_LINES, ids=" ".join)
 @pytest.mark.parametrize("flag", ["--help", "-h"])
 def test_help_anywhere_prints_usage_and_exits_0(words, flag, capsys, tmp_path):
-    """Guards: `miles runs show --help` answering "no run at .../--help"."""
+    """Guards: `miles runs show --help` answering "no run at .../--help"; help that cites the design notes
+    or a path outside the repository (a user has only the repository)."""
     for argv in ([*words, flag], [*words, str(tmp_path), flag]):
         assert main(argv) == 0, argv
         out, err = capsys.readouterr()
         assert f"usage: miles {' '.join(words)}" in out and "no run at" not in out + err, (argv, out, err)
+        assert not [o for o in ("DESIGN", "§", "../shared") if o in out], (argv, out)
 
 
 def test_top_level_help_and_usage(capsys):

@@ -20,6 +20,8 @@ What is checked, by program (a failure names the doc file and line):
 - `miles validate FLAGS`: run; exit 0, or 2 when the doc shows the error it prints.
 - `miles runs show|list`, `miles buffer inspect`, `miles engines show`, `miles report`, `miles lineage`: run
   on a small run root made here (the doc's run URI and group id replaced by the fixture's); exit 0.
+- `miles engines add|remove RUN N`: run on a fresh run root of N + 1 engines (the reader's running run);
+  exit 0 and the target it prints moved by N.
 - `miles fork|replay RUN ... FLAGS`: FLAGS pass validation (the recorded run is the reader's); so do
   the lines of a block that lists bare flags (`--eval-interval 20`), taken together.
 - `miles import-model import:NAME ...`: NAME is a packaged model.
@@ -334,6 +336,20 @@ def check_inspection(cmd: Command, fixture_run, tmp_path, monkeypatch) -> None:
     assert status == 0, f"`miles {' '.join(args)}` on a fixture run: exit {status}\n{printed}"
 
 
+def check_engines_change(cmd: Command, tmp_path, monkeypatch) -> None:
+    """`miles engines add|remove RUN_URI N` on a fresh run root of N + 1 engines: exit 0, the target moved by N."""
+    args = cmd.argv[1:]
+    count = int(args[3])
+    cfg = parse_flags(["--storage-root", f"file://{tmp_path}/store", "--run-id", "r",
+                       "--rollout-num-engines", str(count + 1)])
+    write_config(Store(cfg.run_uri), cfg)
+    args[2] = cfg.run_uri
+    monkeypatch.chdir(tmp_path)
+    status, printed = _miles(args)
+    want = count + 1 + (count if args[1] == "add" else -count)
+    assert status == 0 and f": {want}\n" in printed, f"`miles {' '.join(args)}` on a fresh run: exit {status}\n{printed}"
+
+
 def check_import_model(cmd: Command) -> None:
     source = cmd.argv[2]
     if source.startswith("import:"):
@@ -378,6 +394,8 @@ def _kind(cmd: Command) -> str | None:
         return "lineage-flags"
     if args[0] == "import-model":
         return "import-model"
+    if args[:1] == ["engines"] and args[1:2] in (["add"], ["remove"]):
+        return None if cmd.shows_error() else "engines-change"
     if any(tuple(args[:len(words)]) == words for words in INSPECT):
         return None if cmd.shows_error() else "inspect"
     return None
@@ -408,6 +426,8 @@ def test_doc_command(cmd: Command, fixture_run, tmp_path, monkeypatch):
             validate(parse_flags(cmd.argv))
         elif kind == "inspect":
             check_inspection(cmd, fixture_run, tmp_path, monkeypatch)
+        elif kind == "engines-change":
+            check_engines_change(cmd, tmp_path, monkeypatch)
         elif kind == "import-model":
             check_import_model(cmd)
         elif kind == "unparsable":
@@ -422,7 +442,8 @@ def test_the_docs_have_commands_of_every_kind():
     """Pins: the extraction finds the docs' commands (so a broken extractor cannot pass by finding none).
     Guards: a fence syntax or prompt style the extractor misses."""
     kinds = [_kind(c) for c in CHECKED]
-    for kind, least in {"workflow": 8, "validate": 3, "lineage-flags": 2, "inspect": 3, "paths": 6}.items():
+    for kind, least in {"workflow": 8, "validate": 3, "lineage-flags": 2, "inspect": 3, "paths": 6,
+                        "engines-change": 2}.items():
         assert kinds.count(kind) >= least, (kind, kinds.count(kind))
     remote = [c for c in CHECKED if _kind(c) == "workflow" and "--remote" in c.argv]
     assert len(remote) >= 2, [c.where for c in remote]
