@@ -9,6 +9,7 @@ from flytekit.types.file import HTMLPage
 
 from images import task_image
 from miles_core.metrics.report import render_report
+from miles_core.metrics.trace import TIMELINE_KEY
 from miles_core.storage import Store
 from tasks.types import TrainOutcome
 
@@ -26,4 +27,16 @@ def report(outcome: TrainOutcome) -> HTMLPage:
     path = os.path.join(current_context().working_directory, REPORT_KEY)
     with open(path, "w", encoding="utf-8") as f:
         f.write(html)
+    print(where_to_look(outcome.run_uri), flush=True)
     return HTMLPage(path)
+
+
+def where_to_look(run_uri: str) -> str:
+    """The console's last lines: the report, the timeline trace, and the commands that read a run."""
+    store = Store(run_uri)
+    lines = [f"[miles] report: {store.uri(REPORT_KEY)} (also the report task's Deck)"]
+    if store.exists(TIMELINE_KEY):
+        lines.append(f"[miles] timeline trace of the last steps: {store.uri(TIMELINE_KEY)} (open it in "
+                     f"https://ui.perfetto.dev; `miles trace {run_uri} --steps A:B -o trace.json` for others)")
+    lines.append(f"[miles] what the run holds: `miles runs show {run_uri}`")
+    return "\n".join(lines)

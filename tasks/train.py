@@ -7,7 +7,7 @@ the driver never calls it again.
 
 from __future__ import annotations
 
-from flytekit import Resources, task
+from flytekit import FlyteContextManager, Resources, task
 
 from images import task_image
 from miles_core.storage import Store
@@ -17,6 +17,7 @@ from tasks.failures import recoverable_infrastructure
 from tasks.inputs import run_config
 from tasks.secrets import TRAIN_SECRETS
 from tasks.types import TrainOutcome
+
 
 @task(task_config=RAY_CLUSTER, container_image=task_image("gpu"), retries=2,
       requests=Resources(cpu="4", mem="16Gi"), secret_requests=TRAIN_SECRETS)
@@ -32,8 +33,14 @@ def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> Tra
     from miles_core.driver.segment import run_training  # pulls in torch and megatron: import on use
 
     with recoverable_infrastructure():
-        run_training(cfg)
+        run_training(cfg, eval_follower_after=_local())
         status = read_status(Store(cfg.run_uri))
     if status is None:
         return TrainOutcome(cfg.run_uri, "unknown", -1, 0)
     return TrainOutcome(cfg.run_uri, status.state, status.last_step, status.segment)
+
+
+def _local() -> bool:
+    """A local execution (`pyflyte run` without --remote) runs eval_follower after train, not beside it."""
+    state = FlyteContextManager.current_context().execution_state
+    return state is None or state.is_local_execution()

@@ -1,4 +1,4 @@
-"""The `miles` commands that only read run roots: runs show|list, buffer inspect, lineage, report.
+"""The `miles` commands that only read run roots: runs show|list, buffer inspect, lineage, report, trace.
 
 Each takes --storage-timeout SECONDS (default `READ_TIMEOUT_SECONDS`): unreachable storage ends the
 command after that many seconds of retries instead of the storage layer's 60 s, which exist so a
@@ -7,13 +7,16 @@ training run rides out a restarted S3 endpoint. Options and positionals come in 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
+import sys
 from typing import Iterator
 
 from miles_core.buffer.inspect import group_ids, inspect_buffer
 from miles_core.cli.parsing import Command, CommandParser, add_storage_timeout, subcommands
-from miles_core.metrics.report import write_report
+from miles_core.metrics.report import write_report, write_text
+from miles_core.metrics.trace import build_trace, parse_steps
 from miles_core.storage import StorageUnavailable, Store, retry_deadline
 from miles_core.storage.run_root import require_run
 
@@ -155,10 +158,44 @@ def _report_run(ns) -> int:
     return 0
 
 
+def _trace(p: CommandParser) -> None:
+    p.description = ("The run's timeline as Chrome trace-event JSON (open it in https://ui.perfetto.dev or "
+                     "chrome://tracing): engine requests, each group's life, trainer step phases, weight pushes, "
+                     "checkpoints and evals, every process on one clock.")
+    p.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    p.add_argument("--steps", metavar="A:B", type=_steps_arg,
+                   help="only steps A (included) to B (excluded); A:, :B or one step N also work (default: every "
+                        "step the trace keeps)")
+    p.add_argument("-o", "--output", default="trace.json", metavar="FILE",
+                   help="where to write it: a path or a URI (default trace.json)")
+    add_storage_timeout(p, READ_TIMEOUT_SECONDS)
+    p.set_defaults(handler=_trace_run)
+
+
+def _steps_arg(text: str):
+    try:
+        return parse_steps(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _trace_run(ns) -> int:
+    with storage_budget(ns.storage_timeout):
+        store = Store(_existing_run(ns.run_uri))
+        timeline = build_trace(store, ns.steps)
+    spans = sum(1 for e in timeline["traceEvents"] if e["ph"] in ("X", "b"))
+    if not spans:
+        print(f"{ns.run_uri} has no trace (a run with --no-trace, or one from before traces)", file=sys.stderr)
+        return 1
+    print(f"{write_text(ns.output, json.dumps(timeline))}: {spans} spans; open it in https://ui.perfetto.dev")
+    return 0
+
+
 COMMANDS = [
     Command("runs", "what runs hold: `runs show RUN_URI` one run, `runs list STORAGE_ROOT` every run", _runs),
     Command("buffer", "a run's durable buffer: `buffer inspect RUN_URI` its counts, with --ids its group ids",
             _buffer),
     Command("lineage", "where one group of a run came from and went", _lineage),
     Command("report", "a self-contained HTML report of a run", _report),
+    Command("trace", "a run's timeline as Chrome trace-event JSON (Perfetto opens it)", _trace),
 ]

@@ -55,7 +55,8 @@ def type_problems(cfg: RunConfig) -> list[str]:
 
 def rule_problems(cfg: RunConfig) -> list[str]:
     rules = (_ranges, _bounds, _finite, _parallel_rules, _memory_saving_rules, _driver_rules, _unsupported, _loss_rules,
-             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors, _producer_rules)
+             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors, _trace_rules,
+             _producer_rules)
     return [problem for rule in rules for problem in rule(cfg)]
 
 
@@ -65,6 +66,20 @@ def _metric_mirrors(cfg: RunConfig) -> list[str]:
     wanted = [("--use-tensorboard", "tensorboard", m.use_tensorboard), ("--use-wandb", "wandb", m.use_wandb)]
     return [f"{flag} needs the `{package}` package: pip install 'miles-flyte[{package}]' (or drop {flag})."
             for flag, package, on in wanted if on and importlib.util.find_spec(package) is None]
+
+
+def _trace_rules(cfg: RunConfig) -> list[str]:
+    """The trace's sampling fraction, window and flush interval, and the Prometheus port."""
+    m, p = cfg.metrics, []
+    if not 0.0 < m.trace_sample_groups <= 1.0:
+        p.append(f"--trace-sample-groups={m.trace_sample_groups} must be in (0, 1] (use --no-trace to record nothing).")
+    if m.trace_window_steps < 0:
+        p.append(f"--trace-window-steps={m.trace_window_steps} must be >= 0 (0 keeps every step).")
+    if m.trace_flush_seconds <= 0:
+        p.append(f"--trace-flush-seconds={m.trace_flush_seconds} must be > 0.")
+    if m.prometheus_port is not None and not 0 <= m.prometheus_port <= 65535:
+        p.append(f"--prometheus-port={m.prometheus_port} must be a TCP port (0-65535; 0 picks a free one).")
+    return p
 
 
 _KIND_TYPES = {"bool": (bool,), "int": (int,), "float": (int, float), "str": (str,), "list": (list, tuple)}

@@ -192,6 +192,11 @@ class MetricsSection:
     wandb_mode: str = opt("online", "W&B mode: online (needs the API key), offline (files under --wandb-dir, `wandb sync` later), disabled.", choices=("online", "offline", "disabled"))
     wandb_dir: str = opt("", "Local directory of W&B's files (default: W&B's own, $WANDB_DIR or ./wandb).")
     metrics_mirror_interval_seconds: float = opt(10.0, "How often the driver forwards new metric events from the run root to TensorBoard / W&B.")
+    trace: bool = opt(True, "Record the run's timeline (engine requests, each group's life, trainer step phases, weight pushes, checkpoints, evals) under {run root}/trace/; `miles trace RUN_URI` writes it as Chrome trace-event JSON that Perfetto opens, and the report draws the last steps. --no-trace records nothing.")
+    trace_sample_groups: float = opt(0.25, "Fraction of groups whose life and engine requests the trace records (the same groups in every process, chosen by group id); trainer, push, checkpoint and eval spans are always recorded. 1 records every group (about 90 KB per step of the embedded default instead of about 25 KB).")
+    trace_window_steps: int = opt(1000, "The trace keeps the spans of the last this many steps: the driver deletes older trace chunks every 100 steps. 0 keeps everything.")
+    trace_flush_seconds: float = opt(10.0, "How often each process writes its buffered trace events to the run root (one object per process per interval).")
+    prometheus_port: Optional[int] = opt(None, "Serve the run's live metrics for Prometheus on this port of the driver's host (/metrics, text format): every step's metrics as gauges named miles_<metric> (queue size, staleness, tokens/s, in-flight groups, step seconds, engines), plus counters miles_steps_total, miles_weight_pushes_total, miles_groups_aborted_total and miles_groups_recycled_total. 0 picks a free port (logged). Default: not served.")
 
 
 SECTIONS = {

@@ -8,9 +8,10 @@ the weight pusher whether this step pushes), so the loop reads like the sequence
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from miles_core.metrics import trace
 from miles_core.metrics.names import STEP_SECONDS
 
 
@@ -40,23 +41,36 @@ class LoopResult:
 def run_loop(roles) -> LoopResult:
     """Train from roles.start_step until roles.end_step (exclusive) or the deadline."""
     t0, step, stopped_by = time.monotonic(), None, "num_rollout"
+    roles = traced(roles)
     for step in range(roles.start_step, roles.end_step):
-        step_t0 = time.monotonic()
-        batch = roles.batches.next_batch(step)
-        metrics = roles.trainer.train_step(step, batch)
-        last = step == roles.end_step - 1 or roles.deadline.expired()
-        roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
-        version, push_metrics = roles.weights.push(step, last=last)
-        fleet_metrics = roles.fleet.reconcile(step, version)  # engines join and leave (engines/target.json)
-        roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
-        roles.feed.publish(step, version)
-        roles.evals.on_step(step, version, last=last)
-        step_metrics = metrics | batch.metrics | push_metrics | fleet_metrics | roles.batches.metrics()
-        step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
-        roles.metrics.log(step, step_metrics)
-        roles.progress.update(step, step_metrics)
+        with trace.span(trace.STEP_SPAN, lane="step", step=step):
+            step_t0 = time.monotonic()
+            batch = roles.batches.next_batch(step)
+            metrics = roles.trainer.train_step(step, batch)
+            last = step == roles.end_step - 1 or roles.deadline.expired()
+            roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
+            version, push_metrics = roles.weights.push(step, last=last)
+            fleet_metrics = roles.fleet.reconcile(step, version)  # engines join and leave (engines/target.json)
+            roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
+            roles.feed.publish(step, version)
+            roles.evals.on_step(step, version, last=last)
+            step_metrics = metrics | batch.metrics | push_metrics | fleet_metrics | roles.batches.metrics()
+            step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
+            roles.metrics.log(step, step_metrics)
+            roles.progress.update(step, step_metrics)
+        roles.timeline.on_step(step)
         if last:
             stopped_by = "deadline" if step != roles.end_step - 1 else roles.end_reason
             break
     steps_run = 0 if step is None else step - roles.start_step + 1
     return LoopResult(roles.start_step, step, steps_run, stopped_by, time.monotonic() - t0)
+
+
+TRACED_ROLES = ("batches", "trainer", "weights", "fleet", "checkpoints", "feed", "evals")
+
+
+def traced(roles):
+    """`roles` whose every call from the loop is a span of the step (in the run's timeline trace)."""
+    if not trace.enabled():
+        return roles
+    return replace(roles, **{name: trace.Traced(getattr(roles, name), name, "step") for name in TRACED_ROLES})

@@ -18,6 +18,7 @@ from rich.progress import Progress as RichProgress
 from miles_core.driver.feed import NoFeed
 from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch
+from miles_core.driver.timeline import NoTimeline
 from miles_core.metrics import names as N
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,16 @@ class Checkpointer:
 
 
 class MetricsLog:
-    def __init__(self, sink):
-        self.sink = sink
+    """Each step's metrics into the run root's sink, and to live exporters (Prometheus) when served."""
+
+    def __init__(self, sink, live=()):
+        self.sink, self.live = sink, list(live)
         self.history: list[dict] = []
 
     def log(self, step: int, metrics: dict) -> None:
         self.sink.log(step, metrics)
+        for exporter in self.live:
+            exporter.log(step, metrics)
         self.history.append({"step": step, **metrics})
 
 
@@ -191,6 +196,7 @@ class Roles:
     deadline: Deadline
     feed: Any = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
     fleet: Any = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
+    timeline: Any = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
 
 
 def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1):

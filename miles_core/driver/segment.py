@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
@@ -27,6 +28,7 @@ from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
 from miles_core.driver.plan import is_finished
+from miles_core.driver.prometheus import PrometheusExporter
 from miles_core.driver.roles import (
     Checkpointer,
     Deadline,
@@ -37,6 +39,7 @@ from miles_core.driver.roles import (
     WeightPusher,
     batch_source,
 )
+from miles_core.driver.timeline import start_timeline
 from miles_core.eval.scheduler import build_eval_scheduler
 from miles_core.metrics.mirrors import mirror_feed
 from miles_core.metrics.names import RANDOM_POLICY_REWARD
@@ -64,7 +67,8 @@ class TrainResult:
     seconds: float
 
 
-def run_training(cfg: RunConfig) -> TrainResult:
+def run_training(cfg: RunConfig, *, eval_follower_after: bool = False) -> TrainResult:
+    """`eval_follower_after`: the eval follower runs after this segment (a local workflow), not beside it."""
     validate(cfg)
     store = Store(cfg.run_uri)
     done = _finished(cfg, store)
@@ -73,7 +77,7 @@ def run_training(cfg: RunConfig) -> TrainResult:
     lease = Lease.acquire(store, ttl_seconds=cfg.run.lease_ttl_seconds, renew_seconds=cfg.run.lease_renew_seconds)
     with lease:
         done = _finished(cfg, store)  # another writer may have finished it while we waited for the lease
-        return done if done is not None else _train(cfg, store, lease)
+        return done if done is not None else _train(cfg, store, lease, eval_follower_after)
 
 
 def _finished(cfg: RunConfig, store) -> TrainResult | None:
@@ -86,12 +90,12 @@ def _finished(cfg: RunConfig, store) -> TrainResult | None:
     return TrainResult(cfg.run_uri, run_root.FINISHED, status.last_step + 1, status.last_step, 0, -1, 0.0)
 
 
-def _train(cfg: RunConfig, store, lease) -> TrainResult:
+def _train(cfg: RunConfig, store, lease, eval_follower_after: bool = False) -> TrainResult:
     segment = run_root.next_segment(store)
     run_root.write_config(store, cfg, segment)
     run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)
     try:
-        result, version = _run_segment(cfg, store, segment, lease)
+        result, version = _run_segment(cfg, store, segment, lease, eval_follower_after)
     except BaseException as e:
         if lease.held:  # a writer that lost the lease writes nothing more
             status = run_root.read_status(store)
@@ -106,7 +110,8 @@ def _train(cfg: RunConfig, store, lease) -> TrainResult:
                        version, result.seconds)
 
 
-def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult, int]:
+def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after: bool = False,
+                 ) -> tuple[LoopResult, int]:
     ensure_ray()
     check_fits(cfg)  # before any actor starts: a run that cannot be placed is refused, never left waiting
     if stored_dataset_info(store) is None:
@@ -114,6 +119,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
     initial_model = ensure_model(cfg)
     check_memory(cfg, initial_model)
     with contextlib.ExitStack() as stack:
+        timeline = start_timeline(cfg, store, stack)  # closed last: every role's spans are flushed by then
         stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part
         fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
@@ -121,7 +127,8 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
             cfg, exporter=lambda step, uri: trainer.call("export_hf", step, uri).result(),
             metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls,
             pause_submission=lambda: rollout.call("pause").result(),
-            resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model)
+            resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model,
+            follower_runs_after=eval_follower_after)
         stack.callback(evals.close)
         end_step, end_reason = _end_step(cfg, start_step)
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
@@ -142,8 +149,8 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease) -> tuple[LoopResult
                 trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
                 on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
                 lease.check, "save"),
-            evals=evals, metrics=MetricsLog(sink), progress=progress,
-            deadline=Deadline(cfg.run.deadline_seconds), feed=feed,
+            evals=evals, metrics=MetricsLog(sink, live_exporters(cfg, stack)), progress=progress,
+            deadline=Deadline(cfg.run.deadline_seconds), feed=feed, timeline=timeline,
             fleet=_fleet_role(cfg, store, lease, stack, fleet, trainer, rollout, start_step, version_box[0]))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
@@ -159,6 +166,16 @@ def _fleet_role(cfg: RunConfig, store, lease, stack: contextlib.ExitStack, fleet
     stack.callback(role.close)  # before the rollout manager stops (registered earlier)
     role.reconcile(start_step - 1, version)
     return role.start()
+
+
+def live_exporters(cfg: RunConfig, stack: contextlib.ExitStack) -> list:
+    """The Prometheus endpoint with --prometheus-port (stopped when the segment ends)."""
+    if cfg.metrics.prometheus_port is None:
+        return []
+    exporter = PrometheusExporter.start(cfg.metrics.prometheus_port)
+    stack.callback(exporter.close)
+    print(f"[miles] live metrics for Prometheus: http://{socket.gethostname()}:{exporter.port}/metrics", flush=True)
+    return [exporter]
 
 
 def _random_policy_level(cfg: RunConfig) -> float:

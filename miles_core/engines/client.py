@@ -94,6 +94,7 @@ class GenerateResult:
     engine_url: str = ""
     abort_message: str = ""
     seconds: float = 0.0
+    first_token_seconds: float | None = None  # from the request to its first streamed token
 
     @property
     def aborted(self) -> bool:
@@ -117,9 +118,12 @@ class _Stream:
     finish: dict | None = None
     version: int | None = None
     prompt_tokens: int = 0
+    first_token_at: float | None = None  # time.monotonic() of the first chunk with a token
 
     def absorb(self, chunk: dict) -> None:
         meta = chunk.get("meta_info") or {}
+        if self.first_token_at is None and chunk.get("output_ids"):
+            self.first_token_at = time.monotonic()
         ids = chunk.get("output_ids") or []
         done = int(meta.get("completion_tokens", len(self.output_ids) + len(ids)))
         have = len(self.output_ids)
@@ -310,7 +314,7 @@ class EngineClient:
         return GenerateResult(st.output_ids, st.logprobs, st.versions, st.finish.get("type", "abort"), st.version,
                               st.prompt_tokens, len(st.output_ids), rid, eng.url,
                               st.finish.get("message", "") if st.finish.get("type") == "abort" else "",
-                              time.monotonic() - t0)
+                              time.monotonic() - t0, None if st.first_token_at is None else st.first_token_at - t0)
 
     def _aborted(self, rid: str, st: _Stream, url: str, message: str, t0: float, prompt_tokens: int | None = None):
         log.info("request %s on %s aborted: %s", rid, url or "-", message)
@@ -426,6 +430,25 @@ class EngineClient:
         bad = {u: r for u, r in res.items() if isinstance(r, dict) and r.get("success") is False}
         if bad:
             raise EngineControlError(f"update_weights_from_disk({model_path}) failed on {bad}")
+
+    async def stage_weights_from_disk(self, model_path: str) -> list[str]:
+        """Before a pause: every engine that can reads `model_path` and builds the model beside the one it
+        serves, so the `update_weights_from_disk` of the same path that follows only swaps it in. The CPU
+        engine's own endpoint; an engine without it (SGLang: 404) loads from disk when asked, as before.
+        Changes nothing an engine serves. Returns the URLs that staged; raises EngineControlError when
+        an engine that has the endpoint failed to read the path (its load would fail the same way)."""
+        async def one(url: str) -> bool:
+            try:
+                self._success(await self._control(url, "POST", "/stage_weights_from_disk",
+                                                   {"model_path": model_path}, retries=0))
+            except EngineControlError as e:
+                if not isinstance(e, EngineUnavailableError) and "HTTP 404" in str(e):
+                    return False
+                raise
+            return True
+
+        urls = self.urls
+        return [u for u, staged in zip(urls, await asyncio.gather(*(one(u) for u in urls))) if staged]
 
     # The distributed weight push (miles_core.weights.distributed; SGLang's protocol, NCCL on GPU and gloo
     # on the CPU engine). Never retried (see module doc). A 4xx answer (success false, or a request

@@ -26,6 +26,7 @@ from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
 from miles_core.eval.local_engine import SnapshotEvaluator
 from miles_core.eval.results import HEARTBEAT_KEY, SKIPPED_NAME, evaluated, record_skip, requests, write_heartbeat
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.metrics import trace
 from miles_core.metrics.sink import MetricsSink
 from miles_core.storage import Store
 from miles_core.storage.run_root import read_status
@@ -55,6 +56,9 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
     started = initial is not None and initial.active
     summary = {"evaluated": [], "skipped": {}, "state": None, "seconds": 0.0}
     heartbeat = _Heartbeat(store, poll_seconds)
+    own_trace = not trace.enabled()
+    if own_trace:
+        trace.configure_from(cfg, store, "eval-follower")
     try:
         with SnapshotEvaluator(cfg, store=store, layout=layout, datasets=datasets,
                                sampling=sampling_from_config(cfg), metrics=sink, mode="tasks") as evaluator:
@@ -71,7 +75,8 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
                     summary["skipped"][step] = "ckpt_missing"
                 for step, version in todo:
                     latest = read_status(store)
-                    out = evaluator.evaluate(step, version, latest_step=latest.last_step if latest else step)
+                    with trace.span("eval", lane="eval", step=step):
+                        out = evaluator.evaluate(step, version, latest_step=latest.last_step if latest else step)
                     if out.skipped:
                         summary["skipped"][step] = out.skipped
                     else:
@@ -90,6 +95,8 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
         heartbeat.stop()
         if own_sink:
             sink.close()
+        if own_trace:
+            trace.shutdown()
     summary["seconds"] = time.monotonic() - t0
     return summary
 

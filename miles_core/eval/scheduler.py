@@ -37,6 +37,7 @@ from miles_core.eval.modes import (
 )
 from miles_core.eval.results import follower_alive, record_skip, request_key, requests, settled_steps, step_dir
 from miles_core.eval.snapshots import MARKERS, SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.metrics import trace
 from miles_core.prepare.initial_model import ensure_model
 from miles_core.storage import Store
 
@@ -53,7 +54,7 @@ class EvalScheduler:
                  keep_snapshots: int, backpressure_timeout_seconds: float, mode, exporter: Exporter | None,
                  metrics: Any = None, protected_uris: Sequence[str] = (), loop: EventLoopThread | None = None,
                  poll_seconds: float = 0.5, follower_max_age_seconds: float = 60.0,
-                 on_close: Sequence[Callable[[], Any]] = ()):
+                 on_close: Sequence[Callable[[], Any]] = (), follower_runs_after: bool = False):
         self.store, self.layout, self.datasets, self.sampling = store, layout, datasets, sampling
         self.eval_interval, self.max_in_flight, self.overflow_policy = eval_interval, max_in_flight, overflow_policy
         self.keep_snapshots = keep_snapshots
@@ -63,6 +64,7 @@ class EvalScheduler:
         self.poll_seconds = poll_seconds
         self.follower_max_age_seconds = follower_max_age_seconds
         self._warned_no_follower = False
+        self.follower_runs_after = follower_runs_after  # a local workflow: the follower runs after training
         self._on_close = list(on_close)
         self._loop = loop
         self._latest_step = -1
@@ -95,6 +97,7 @@ class EvalScheduler:
             record_skip(None, step, "crashed", str(e), self.metrics)
             return
         self._pending[step] = fut
+        trace_eval(fut, step)
         if self._settle():
             self.retire()
 
@@ -233,7 +236,11 @@ class EvalScheduler:
         if not isinstance(self.mode, SnapshotTasks):
             return True
         alive = follower_alive(self.store, self.follower_max_age_seconds)
-        if not alive and not self._warned_no_follower:
+        if not alive and not self._warned_no_follower and self.follower_runs_after:
+            self._warned_no_follower = True
+            print(f"[miles] evals: step {self._latest_step}'s snapshot waits in {self.store.uri('eval')} for the "
+                  "eval follower, which a local workflow runs after training", flush=True)
+        elif not alive and not self._warned_no_follower:
             self._warned_no_follower = True
             log.warning("no eval follower heartbeat in %s: Mode 3 evals pile up as pending requests "
                         "(no backpressure) until an eval_follower runs", self.store.uri("eval"))
@@ -288,19 +295,29 @@ class NoEvals:
     pending_steps: list[int] = []
 
 
+def trace_eval(fut, step: int) -> None:
+    """The eval of `step` in the run's trace: from its start until its future settles."""
+    start = trace.now()
+    if hasattr(fut, "add_done_callback"):
+        fut.add_done_callback(lambda _: trace.tracer().complete("eval", start, trace.now(), lane="eval", step=step))
+
+
 def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any = None,
                          shared_engine_urls: Sequence[str] | Callable[[], Sequence[str]] = (),
                          pause_submission: Callable[[], Any] | None = None,
                          resume_submission: Callable[[], Any] | None = None,
                          dedicated_engine_urls: Sequence[str] = (), initial_model: str | None = None,
-                         run_uri: str | None = None, datasets: list[EvalDataset] | None = None) -> EvalScheduler | NoEvals:
+                         run_uri: str | None = None, datasets: list[EvalDataset] | None = None,
+                         follower_runs_after: bool = False) -> EvalScheduler | NoEvals:
     """The eval scheduler for `cfg`, its mode decided here once (cfg.eval.eval_mode).
 
     shared: needs shared_engine_urls (the rollout engines, or a callable giving those serving now) and the
     producer's pause/resume submission hooks (sync callables, or returning awaitables such as Ray object refs).
     dedicated: uses dedicated_engine_urls when given, else starts --eval-num-gpus worth of engines
     (Ray actors) on `initial_model` and stops them at close(). tasks: nothing more; an
-    eval_follower task must run beside training. `exporter` writes a snapshot (export mode).
+    eval_follower task must run beside training, or after it (`follower_runs_after`: a local workflow,
+    where waiting snapshots are expected and announced once instead of warned about). `exporter` writes a
+    snapshot (export mode).
     """
     e = cfg.eval
     if not e.eval_prompt_data:
@@ -339,7 +356,7 @@ def build_eval_scheduler(cfg, *, exporter: Exporter | None = None, metrics: Any 
         eval_interval=e.eval_interval, max_in_flight=e.eval_max_in_flight, overflow_policy=e.eval_overflow_policy,
         keep_snapshots=e.eval_keep_snapshots, backpressure_timeout_seconds=e.eval_backpressure_timeout_seconds,
         mode=mode, exporter=exporter, metrics=metrics, protected_uris=(cfg.model.hf_checkpoint,), loop=loop,
-        on_close=owned)
+        on_close=owned, follower_runs_after=follower_runs_after)
     sched_box.append(sched)
     return sched
 

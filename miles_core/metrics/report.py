@@ -6,9 +6,10 @@ heartbeats of producer jobs, `producers/heartbeats/`, for their generation throu
 
 Panels: reward (with eval means), staleness, buffer queue size against capacity, throughput,
 wait times, eval curves, groups committed per minute by each producer job over time (runs that had
-producer jobs only); and a bottleneck reading from the queue: pinned at 0 -> rollout-bound
-(the trainer drains faster than the producer fills), pinned at capacity -> train-bound (the
-producer is blocked on a full buffer).
+producer jobs only), a swimlane of the last steps from the run's timeline trace (engines busy, the
+trainer's phases, weight pushes, checkpoints, evals; runs with a trace only); and a bottleneck
+reading from the queue: pinned at 0 -> rollout-bound (the trainer drains faster than the producer
+fills), pinned at capacity -> train-bound (the producer is blocked on a full buffer).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import fsspec
 
 from miles_core.metrics import names as N
+from miles_core.metrics import trace
 from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
 from miles_core.storage import StorageError, StorageUnavailable, Store
 from miles_core.storage.run_root import read_config, read_status
@@ -196,6 +198,87 @@ def throughput_figure(histories: dict[str, list[list[float]]]):
     return fig
 
 
+SWIMLANE_STEPS = 5
+# (lane, process, the process's lane, span names; empty = all) from the top of the picture down.
+SWIMLANE_ROWS = (
+    ("trainer", "driver", "step", ("batches.next_batch",)),
+    ("trainer", "trainer-rank0", "train", ()),
+    ("weight push", "trainer-rank0", "weights", ()),
+    ("checkpoint", "trainer-rank0", "checkpoint", ()),
+    ("eval", "trainer-rank0", "eval", ()),
+    ("eval", "driver", "eval", ()),
+)
+SPAN_LABELS = {"batches.next_batch": "wait for data"}
+
+
+def swimlane_spans(events: list[tuple[str, dict]], steps: int = SWIMLANE_STEPS) -> list[tuple[str, str, float, float]]:
+    """(lane, phase, start s, end s) of the last `steps` traced steps, seconds from their start: one lane
+    per engine (its requests merged into busy spans), the trainer's phases, weight pushes, checkpoints, evals."""
+    windows = trace.step_windows(events)
+    if not windows:
+        return []
+    last = sorted(windows)[-steps:]
+    lo, hi = windows[last[0]][0], windows[last[-1]][1]
+    spans = []
+    for process, e in events:
+        end = e["ts"] + e.get("dur", 0)
+        if e["ts"] > hi or end < lo:
+            continue
+        row = _swimlane_row(process, e)
+        if row is not None:
+            spans.append((row, SPAN_LABELS.get(e["name"], e["name"]), (e["ts"] - lo) / 1e6, (end - lo) / 1e6))
+    return _merge_busy(spans)
+
+
+def _swimlane_row(process: str, e: dict) -> str | None:
+    if e.get("ph") == "A":
+        engine = (e.get("args") or {}).get("engine")
+        return f"engine {engine.split('//')[-1]}" if e.get("name") == "request" and engine else None
+    for lane, proc, proc_lane, names in SWIMLANE_ROWS:
+        if process == proc and e.get("lane") == proc_lane and e.get("ph") == "X" and (not names or e["name"] in names):
+            return lane
+    return None
+
+
+def _merge_busy(spans: list[tuple[str, str, float, float]]) -> list[tuple[str, str, float, float]]:
+    """An engine's overlapping requests become one "generating" span per busy stretch."""
+    out = [s for s in spans if not s[0].startswith("engine ")]
+    by_engine: dict[str, list[tuple[float, float]]] = {}
+    for lane, _, start, end in spans:
+        if lane.startswith("engine "):
+            by_engine.setdefault(lane, []).append((start, end))
+    for lane, intervals in by_engine.items():
+        intervals.sort()
+        cur = list(intervals[0])
+        for start, end in intervals[1:]:
+            if start > cur[1]:
+                out.append((lane, "generating", cur[0], cur[1]))
+                cur = [start, end]
+            cur[1] = max(cur[1], end)
+        out.append((lane, "generating", cur[0], cur[1]))
+    return out
+
+
+def swimlane_figure(spans: list[tuple[str, str, float, float]]):
+    """Horizontal bars of `spans`, one row per lane, one legend entry per phase; None without spans."""
+    import plotly.graph_objects as go
+
+    if not spans:
+        return None
+    lanes = list(dict.fromkeys(sorted((s[0] for s in spans), key=lambda lane: (not lane.startswith("engine"), lane))))
+    fig = go.Figure()
+    for phase in dict.fromkeys(s[1] for s in spans):
+        mine = [s for s in spans if s[1] == phase]
+        fig.add_trace(go.Bar(orientation="h", name=phase, y=[s[0] for s in mine], base=[s[2] for s in mine],
+                             x=[max(s[3] - s[2], 1e-3) for s in mine],
+                             hovertemplate="%{y}: " + phase + " %{base:.3f}s + %{x:.3f}s<extra></extra>"))
+    fig.update_layout(title=f"Timeline of the last {SWIMLANE_STEPS} steps", barmode="overlay",
+                      xaxis_title="seconds", yaxis={"categoryorder": "array", "categoryarray": lanes[::-1]},
+                      height=160 + 40 * len(lanes), margin={"l": 160, "r": 20, "t": 50, "b": 40},
+                      legend={"orientation": "h", "y": -0.3})
+    return fig
+
+
 def eval_figure(events: list[dict]):
     """Eval curves alone (the backfill Deck)."""
     return _figure("Eval", eval_metric_names(events), events, "value")
@@ -214,17 +297,17 @@ def render_report(run, title: str | None = None) -> str:
     bottleneck = diagnose_bottleneck(events, capacity, staleness_limit(run_config))
     return render_html(events, title or f"miles run {store.uri()}", capacity=capacity, bottleneck=bottleneck,
                        summary=_summary_rows(store.uri(), events, status, capacity),
-                       producers=producer_histories(store))
+                       producers=producer_histories(store), timeline=swimlane_spans(trace.aligned_events(store)))
 
 
 def render_html(events: list[dict], title: str, *, capacity: int | None = None,
                 bottleneck: Bottleneck | None = None, summary: list[tuple[str, str]] | None = None,
-                producers: dict[str, list[list[float]]] | None = None) -> str:
+                producers: dict[str, list[list[float]]] | None = None,
+                timeline: list[tuple[str, str, float, float]] | None = None) -> str:
     bottleneck = bottleneck or diagnose_bottleneck(events, capacity)
     figs = report_figures(events, capacity)
-    throughput = throughput_figure(producers or {})
-    if throughput is not None:
-        figs.append(throughput)
+    extra = (throughput_figure(producers or {}), swimlane_figure(timeline or []))
+    figs += [f for f in extra if f is not None]
     # plotly.js inline exactly once (with the first figure): the file opens offline.
     divs = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in (summary or []))
@@ -265,7 +348,11 @@ def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) ->
 
 def write_report(run_uri: str, out_path: str) -> str:
     """Write the report of `run_uri` to `out_path` (a local path or a URI); returns where it went."""
-    text = render_report(run_uri)
+    return write_text(out_path, render_report(run_uri))
+
+
+def write_text(out_path: str, text: str) -> str:
+    """Write `text` to `out_path` (a local path or a URI); returns where it went."""
     if "://" in out_path and not out_path.startswith("file://"):
         with fsspec.open(out_path, "w", encoding="utf-8") as f:
             f.write(text)

@@ -29,6 +29,7 @@ from typing import Any, Callable
 from miles_core.buffer import build_buffer, build_unused_handler
 from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
 from miles_core.engines.client import EngineClient
+from miles_core.metrics import trace
 from miles_core.models.source import is_builtin, tokenizer_source
 from miles_core.models.tokenizer import load_tokenizer
 from miles_core.rollout.claims import ClaimRenewer, PromptClaims
@@ -285,6 +286,10 @@ class RolloutManager:
         self.claims.release()
 
     async def record_consumed(self, step: int, group_ids: list[str]) -> None:
+        at, t = trace.now(), trace.tracer()
+        for group_id in group_ids:
+            if t.traces_group(group_id):
+                t.async_span("consumed", group_id, at, at, cat="group", step=step)
         record = getattr(self.buffer, "record_consumed", None)
         if callable(record):
             await asyncio.get_running_loop().run_in_executor(None, record, step, list(group_ids))
@@ -307,4 +312,16 @@ def rollout_manager_actor(**ray_options):
     import ray
 
     ray_options.setdefault("num_cpus", 1)
-    return ray.remote(**ray_options)(RolloutManager)
+    return ray.remote(**ray_options)(TracedRolloutManager)
+
+
+class TracedRolloutManager(RolloutManager):
+    """The manager as a Ray actor: its process records into the run's timeline trace as "rollout"."""
+
+    def __init__(self, cfg, **kwargs):
+        trace.join(cfg, Store(cfg.run_uri), "rollout")
+        super().__init__(cfg, **kwargs)
+
+    async def stop(self, grace_seconds: float = 30.0) -> None:
+        await super().stop(grace_seconds)
+        await asyncio.get_running_loop().run_in_executor(None, trace.shutdown)

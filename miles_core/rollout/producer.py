@@ -43,6 +43,7 @@ import logging
 import time
 from typing import Any, Callable, Protocol
 
+from miles_core.metrics import trace
 from miles_core.rollout import metrics as M
 from miles_core.rollout.data_source import DataSource, RestoreReport
 from miles_core.rollout.episodes import GenerateArgs, GenerateFunction, GenerateFunctionError
@@ -222,10 +223,14 @@ class Producer:
     async def _run_group(self, group: Group, ticket: Ticket) -> None:
         backlog = _Backlog(self, len(group.samples))
         try:
+            times = [trace.now()]  # submitted, generated, rewarded, committed
             await self._generate_group(group, ticket, backlog)
+            times.append(trace.now())
             if not group.aborted:
                 await self.rewarder.score_group(group)
+            times.append(trace.now())
             await self._put(group)
+            trace_group(group, *times, trace.now())
             backlog.close()
             self.source.settled(group)
             self._window_groups += 1
@@ -271,7 +276,9 @@ class Producer:
             params = sample_params(self.sampling_params, len(sample.prompt_ids), self.max_seq_len)
             if self.generate_fn is not None:  # the credit is held for the whole episode (DESIGN §17)
                 return await self._run_episode(sample, params, t0)
+            start = trace.now()
             out = await self.engine.generate(sample.prompt_ids, params)
+            trace_request(sample.group_id, out, start)
         finally:
             backlog.sample_finished()  # before the credit: the loop never sees one without the other
             ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
@@ -332,6 +339,9 @@ class Producer:
     def on_rejected(self, group: Group, reason: str = "") -> None:
         """A group this producer started was rejected (aborted at put, stale at get, filtered):
         it leaves the started-groups count, and in batch mode its place is given back."""
+        if trace.tracer().traces_group(group.group_id):
+            at = trace.now()
+            trace.tracer().async_span("rejected", group.group_id, at, at, cat="group", reason=reason)
         self._call_on_loop(self._rejected, group)
 
     def recycle(self, group: Group) -> None:
@@ -424,6 +434,30 @@ def _take_episode_samples(group: Group, tasks: list[asyncio.Future]) -> None:
         for i, s in enumerate(out):
             s.sample_index = i
         group.samples = out
+
+
+def trace_group(group: Group, submitted: float, generated: float, rewarded: float, committed: float) -> None:
+    """A group's life in the run's trace: generate, reward, commit nested in one span (by group id)."""
+    t = trace.tracer()
+    if not t.traces_group(group.group_id):
+        return
+    rewards = [s.reward for s in group.samples if isinstance(s.reward, (int, float))]
+    t.async_span("group", group.group_id, submitted, committed, cat="group", aborted=group.aborted,
+                 reward=sum(rewards) / len(rewards) if rewards else None, samples=len(group.samples))
+    t.async_span("generate", group.group_id, submitted, generated, cat="group")
+    t.async_span("reward", group.group_id, generated, rewarded, cat="group")
+    t.async_span("commit", group.group_id, rewarded, committed, cat="group")
+
+
+def trace_request(group_id: str, out: Any, start: float) -> None:
+    """One engine request in the group's span: which engine, its tokens, time to the first token."""
+    t = trace.tracer()
+    if not t.traces_group(group_id):
+        return
+    first = getattr(out, "first_token_seconds", None)
+    t.async_span("request", group_id, start, trace.now(), cat="group", engine=getattr(out, "engine_url", ""),
+                 tokens=getattr(out, "completion_tokens", None), finish=getattr(out, "finish_reason", None),
+                 first_token_ms=None if first is None else round(first * 1000, 1))
 
 
 def mark_episode_failed(sample: Sample, error: BaseException) -> None:

@@ -29,6 +29,7 @@ import torch
 from megatron.core.distributed import finalize_model_grads
 from safetensors.torch import save_file
 
+from miles_core.metrics import trace
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import data_parallel as DP
 from miles_core.train import hf_convert, hf_shards, packing
@@ -134,9 +135,10 @@ class Trainer:
                 sums[k] = sums.get(k, 0.0) + v
             total_tokens += batch_tokens
             grad_norms.append(grad_norm)
-        if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
-            sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
-        metrics = finalize_metrics(sums, total_tokens) if items else {}
+        with trace.span("metrics", lane="train"):
+            if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
+                sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
+            metrics = finalize_metrics(sums, total_tokens) if items else {}
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
         metrics[TM.SAMPLES] = float(len(items))
@@ -155,12 +157,14 @@ class Trainer:
         total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
         mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data, tokens=lambda it: _length(it[0]))
         sums: dict[str, float] = {}
-        for micro in self._micro_batches(mine):
-            _, part = self._micro_batch(micro, total_tokens, layout)
-            for k, v in part.items():
-                sums[k] = sums.get(k, 0.0) + v
+        with trace.span("forward+backward", lane="train", samples=len(mine)):
+            for micro in self._micro_batches(mine):
+                _, part = self._micro_batch(micro, total_tokens, layout)
+                for k, v in part.items():
+                    sums[k] = sums.get(k, 0.0) + v
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
-        grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
+        with trace.span("optimizer", lane="train"):
+            grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
         return sums, total_tokens, grad_norm
 
     def _micro_batches(self, mine: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:

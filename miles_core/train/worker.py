@@ -24,6 +24,7 @@ import time
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import free_port, lost_actors
 from miles_core.metrics import names as N
+from miles_core.metrics import trace
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
@@ -61,6 +62,7 @@ class TrainerWorker:
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
         apply_ref_load(self.trainer, cfg.train.ref_load)
         self.run_store = Store(cfg.run_uri)
+        trace.join(cfg, self.run_store, f"trainer-rank{rank}")
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = self.transport = None
         self.engine_urls, self.engine_actors = [], []
@@ -222,7 +224,8 @@ class TrainerWorker:
     def save_checkpoint(self, step: int, extras: dict) -> str | None:
         """Trainer state (and, with --save-hf, an HF checkpoint that reuse-mode evals read). The
         driver's Checkpointer owns the cadence, so this always saves."""
-        return self.checkpoints.maybe_save(step, self.trainer, extras, last=True)
+        with trace.span("checkpoint", lane="checkpoint", step=step):
+            return self.checkpoints.maybe_save(step, self.trainer, extras, last=True)
 
     def restore_latest(self) -> tuple[int, dict] | None:
         """(step, extras) of this run's latest checkpoint, restored; else --load from elsewhere
@@ -234,6 +237,10 @@ class TrainerWorker:
 
     def export_hf(self, step: int, dest_uri: str) -> None:
         """Write the current weights as an HF directory at dest_uri (`.complete` last)."""
+        with trace.span("snapshot export", lane="eval", step=step):
+            self._export_hf(step, dest_uri)
+
+    def _export_hf(self, step: int, dest_uri: str) -> None:
         if self.rank != 0:
             self.trainer.join_export()
             return
@@ -249,6 +256,7 @@ class TrainerWorker:
                 self.loop.close()
         finally:
             self.trainer.close()
+            trace.shutdown()
 
     def _drop_staged_except(self, keep_key: str | None) -> None:
         """Delete staged weights but `keep_key`'s. When producers may join, a superseded version stays

@@ -22,12 +22,13 @@ import shutil
 import pytest
 
 from miles_core.cli import main
-from miles_core.metrics.report import buffer_capacity, report_figures
+from miles_core.metrics import trace
+from miles_core.metrics.report import buffer_capacity, report_figures, swimlane_figure, swimlane_spans
 from miles_core.metrics.sink import read_metrics
 from miles_core.storage import Store
 from miles_core.storage.run_root import read_config
 from tests.support.browser import Browser, chromium  # noqa: F401 - chromium is a fixture
-from tests.support.report_run import run_report_task, write_full_run
+from tests.support.report_run import run_report_task, write_full_run, write_steps
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -88,6 +89,24 @@ def test_deck_renders_the_same_figures(run_root, browser, tmp_path):
     page = browser.load(deck, screenshot=tmp_path / "report-deck.png", script=SHOW_REPORT_TAB)
     assert [e for e in page.errors if DECK_TEMPLATE_FONTS not in e] == [], page.errors
     assert_renders(page, promised(run_root))
+    keep_screenshot(page.screenshot)
+
+
+def test_the_timeline_swimlane_renders(tmp_path, browser):
+    """A run with a timeline trace: the report draws its last steps as a swimlane of bars (one trace per
+    phase, one bar per span), after the metric panels."""
+    run = f"file://{tmp_path}/run"
+    store = write_full_run(run)
+    write_steps(store, steps=8)
+    spans = swimlane_spans(trace.aligned_events(store))
+    want = promised(run) + [(f.layout.title.text, len(f.data)) for f in [swimlane_figure(spans)]]
+    out = tmp_path / "report.html"
+    assert main(["report", run, "-o", str(out)]) == 0
+    page = browser.load(out, screenshot=tmp_path / "report-timeline.png")
+    assert page.errors == [], page.errors
+    assert_renders(page, want)
+    assert page.plots[-1]["title"] == "Timeline of the last 5 steps"
+    assert page.plots[-1]["points"] == len(spans)  # every span drawn as a bar
     keep_screenshot(page.screenshot)
 
 

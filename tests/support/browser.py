@@ -42,8 +42,8 @@ PLOTS_JS = """Array.from(document.querySelectorAll('.plotly-graph-div')).map(d =
   visible: d.offsetParent !== null,
   title: (d.querySelector('.gtitle') || {}).textContent || null,
   main_svgs: d.querySelectorAll('svg.main-svg').length,
-  traces: d.querySelectorAll('.scatterlayer .trace').length,
-  points: d.querySelectorAll('.scatterlayer .trace .point').length,
+  traces: d.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length,
+  points: d.querySelectorAll('.scatterlayer .trace .point, .barlayer .trace .point').length,
 }))"""
 
 

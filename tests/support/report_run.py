@@ -11,12 +11,13 @@ import re
 from pathlib import Path
 
 from miles_core.config import RunConfig, replace_fields
-from miles_core.metrics import MetricsSink
+from miles_core.metrics import MetricsSink, trace
 from miles_core.metrics.report import PANELS
 from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, write_config, write_status
 
 EVAL_METRICS = ("eval/heldout", "eval/heldout/pass@1")
+ENGINE = "http://10.0.0.2:30000"
 # How plotly's Figure.to_html calls the library: Plotly.newPlot("div id", [traces], {layout}, {config}).
 _NEW_PLOT = re.compile(r'Plotly\.newPlot\(\s*"[^"]+",\s*')
 _COMMA = re.compile(r"\s*,\s*")
@@ -38,6 +39,29 @@ def write_full_run(run_uri: str, steps: int = 24) -> Store:
             sink.log(k, {name: 0.02 * k + 0.1 * i for i, name in enumerate(EVAL_METRICS)})
     write_status(store, FINISHED, last_step=steps - 1, segment=0)
     return store
+
+
+def write_steps(store: Store, steps: int = 6, t0: float = 1_000.0, node: str | None = None,
+                trainer_skew: float = 0.0) -> None:
+    """`steps` one-second steps: the driver's step spans, the trainer's phases (its clock `trainer_skew`
+    seconds off, on `node`), a group with two requests per step."""
+    driver = trace.Tracer(store, trace.DRIVER_PROCESS, background=False)
+    trainer = trace.Tracer(store, "trainer-rank0", background=False)
+    trainer.header["node"] = node
+    rollout = trace.Tracer(store, "rollout", background=False)
+    for k in range(steps):
+        start = t0 + k
+        driver.complete(trace.STEP_SPAN, start, start + 1.0, lane="step", step=k)
+        driver.complete("batches.next_batch", start, start + 0.2, lane="step")
+        trainer.complete("forward+backward", start + 0.2 + trainer_skew, start + 0.6 + trainer_skew, lane="train")
+        trainer.complete("optimizer", start + 0.6 + trainer_skew, start + 0.7 + trainer_skew, lane="train")
+        trainer.complete("pause", start + 0.8 + trainer_skew, start + 0.85 + trainer_skew, lane="weights")
+        gid = f"e0-p{k}-a0-trainer"
+        rollout.async_span("group", gid, start - 0.5, start + 0.1, cat="group")
+        rollout.async_span("request", gid, start - 0.5, start - 0.2, cat="group", engine=ENGINE)
+        rollout.async_span("request", gid, start - 0.3, start + 0.0, cat="group", engine=ENGINE)
+    for t in (driver, trainer, rollout):
+        t.flush()
 
 
 def plotly_figures(html: str) -> list[tuple[str, list[str]]]:

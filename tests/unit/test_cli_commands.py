@@ -21,7 +21,7 @@ from miles_core.storage import StorageUnavailable, Store
 from tests.support.small_run import small_run
 
 HELP_LINES = [["validate"], ["import-model"], ["fork"], ["replay"], ["runs"], ["runs", "show"], ["runs", "list"],
-              ["buffer"], ["buffer", "inspect"], ["lineage"], ["report"], ["engines"], ["engines", "add"],
+              ["buffer"], ["buffer", "inspect"], ["lineage"], ["report"], ["trace"], ["engines"], ["engines", "add"],
               ["engines", "remove"], ["engines", "show"]]
 
 

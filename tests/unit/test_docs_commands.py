@@ -54,6 +54,7 @@ from miles_core.prepare.resources import ClusterShape, Node
 from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, write_config, write_status
 from tests.integration.test_buffer_durable import make_group
+from tests.support.report_run import write_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = sorted(ROOT.glob("docs/*.md")) + [ROOT / "README.md"]
@@ -304,7 +305,8 @@ def check_lineage_flags(cmd: Command) -> None:
 
 @pytest.fixture(scope="module")
 def fixture_run(tmp_path_factory) -> tuple[str, str]:
-    """A small finished run root (3 groups committed, 2 consumed at steps 0 and 1): (its URI, a group id)."""
+    """A small finished run root (3 groups committed, 2 consumed at steps 0 and 1, a timeline trace of
+    120 steps): (its URI, a group id)."""
     root = tmp_path_factory.mktemp("docs-run")
     cfg = parse_flags(["--storage-root", f"file://{root}", "--run-id", "r"])
     store = Store(cfg.run_uri)
@@ -315,13 +317,14 @@ def fixture_run(tmp_path_factory) -> tuple[str, str]:
         got = [buf.get().group_id for _ in range(2)]
         buf.record_consumed(0, got[:1])
         buf.record_consumed(1, got[1:])
+    write_steps(store, steps=120)  # the docs show --steps 100:110
     write_status(store, FINISHED, last_step=1, segment=0)
     return cfg.run_uri, got[0]
 
 
 # The read-only commands: where their run URI (or storage root) is among their words.
 INSPECT = {("runs", "show"): 2, ("runs", "list"): 2, ("buffer", "inspect"): 2, ("report",): 1, ("lineage",): 1,
-           ("engines", "show"): 2}
+           ("engines", "show"): 2, ("trace",): 1}
 
 
 def check_inspection(cmd: Command, fixture_run, tmp_path, monkeypatch) -> None:
