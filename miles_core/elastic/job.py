@@ -36,6 +36,7 @@ from miles_core.driver.placement import ensure_ray
 from miles_core.elastic import heartbeat as H
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.metrics import trace
 from miles_core.rollout.claims import ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.feed import Feed, FeedError, read_feed
@@ -78,9 +79,13 @@ def run_producer(run_uri: str, *, num_engines: int = 1, producer_id: str = "", i
     if num_engines < 1:
         raise ProducerError(f"a producer needs at least one engine, got {num_engines}")
     ensure_ray()
-    job = ProducerJob(cfg, store, num_engines, producer_id or f"p-{uuid.uuid4().hex[:8]}", idle_exit_seconds,
-                      stop or threading.Event())
-    return asyncio.run(job.run())
+    producer_id = producer_id or f"p-{uuid.uuid4().hex[:8]}"
+    job = ProducerJob(cfg, store, num_engines, producer_id, idle_exit_seconds, stop or threading.Event())
+    trace.configure_from(cfg, store, f"{trace.PRODUCER_PROCESS}{producer_id}")  # its spans: trace/events/producer-{id}/
+    try:
+        return asyncio.run(job.run())
+    finally:
+        trace.shutdown()
 
 
 def joined_config(store: Store):

@@ -47,6 +47,7 @@ CLOCK_KEY = f"{TRACE_PREFIX}/clock.json"
 TIMELINE_KEY = f"{TRACE_PREFIX}/timeline.json"
 STEP_SPAN = "step"  # the driver's span of one training step; args {"step": n}
 DRIVER_PROCESS = "driver"
+PRODUCER_PROCESS = "producer-"  # + the producer job's id
 
 
 def now() -> float:

@@ -28,6 +28,7 @@ from miles_core.elastic import job as J
 from miles_core.engines.client import EngineClient
 from miles_core.engines.cpu_server import CpuEngineServer, serve
 from miles_core.engines.launcher import free_port
+from miles_core.metrics import trace
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.models.source import tokenizer_source
 from miles_core.prepare.dataset import prepare_dataset
@@ -47,7 +48,7 @@ class WriteRefused(StorageError):
 class ProducerStore(Store):
     """The run root as a producer's credentials show it: reads anywhere; put, delete and move only under
     `claims/`, `producers/heartbeats/{producer}.json` and one `buffer/groups/{writer}/` (the first writer
-    it writes under). Every refused write is recorded (a caller may swallow the error)."""
+    it writes under), and its own timeline trace chunks. Every refused write is recorded (a caller may swallow the error)."""
 
     def __init__(self, root_uri: str, producer_id: str):
         super().__init__(root_uri)
@@ -56,7 +57,8 @@ class ProducerStore(Store):
 
     def _check(self, what: str, key: str) -> None:
         key = key.strip("/")
-        if not (key.startswith("claims/") or key == f"{H.HEARTBEATS}{self.producer_id}.json" or self._own_group(key)):
+        if not (key.startswith("claims/") or key == f"{H.HEARTBEATS}{self.producer_id}.json" or self._own_group(key)
+                or key.startswith(f"{trace.EVENTS_PREFIX}/{trace.PRODUCER_PROCESS}{self.producer_id}/")):
             self.refused.append(f"{what} {key}")
             raise WriteRefused(f"{what} {self.uri(key)}: the producer may not write there")
 
@@ -203,9 +205,11 @@ def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(t
     after = files(store.local_path(""))
     changed = {p for p in after.keys() | before.keys() if before.get(p) != after.get(p)}
     changed -= {"STATUS.json", FEED_KEY} | {p for p in changed if p.startswith("weights/step_00000001/")}  # the test's
-    producers = {p for p in changed if p.startswith(("claims/", f"buffer/groups/{r.writer}/"))
+    own_trace = f"{trace.EVENTS_PREFIX}/{trace.PRODUCER_PROCESS}{PRODUCER}/"
+    producers = {p for p in changed if p.startswith(("claims/", f"buffer/groups/{r.writer}/", own_trace))
                  or p == f"{H.HEARTBEATS}{PRODUCER}.json"}
     assert sorted(changed - producers) == [] and any(p.startswith("buffer/groups/") for p in changed)
+    assert any(p.startswith(own_trace) for p in changed)  # its groups' spans, in its own prefix
     assert read_status(store).state == FINISHED and read_feed(store).version == 2  # as the "trainer" left them
     assert H.read_heartbeat(store, PRODUCER).state == H.STOPPED
 
