@@ -320,6 +320,30 @@ def _kill_line(fig: dict, cfg: dict) -> str:
             f"{_s(fig['kill_longest_step_after_kill_s'], 1)}).")
 
 
+# ----------------------------------------------------------------------------- trace
+
+
+def render_trace(results: dict[str, dict]) -> list[str]:
+    rec = results["trace"]
+    fig, cfg = rec["figures"], rec["config"]
+    rows = _rows_by(rec, "traced")
+    return [measured(rec), "",
+            f"Recording a span: {_f(fig['record_us_per_span'], 2)} µs; writing it to the run root: "
+            f"{_f(fig['write_us_per_span'], 2)} µs (medians of 5 rounds). The embedded default, {cfg['steps']} steps, "
+            f"{cfg['repeats']} runs each way: **{fig['spans_per_step']:.0f} spans and "
+            f"{_f(fig['mb_per_100_steps'], 2)} MB per 100 steps** at `--trace-sample-groups 0.25`; median step "
+            f"{_s(fig['step_seconds_off'])} without the trace, {_s(fig['step_seconds_on'])} with it (ratio "
+            f"{_f(fig['ratio_on_off'], 3)}; runs off {rows[False]}, on {rows[True]}: the spread between runs is "
+            f"the machine's noise); bound from the costs: **{fig['bound_fraction_of_step']:.2%} of a step**.", ""]
+
+
+def _rows_by(rec: dict, key: str) -> dict:
+    out: dict = {}
+    for r in rec["rows"]:
+        out.setdefault(r[key], []).append(_s(r["median_step_seconds"]))
+    return {k: ", ".join(v) for k, v in out.items()}
+
+
 # ----------------------------------------------------------------------------- the page
 
 
@@ -331,6 +355,7 @@ RENDERERS = {
     "resume": render_resume,
     "real_model": render_real_model,
     "elastic": render_elastic,
+    "trace": render_trace,
 }
 
 
