@@ -330,7 +330,7 @@ def render_trace(results: dict[str, dict]) -> list[str]:
     return [measured(rec), "",
             f"Recording a span: {_f(fig['record_us_per_span'], 2)} µs; writing it to the run root: "
             f"{_f(fig['write_us_per_span'], 2)} µs (medians of 5 rounds). The embedded default, {cfg['steps']} steps, "
-            f"{cfg['repeats']} runs each way: **{fig['spans_per_step']:.0f} spans and "
+            f"{cfg['repeats']} runs each way: **{fig['spans_per_step']:.0f} spans per step, "
             f"{_f(fig['mb_per_100_steps'], 2)} MB per 100 steps** at `--trace-sample-groups 0.25`; median step "
             f"{_s(fig['step_seconds_off'])} without the trace, {_s(fig['step_seconds_on'])} with it (ratio "
             f"{_f(fig['ratio_on_off'], 3)}; runs off {rows[False]}, on {rows[True]}: the spread between runs is "

@@ -15,7 +15,7 @@ from miles_core.cli.parsing import Command, CommandParser, ParserExit, UsageErro
 from miles_core.config import config_to_json, flag_table
 from miles_core.config.flags import raise_flag_problems, read_flags, unrelated
 from miles_core.models.source import ModelSourceError, import_source
-from miles_core.prepare.checks import local_hf_config, validation_problems
+from miles_core.prepare.checks import local_hf_config, model_fit, validation_problems
 from miles_core.prepare.memory import estimate
 from miles_core.prepare.model_import import import_model
 
@@ -50,6 +50,8 @@ def _validate_run(ns) -> int:
     if hf_config is not None:
         print(f"miles validate: trainer memory per GPU (estimate): {estimate(hf_config, cfg).describe()}",
               file=sys.stderr)
+        for warning in model_fit(hf_config, cfg)[1]:  # may not fit --gpu-memory-gb
+            print(f"miles validate: warning: {warning}", file=sys.stderr)
     return 0
 
 

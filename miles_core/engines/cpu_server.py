@@ -9,8 +9,12 @@ SSE), `POST /pause_generation {mode}`, `POST /continue_generation {}`, `GET|POST
 `POST /abort_request {rid}`, `GET /health` (and `/health_generate`), and SGLang's distributed weight
 update over gloo: `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
 `POST /destroy_weights_update_group`, inside SGLang 0.5.23's session `POST /begin_weight_update` ..
-`POST /end_weight_update` (miles_core.weights.distributed is the trainer's side). Any other
-path answers 404 `{"detail": "Not Found"}`, as FastAPI does (`/get_weight_version` is gone in 0.5.23).
+`POST /end_weight_update` (miles_core.weights.distributed is the trainer's side). Its own, not
+SGLang's: `POST /stage_weights_from_disk {model_path}` reads a checkpoint and builds its model beside
+the served one while generation goes on; the `/update_weights_from_disk` of the same path that
+follows (the files unchanged since) swaps that model in instead of reading the disk while paused
+(`miles_core.weights.sync`: a push stages before it pauses; SGLang answers 404 and loads as usual).
+Any other path answers 404 `{"detail": "Not Found"}`, as FastAPI does (`/get_weight_version` is gone in 0.5.23).
 
 SGLang's rules it enforces, so tests fail where SGLang would:
 - `/flush_cache` answers 400 "Flush cache failed." while a request runs (a pause `in_place` keeps them
@@ -68,6 +72,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import signal
 import threading
@@ -80,9 +85,11 @@ from aiohttp import web
 
 from miles_core.engines.auth import authorized, engine_token
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
-from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_safetensors, read_spec
+from miles_core.engines.model import (CausalLM, ModelLoadError, fused_layout, read_eos_token_ids, read_safetensors,
+                                      read_spec)
 from miles_core.engines.weight_group import broadcast_bucket, init_custom_process_group
 from miles_core.failures import chaos
+from miles_core.models.safetensors_dir import safetensors_files
 
 log = logging.getLogger("miles_core.engines.cpu_server")
 
@@ -149,6 +156,13 @@ class CpuEngineServer:
         self._weights_lock = asyncio.Lock()  # one weight change at a time (disk or distributed)
         self._build_lock = asyncio.Lock()  # model builds from hf_tensors, in order
         self._stale = False  # hf_tensors holds received buckets the served model does not have yet
+        self._staged: tuple | None = None  # (path, _identity, the load of it, the _Buffers it loads into)
+        self._held: list = []  # _Buffers a load in progress or a staged model uses (never handed out)
+        # New weights land in one of (at most) two sets of buffers, reused push after push (fresh memory
+        # costs more than the copy into it): never the set the served model uses (`_arena`).
+        self._arenas: list[_Buffers] = []
+        self._receiving: _Buffers | None = None  # the set that holds received buckets not built yet
+        self._served = _storages(self.hf_tensors)  # the storages the served model was built from
         self.progress: dict[str, _Progress] = {}
         self._inbox: list[Request] = []
         self._wake = asyncio.Event()
@@ -165,6 +179,7 @@ class CpuEngineServer:
         r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
+        r.add_post("/stage_weights_from_disk", self.stage_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
@@ -456,13 +471,17 @@ class CpuEngineServer:
         if body["abort_all_requests"]:
             await self._abort(None, "Aborted by update_weights_from_disk")
         async with self._weights_lock:
-            try:  # read the checkpoint off the engine thread, then swap it in between two steps
-                model, tensors = await asyncio.get_running_loop().run_in_executor(None, _load_model, path)
-                await self._call(self.engine.load_weights, model, version)
+            try:  # read the checkpoint off the engine thread (or take the staged one), then swap it in between two steps
+                model, tensors, arena = await self._read_model(path)
+                try:
+                    await self._call(self.engine.load_weights, model, version)
+                    self._served = _storages(tensors)
+                finally:
+                    self._release(arena)  # served now, or free again
             except (ModelLoadError, ValueError, OSError) as e:
                 return web.json_response({"success": False, "message": f"Failed to load weights from {path}: {e}",
                                           "num_paused_requests": 0}, status=400)
-            self.model_path, self.hf_tensors, self._stale = path, tensors, False
+            self.model_path, self.hf_tensors, self._stale, self._receiving = path, tensors, False, None
         log.info("loaded weights from %s (weight version %s)", path, self.engine.version)
         paused = self.engine.num_requests
         if body["flush_cache"] and not await self._call(self._can_flush):
@@ -472,6 +491,72 @@ class CpuEngineServer:
         if version is not None:
             message += f" Weight version updated to {version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": paused})
+
+    async def stage_weights_from_disk(self, request: web.Request) -> web.Response:
+        """Not SGLang's: read `model_path` and build its model off the engine thread, beside the served one
+        (which it does not touch), for the `/update_weights_from_disk` of the same path to swap in. One
+        staged model at a time: staging another path replaces it; staging the same unchanged path again
+        reuses it. 400 `{"success": false}` when the checkpoint cannot be read."""
+        try:
+            path = _fields(await _json_body(request), {"model_path": str}, {})["model_path"]
+        except ValueError as e:
+            return _validation_error(str(e))
+        t0 = time.monotonic()
+        try:
+            await (await self._stage(path))
+        except (ModelLoadError, ValueError, OSError) as e:
+            return _answer(False, f"Failed to stage weights from {path}: {e}")
+        log.info("staged weights from %s in %.3fs", path, time.monotonic() - t0)
+        return _answer(True, f"Staged the weights of {path}.")
+
+    async def _stage(self, path: str) -> asyncio.Future:
+        """The staged load of `path`: the one started already when the files are unchanged since, else a new one."""
+        ident = _identity(path)
+        while (staged := self._staged) is not None:
+            if staged[0] == path and ident is not None and staged[1] == ident:
+                return asyncio.shield(staged[2])
+            await self._drop_staged()
+        arena = self._hold(self._arena())
+        load = asyncio.get_running_loop().run_in_executor(None, _load_model, path, arena)
+        self._staged = (path, ident, load, arena)
+        return asyncio.shield(load)
+
+    async def _read_model(self, path: str) -> tuple[CausalLM, dict, "_Buffers"]:
+        """The model of `path` and the buffers it lies in, held until the caller releases them: the staged
+        model when it is of these very files, else read now. Nothing stays staged."""
+        staged = self._staged
+        if staged is not None and staged[0] == path and staged[1] is not None and staged[1] == _identity(path):
+            self._staged = None  # its buffers stay held: they pass to the caller
+            try:
+                return (*await staged[2], staged[3])
+            except (ModelLoadError, ValueError, OSError) as e:
+                self._release(staged[3])
+                log.info("the staged load of %s failed (%s); reading it again", path, e)
+        while self._staged is not None:
+            await self._drop_staged()
+        arena = self._hold(self._arena())
+        try:
+            return (*await asyncio.get_running_loop().run_in_executor(None, _load_model, path, arena), arena)
+        except BaseException:
+            self._release(arena)
+            raise
+
+    async def _drop_staged(self) -> None:
+        """Forget the staged model, once its load (which writes into its buffers) is over."""
+        staged = self._staged
+        if staged is not None:
+            await asyncio.gather(staged[2], return_exceptions=True)
+            if self._staged is staged:
+                self._staged = None
+                self._release(staged[3])
+
+    def _hold(self, arena: "_Buffers") -> "_Buffers":
+        self._held.append(arena)
+        return arena
+
+    def _release(self, arena: "_Buffers") -> None:
+        if any(a is arena for a in self._held):
+            self._held.remove(arena)
 
     # ---- distributed weight update (SGLang's protocol over gloo) ------------------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
@@ -522,7 +607,7 @@ class CpuEngineServer:
             return _unknown_group(name, self.groups)
         try:  # refused before the broadcast, like SGLang (whose rank 0 then waits for this engine until its timeout)
             metas = _tensor_metas(body["names"], body["dtypes"], body["shapes"])
-            if body["load_format"] not in (None, "direct"):
+            if body["load_format"] not in (None, "direct", "flattened_bucket"):
                 raise ValueError(f"load_format={body['load_format']!r} is not supported by the CPU engine")
         except ValueError as e:
             return _answer(False, f"Failed to update parameter online: {e}. The served weights are unchanged.")
@@ -534,7 +619,8 @@ class CpuEngineServer:
                 return _unknown_group(name, self.groups)
             t0 = time.monotonic()
             try:
-                received = await self._dist(_receive, group, metas)
+                arena = self._arena(receive=True)
+                received = await self._dist(_receive, group, metas, arena, body["load_format"] == "flattened_bucket")
             except Exception as e:  # noqa: BLE001 - a broken collective: the group is unusable now
                 log.error("receiving weights failed: %s", e)
                 return _answer(False, f"Failed to update parameter online: {e}. The served weights are "
@@ -545,6 +631,7 @@ class CpuEngineServer:
             except ValueError as e:
                 return _answer(False, f"Failed to update parameter online: {e}. The served weights are unchanged.")
             previous, self.hf_tensors = self.hf_tensors, tensors
+            self._receiving = arena  # until the build, the next bucket goes to the same buffers
             if version is None and self.engine.paused:
                 self._stale = True  # built once: with the bucket that carries the version, or before the next step
             else:
@@ -602,10 +689,28 @@ class CpuEngineServer:
     async def _rebuild(self, version: int | None) -> None:
         """Build the model from `hf_tensors` off the engine thread and swap it in between two steps."""
         async with self._build_lock:
-            tensors, self._stale = self.hf_tensors, False
+            tensors, self._stale, self._receiving = self.hf_tensors, False, None
             model = await asyncio.get_running_loop().run_in_executor(None, CausalLM, self.engine.model.spec,
                                                                      tensors, "update_weights_from_distributed")
             await self._call(self.engine.load_weights, model, version)
+            self._served = _storages(tensors)
+
+    def _arena(self, receive: bool = False) -> "_Buffers":
+        """Buffers for new weights: for a distributed receive, those of the push in progress; else a set
+        that neither the served model, nor `hf_tensors`, nor a load, a staged model or a push in progress
+        uses; else a new set while there are fewer than two; else a set of no buffers (new tensors are
+        allocated then, as SGLang does)."""
+        if receive and self._receiving is not None:
+            return self._receiving
+        used = self._served | _storages(self.hf_tensors)
+        busy = [*self._held, self._receiving]
+        for arena in self._arenas:
+            if not any(arena is b for b in busy) and used.isdisjoint(arena.storages()):
+                return arena
+        if len(self._arenas) < 2:
+            self._arenas.append(_Buffers(self.hf_tensors))
+            return self._arenas[-1]
+        return _Buffers(None)
 
     async def _dist(self, fn, *args):
         """Run `fn` in the group thread. `dist_busy` counts operations until their thread finishes (a
@@ -739,10 +844,82 @@ def _parse_version(v) -> int | None:
         raise ValueError(f"weight_version={v!r}: the CPU engine keeps integer versions") from e
 
 
-def _load_model(path: str) -> tuple[CausalLM, dict]:
-    """The served model and the HF tensors it was built from (a distributed update merges into these)."""
+class _Buffers:
+    """One set of reusable buffers for new weights, shaped like the served HF tensors, allocated when first
+    used (`fused_layout`: a model built from them concatenates nothing). A flattened bucket gets one flat
+    buffer per layout of the bucket."""
+
+    def __init__(self, like: dict | None):
+        import torch
+
+        # shapes and dtypes only (meta tensors): the buffers must not keep the served weights alive
+        self.like = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in (like or {}).items()}
+        self.reusable = like is not None  # else: no buffers kept (every tensor is allocated anew)
+        self.named: dict | None = None if self.reusable else {}
+        self.flat: dict[tuple, object] = {}
+
+    def storages(self) -> set[int]:
+        return _storages(self.named or {}) | _storages(self.flat)
+
+    def tensors(self) -> dict:
+        if self.named is None:
+            self.named = fused_layout(self.like)
+        return self.named
+
+    def flat_buffer(self, metas: list):
+        """A uint8 buffer for a flattened bucket of `metas` (the same one for the same layout)."""
+        import torch
+
+        key = tuple((name, str(dt), tuple(shape)) for name, dt, shape in metas)
+        if not self.reusable:
+            return torch.empty(_nbytes(metas), dtype=torch.uint8)
+        if key not in self.flat:
+            self.flat[key] = torch.empty(_nbytes(metas), dtype=torch.uint8)
+        return self.flat[key]
+
+
+def _nbytes(metas: list) -> int:
+    import torch
+
+    return sum(math.prod(shape) * torch.empty(0, dtype=dt).element_size() for _, dt, shape in metas)
+
+
+def _load_model(path: str, into: _Buffers | None = None) -> tuple[CausalLM, dict]:
+    """The served model and the HF tensors it was built from (a distributed update merges into these).
+    The tensors stay views of the memory-mapped file, but those the model concatenates (q/k/v, gate/up)
+    are copied into `into`'s fused buffers, when it has them, so the model views them there."""
     tensors = read_safetensors(path)
+    if into is not None and into.reusable:
+        targets = into.tensors()
+        fused = _fused_names(targets)
+        for name in fused & tensors.keys():
+            t, dst = tensors[name], targets[name]
+            if t.shape == dst.shape and t.dtype == dst.dtype:
+                tensors[name] = dst.copy_(t)
     return CausalLM(read_spec(path), tensors, path), tensors
+
+
+def _fused_names(tensors: dict) -> set[str]:
+    """The names whose tensors share a storage with another name's (the fused groups of `fused_layout`)."""
+    by_storage: dict[int, list[str]] = {}
+    for name, t in tensors.items():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(name)
+    return {n for names in by_storage.values() if len(names) > 1 for n in names}
+
+
+def _storages(tensors: dict) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in tensors.values()}
+
+
+def _identity(path: str) -> tuple | None:
+    """What tells the files of checkpoint `path` apart from other contents at the same path (inode, size
+    and mtime of config.json and each safetensors file); None when they cannot be listed."""
+    try:
+        names = ["config.json", *safetensors_files(path)]
+        return tuple((n, st.st_ino, st.st_size, st.st_mtime_ns) for n in names
+                     for st in [os.stat(os.path.join(path, n))])
+    except (OSError, ValueError):
+        return None
 
 
 def _fields(body: dict, required: dict, optional: dict) -> dict:
@@ -789,11 +966,32 @@ def _tensor_metas(names: list, dtypes: list, shapes: list) -> list:
     return metas
 
 
-def _receive(group, metas: list) -> dict:
-    """Receive each tensor by broadcast from rank 0 of `group`, in order (the CPU engine's TP is 1)."""
+def _receive(group, metas: list, into: _Buffers, flattened: bool = False) -> dict:
+    """Receive a bucket by broadcast from rank 0 of `group` (the CPU engine's TP is 1): each tensor, in
+    order, into the buffer of its name in `into` when it has the same shape and dtype, else into a new
+    tensor; or, `flattened` (SGLang's load_format="flattened_bucket"), one uint8 tensor holding every
+    tensor's bytes in order, into `into`'s flat buffer for this layout, whose views are returned."""
     import torch
 
-    tensors = {name: torch.empty(shape, dtype=dt) for name, dt, shape in metas}
+    if flattened:
+        flat = into.flat_buffer(metas)
+        broadcast_bucket([flat], group)
+        out, offset = {}, 0
+        for name, dt, shape in metas:
+            size = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+            piece = flat[offset:offset + size]
+            if offset % torch.empty(0, dtype=dt).element_size():  # not aligned for a view: a copy
+                piece = torch.empty(size, dtype=torch.uint8).copy_(piece)
+            out[name] = piece.view(dt).view(shape)
+            offset += size
+        return out
+    named = into.tensors()
+
+    def target(name, dt, shape):
+        t = named.get(name)
+        return t if t is not None and t.dtype == dt and list(t.shape) == list(shape) else torch.empty(shape, dtype=dt)
+
+    tensors = {name: target(name, dt, shape) for name, dt, shape in metas}
     broadcast_bucket(list(tensors.values()), group)
     return tensors
 

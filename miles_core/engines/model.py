@@ -16,6 +16,7 @@ restarted engine should be back quickly.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -231,6 +232,45 @@ def _causal_attention(q, k, v, groups):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def _cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(parts)` (along dim 0), without the copy when the parts already lie one after another in
+    one storage (received into `fused_layout` buffers): then the result is a view of that storage."""
+    first = parts[0]
+    offset, rows, row = first.storage_offset(), 0, math.prod(first.shape[1:])
+    ptr = first.untyped_storage().data_ptr()
+    for p in parts:
+        if (not p.is_contiguous() or p.dtype != first.dtype or p.shape[1:] != first.shape[1:]
+                or p.untyped_storage().data_ptr() != ptr or p.storage_offset() != offset + rows * row):
+            return torch.cat(parts)
+        rows += p.shape[0]
+    return torch.empty(0, dtype=first.dtype).set_(first.untyped_storage(), offset, (rows, *first.shape[1:]))
+
+
+def fused_layout(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty tensors of the names, shapes and dtypes of `tensors`, where each group that the model
+    concatenates (q/k/v weights and biases, gate/up weights) are consecutive row ranges of one buffer,
+    in the order `_llama_weights` concatenates them: a model built from them concatenates by viewing
+    (`_cat_rows`), so weights received into them are served without another copy."""
+    out: dict[str, torch.Tensor] = {}
+    groups = ([".self_attn.q_proj.weight", ".self_attn.k_proj.weight", ".self_attn.v_proj.weight"],
+              [".self_attn.q_proj.bias", ".self_attn.k_proj.bias", ".self_attn.v_proj.bias"],
+              [".mlp.gate_proj.weight", ".mlp.up_proj.weight"])
+    for name in tensors:
+        for group in groups:
+            if name.endswith(group[0]):
+                names = [name[:-len(group[0])] + g for g in group]
+                parts = [tensors.get(n) for n in names]
+                if all(p is not None and p.dtype == parts[0].dtype and p.shape[1:] == parts[0].shape[1:]
+                       for p in parts):
+                    buf = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=parts[0].dtype)
+                    for n, piece in zip(names, buf.split([p.shape[0] for p in parts])):
+                        out[n] = piece
+    for name, t in tensors.items():
+        if name not in out:
+            out[name] = torch.empty(t.shape, dtype=t.dtype)
+    return out
+
+
 def _strip(tensors: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
     out = {}
     for k, v in tensors.items():
@@ -307,13 +347,13 @@ def _llama_weights(spec: ModelSpec, tensors):
         a = p + "self_attn."
         w = {
             "ln1_w": t[p + "input_layernorm.weight"], "ln2_w": t[p + "post_attention_layernorm.weight"],
-            "qkv_w": torch.cat([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
+            "qkv_w": _cat_rows([t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]),
             "o_w": t[a + "o_proj.weight"],
-            "gate_up_w": torch.cat([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
+            "gate_up_w": _cat_rows([t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"]]),
             "down_w": t[p + "mlp.down_proj.weight"],
         }
         if a + "q_proj.bias" in t:
-            w["qkv_b"] = torch.cat([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
+            w["qkv_b"] = _cat_rows([t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]])
         if a + "o_proj.bias" in t:
             w["o_b"] = t[a + "o_proj.bias"]
         layers.append(w)

@@ -13,6 +13,7 @@ and what to do; it never rewrites the config.
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from miles_core.config import RunConfig
@@ -21,11 +22,14 @@ from miles_core.config.rules import raise_problems, recompute_layers_problem, ru
 from miles_core.engines.auth import bind_problem
 from miles_core.models.builtin import builtin_hf_config
 from miles_core.models.source import PACKAGED, is_builtin
-from miles_core.prepare.memory import Shape, memory_problems
+from miles_core.prepare import memory
+from miles_core.prepare.memory import GIB, Shape, budget_fit, memory_fit
 from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.prepare.scoring import reward_problems
 from miles_core.rollout.episodes import load_generate_function
 from miles_core.storage import Store
+
+log = logging.getLogger(__name__)
 
 
 def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
@@ -64,19 +68,43 @@ def _memory(cfg: RunConfig) -> list[str]:
 
 def model_problems(hf_config: dict, cfg: RunConfig) -> list[str]:
     """What the trainer's flags need of the model: --recompute-num-layers fits its layers; with
-    --gpu-memory-gb, the trainer's estimated memory per GPU fits it."""
+    --gpu-memory-gb, the trainer can fit it (`memory_fit`)."""
+    return model_fit(hf_config, cfg)[0]
+
+
+def model_fit(hf_config: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
+    """(`model_problems`, the warnings of a trainer that may not fit --gpu-memory-gb)."""
     t = cfg.train
     layers = Shape.from_hf_config(hf_config).layers
     problem = recompute_layers_problem(layers, t.recompute_method, t.recompute_num_layers)
-    problems = [problem] if problem else []
-    return problems + (memory_problems(hf_config, cfg, t.gpu_memory_gb) if t.gpu_memory_gb else [])
+    problems, warnings = budget_fit(hf_config, cfg, t.gpu_memory_gb) if t.gpu_memory_gb else ([], [])
+    return ([problem] if problem else []) + problems, warnings
 
 
 def check_memory(cfg: RunConfig, model_uri: str) -> None:
     """ConfigError when `model_problems` finds any for the model at `model_uri` (present by now,
-    wherever it lives); called before any role starts."""
+    wherever it lives), a logged warning when the trainer may not fit --gpu-memory-gb; called before
+    any role starts."""
     if cfg.train.gpu_memory_gb or cfg.train.recompute_method:
-        raise_problems(model_problems(Store(model_uri).get_json("config.json"), cfg))
+        problems, warnings = model_fit(Store(model_uri).get_json("config.json"), cfg)
+        for w in warnings:
+            log.warning("trainer memory: %s", w)
+        raise_problems(problems)
+
+
+def check_device_memory(cfg: RunConfig, model_uri: str, *, warn: bool = True) -> None:
+    """On a trainer rank, before its model is built, without --gpu-memory-gb (checked before the run
+    started): the trainer's estimate against the memory of this rank's CUDA device (`memory_fit`):
+    ConfigError when the trainer cannot fit it, a logged warning (`warn`) when it may not. Nothing
+    without CUDA."""
+    total = None if cfg.train.gpu_memory_gb else memory.device_memory_bytes()
+    if total is None:
+        return
+    problems, warnings = memory_fit(Store(model_uri).get_json("config.json"), cfg, total / GIB,
+                                    f"this trainer rank's GPU has {total / GIB:.1f} GiB (--gpu-memory-gb not set)")
+    for w in warnings if warn else []:
+        log.warning("trainer memory: %s", w)
+    raise_problems(problems)
 
 
 def local_hf_config(cfg: RunConfig) -> dict | None:

@@ -25,6 +25,7 @@ from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import free_port, lost_actors
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
+from miles_core.prepare.checks import check_device_memory
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
@@ -58,7 +59,10 @@ class TrainerWorker:
             torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
 
         self.cfg, self.rank = cfg, rank
-        self.trainer = Trainer(cfg.train, localize(require_uri(hf_uri, "--hf-checkpoint"), "models"),
+        # Before anything is allocated: a trainer that cannot fit this rank's GPU is refused on every rank
+        # (a rank left building its model would wait at the rendezvous for one that refused); rank 0 warns.
+        check_device_memory(cfg, require_uri(hf_uri, "--hf-checkpoint"), warn=rank == 0)
+        self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
         apply_ref_load(self.trainer, cfg.train.ref_load)
         self.run_store = Store(cfg.run_uri)

@@ -38,7 +38,8 @@ def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshot
     # The small files (config, tokenizer) commit in parallel with the weights: each put is fsynced.
     with ThreadPoolExecutor(max_workers=4) as pool:
         small = [pool.submit(copy, name) for name in trainer.aux_files]
-        put_tensors(store, f"{key}/model.safetensors" if key else "model.safetensors", trainer.hf_state_dict(dtype))
+        put_tensors(store, f"{key}/model.safetensors" if key else "model.safetensors", trainer.hf_state_dict(dtype),
+                    digest=False)  # nothing lists a snapshot's digest: write the bytes once, never read them back
         for f in small:
             f.result()
     store.put_bytes(marker, b"")

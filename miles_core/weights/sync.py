@@ -4,13 +4,19 @@
   1. version += 1;
   2. export the snapshot (store transport) -- before the pause, since it reads only the trainer,
      so engines stay paused for the reload alone;
-  3. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
-  4. load the weights on every engine: each copies the snapshot to its node and
-     `update_weights_from_disk(local path, version, flush_cache=False)` (store), or the
+  3. stage it (a transport's optional `stage`), still before the pause, while engines generate:
+     the store transport has each engine's node copy the snapshot (`localize`: in place for a
+     file:// run root) and each CPU engine read it and build the new model beside the served one,
+     so the pause holds the in-memory swap alone. Staging is best effort (an engine without it,
+     such as SGLang, or a failed stage, only means that engine loads from disk while paused) and
+     never changes what an engine serves;
+  4. pause every engine with `pause_generation_mode` (retract | in_place; abort is refused);
+  5. load the weights on every engine: each `update_weights_from_disk(local path, version,
+     flush_cache=False)` (store: a staged CPU engine swaps in the model it built), or the
      bucketed broadcast of `DistributedWeightTransport` (NCCL on GPU, gloo on CPU), setting the
      weight version without aborting;
-  5. resume every engine;
-  6. publish the version to the rollout side (a callback).
+  6. resume every engine;
+  7. publish the version to the rollout side (a callback).
 Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a
 failed push never leaves engines paused.
 
@@ -33,12 +39,15 @@ and the CPU engine server alike, so `engines=[client]` is the usual call.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 from miles_core.failures import chaos
+from miles_core.metrics import trace
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize
 from miles_core.weights.snapshot import MARKER, export_snapshot, snapshot_key
@@ -56,7 +65,9 @@ class EngineControl(Protocol):
 
 
 class WeightTransport(Protocol):
-    """How weights reach the engines: `prepare` runs before the pause, `load` while paused."""
+    """How weights reach the engines: `prepare` runs before the pause, `load` while paused. A transport
+    may also have `async stage(engines, version)`, run between the two before the pause: best effort,
+    it must not change what any engine serves (see the module doc)."""
 
     def prepare(self, step: int) -> str | None: ...
     async def load(self, engines: Sequence[EngineControl], version: int) -> None: ...
@@ -74,6 +85,7 @@ class PushResult:
     export_seconds: float
     pause_seconds: float
     total_seconds: float
+    stage_seconds: float = 0.0  # after the export, before the pause (the transport's `stage`)
 
 
 class StoreWeightTransport:
@@ -81,15 +93,19 @@ class StoreWeightTransport:
     own node and loads it (DESIGN §15: nothing local crosses a node).
 
     `loaders[i](uri, version)` loads on engine i from its node (the engine's Ray actor:
-    `EngineActor.load_weights`). Without loaders the engines are this node's (tests, benchmarks):
-    the snapshot is copied here once and every engine loads that local path.
+    `EngineActor.load_weights`), and `stagers[i](uri)`, when given, stages it there before the pause
+    (`EngineActor.stage_weights`). Without loaders the engines are this node's (tests, benchmarks):
+    the snapshot is localized here once (a file:// run root is read in place, never copied) and
+    every engine stages, then loads, that local path.
     """
 
     def __init__(self, trainer, store: Store, *, prefix: str = "snapshots",
-                 loaders: Sequence[Callable[[str, int], None]] | None = None):
-        self.trainer, self.store, self.prefix, self.loaders = trainer, store, prefix, loaders
+                 loaders: Sequence[Callable[[str, int], None]] | None = None,
+                 stagers: Sequence[Callable[[str], None]] | None = None):
+        self.trainer, self.store, self.prefix, self.loaders, self.stagers = trainer, store, prefix, loaders, stagers
         self.key: str | None = None
         self.uri: str | None = None
+        self._local: tuple[str, str] | None = None  # (uri, its local path) once localized here
 
     def prepare(self, step: int) -> str:
         """Export the snapshot of `step` (once: a push made again after a lost engine reuses it)."""
@@ -98,13 +114,38 @@ class StoreWeightTransport:
             self.uri = self.store.uri(self.key)
         return self.uri
 
+    async def stage(self, engines: Sequence[EngineControl], version: int) -> None:
+        """Before the pause: the snapshot on each engine's node, read and built by each engine that can
+        (best effort: a failure is logged, and that engine loads from disk while paused)."""
+        try:
+            if self.loaders is not None:
+                calls = [asyncio.to_thread(stage, self.uri) for stage in self.stagers or ()]
+            else:
+                path = await self._localized()
+                calls = [e.stage_weights_from_disk(path) for e in engines if hasattr(e, "stage_weights_from_disk")]
+            for r in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(r, Exception):
+                    log.warning("weights v%d: staging %s failed (the engine loads it while paused): %s",
+                                version, self.uri, r)
+                elif isinstance(r, BaseException):
+                    raise r
+        except Exception as e:  # noqa: BLE001 - staging only saves pause time; the load reports real failures
+            log.warning("weights v%d: staging %s failed (engines load it while paused): %s", version, self.uri, e)
+
     async def load(self, engines: Sequence[EngineControl], version: int) -> None:
         if self.loaders is not None:
             await asyncio.gather(*(asyncio.to_thread(load, self.uri, version) for load in self.loaders))
             return
-        path = await asyncio.to_thread(localize, self.uri, "weights", required=MARKER)
+        path = await self._localized()
         await asyncio.gather(*(e.update_weights_from_disk(path, version, flush_cache=False,
                                                           abort_all_requests=False) for e in engines))
+
+    async def _localized(self) -> str:
+        """This node's copy of the snapshot (localize: a file:// run root is used in place)."""
+        if self._local is None or self._local[0] != self.uri or not os.path.exists(os.path.join(self._local[1], MARKER)):
+            uri = self.uri
+            self._local = (uri, await asyncio.to_thread(localize, uri, "weights", required=MARKER))
+        return self._local[1]
 
 
 @dataclass
@@ -132,24 +173,35 @@ class WeightSync:
         t0 = time.perf_counter()
         self.version += 1
         version = self.version
+        span = functools.partial(trace.span, lane="weights", version=version)
+        stage = getattr(self.transport, "stage", None)
         try:
-            snapshot = await asyncio.to_thread(self.transport.prepare, step)
+            with span("export"):
+                snapshot = await asyncio.to_thread(self.transport.prepare, step)
+            t_export = time.perf_counter()
+            if stage is not None:  # still before the pause: engines keep generating meanwhile
+                with span("stage"):
+                    await stage(self.engines, version)
         except BaseException:
             self.version -= 1  # no engine saw this version: the next push reuses the number
             raise
         t1 = time.perf_counter()
         try:  # every engine is resumed whatever fails in between, so none stays paused
-            await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
+            with span("pause"):
+                await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
             chaos.point("weights.push")
-            await self.transport.load(self.engines, version)
+            with span("load", engines=len(self.engines)):
+                await self.transport.load(self.engines, version)
         finally:
-            await asyncio.gather(*(e.continue_generation() for e in self.engines))
+            with span("resume"):
+                await asyncio.gather(*(e.continue_generation() for e in self.engines))
         t_resume = time.perf_counter()
-        res = self.publish(version)
-        if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
-            await res
-        result = PushResult(version, snapshot, t1 - t0, t_resume - t1, time.perf_counter() - t0)
+        with span("publish"):
+            res = self.publish(version)
+            if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
+                await res
+        result = PushResult(version, snapshot, t_export - t0, t_resume - t1, time.perf_counter() - t0, t1 - t_export)
         self.history.append(result)
-        log.info("weights v%d pushed at step %d: export %.3fs, engines paused %.3fs", version, step,
-                 result.export_seconds, result.pause_seconds)
+        log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version, step,
+                 result.export_seconds, result.stage_seconds, result.pause_seconds)
         return result

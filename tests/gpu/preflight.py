@@ -22,7 +22,8 @@ PACKAGES = ("torch", "numpy", "safetensors", "transformers", "tokenizers", "hugg
             "cloudpickle", "yaml", "pytest", "megatron.core")
 MEGATRON_MODULES = ("megatron.core.optimizer", "megatron.core.distributed", "megatron.core.models.gpt")
 PROJECT_MODULES = ("miles_core.config", "miles_core.storage", "miles_core.train.trainer", "miles_core.train.checkpoint",
-                   "miles_core.engines.model", "miles_core.prepare.memory", "miles_core.models.builtin",
+                   "miles_core.engines.model", "miles_core.prepare.memory", "miles_core.prepare.checks",
+                   "miles_core.models.builtin",
                    "bench.gpu_check", "tests.unit.test_train")
 HINTS = {"megatron": "carry megatron-core: run `bash tests/gpu/check.sh --vendor` here, then name .gpu_vendor in "
                      "the run's carry",

@@ -182,3 +182,96 @@ def test_the_seven_b_figures_of_docs_training_md_are_the_estimate():
     assert f"trainer memory per GPU (estimate): {tp2.describe()}" in shown, shown
     refused = memory_problems(LLAMA_7B, cfg(*SEVEN_B_8, "--tensor-model-parallel-size", "1"), 80)
     assert len(refused) == 1 and refused[0] in shown, (refused, shown)
+
+
+def test_the_estimate_is_an_upper_bound_so_only_a_run_that_cannot_fit_is_refused():
+    """Pins: refused when even LOWER_BOUND x the estimate exceeds the memory, a warning naming the same
+    flags when only the estimate does (7B TP 1 on 8 GPUs: 140.6 GiB, 0.75x of it 105.4). Guards: a run
+    the estimate's own error bars say may fit being refused."""
+    from miles_core.prepare.memory import LOWER_BOUND, budget_fit
+
+    total = estimate(LLAMA_7B, cfg(*SEVEN_B_8)).total / GIB
+    assert LOWER_BOUND * total < 120 < total
+    problems, warnings = budget_fit(LLAMA_7B, cfg(*SEVEN_B_8), 120)
+    assert problems == [] and len(warnings) == 1
+    assert "--gpu-memory-gb is 120" in warnings[0] and "may run out of GPU memory" in warnings[0]
+    assert "Would fit: --use-distributed-optimizer" in warnings[0]
+    assert budget_fit(LLAMA_7B, cfg(*SEVEN_B_8), 100)[0] and budget_fit(LLAMA_7B, cfg(*SEVEN_B_8), 141) == ([], [])
+
+
+def _model_dir(tmp_path, hf_config):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps(hf_config))
+    return f"file://{tmp_path}"
+
+
+def test_a_trainer_rank_without_gpu_memory_gb_compares_the_estimate_with_its_gpu(tmp_path, monkeypatch, caplog):
+    """Pins: `check_device_memory` (TrainerWorker.__init__, before the model is built) refuses a trainer
+    that cannot fit the device's memory, naming what it needs, what the GPU has and a flag that fits;
+    warns in the upper-bound band; passes a GPU that holds it. Guards: without --gpu-memory-gb nothing
+    compared the estimate with the GPU, so the run died at its first step with CUDA out of memory."""
+    from miles_core.prepare import memory
+    from miles_core.prepare.checks import check_device_memory
+
+    uri = _model_dir(tmp_path, LLAMA_7B)
+    seven_b = cfg(*SEVEN_B_8)  # 140.6 GiB per GPU
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
+    with pytest.raises(ConfigError) as refused:
+        check_device_memory(seven_b, uri)
+    message = str(refused.value)
+    assert "the trainer needs about 140.6 GiB per GPU" in message and "GPU has 80.0 GiB" in message
+    assert "Would fit: --use-distributed-optimizer or --tensor-model-parallel-size 2" in message
+    check_device_memory(cfg(*SEVEN_B_8, "--tensor-model-parallel-size", "2"), uri)  # 72 GiB fits
+
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 120 * GIB)  # the band: 105.4 < 120 < 140.6
+    with caplog.at_level("WARNING", logger="miles_core.prepare.checks"):
+        check_device_memory(seven_b, uri)
+        check_device_memory(seven_b, uri, warn=False)  # the other ranks
+    assert [r.getMessage().count("GPU has 120.0 GiB") for r in caplog.records] == [1]
+
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 200 * GIB)
+    check_device_memory(seven_b, uri)
+
+    def no_probe():
+        raise AssertionError("--gpu-memory-gb replaces the device's memory (checked before the run started)")
+
+    monkeypatch.setattr(memory, "device_memory_bytes", no_probe)
+    check_device_memory(cfg(*SEVEN_B_8, "--gpu-memory-gb", "40"), uri)
+
+
+def test_on_cpu_nothing_is_compared(tmp_path, monkeypatch):
+    """device_memory_bytes is None without CUDA, and then even a trainer no GPU holds passes."""
+    import torch
+
+    from miles_core.prepare import memory
+    from miles_core.prepare.checks import check_device_memory
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: tests/gpu/test_device_memory.py")
+    assert memory.device_memory_bytes() is None
+    check_device_memory(cfg(*SEVEN_B_8), _model_dir(tmp_path, LLAMA_7B))
+
+
+def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeypatch):
+    """Pins: TrainerWorker.__init__ runs the device check first, on every rank (a rank left building its
+    model would wait at the rendezvous for one that refused)."""
+    import torch
+
+    from miles_core.prepare import memory
+    from miles_core.train import worker
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the memory check")
+
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # __init__ sets them
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()  # __init__ sets them on CPU
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
+    monkeypatch.setattr(worker, "Trainer", no_model)
+    try:
+        for rank in (0, 3):
+            with pytest.raises(ConfigError, match="GPU has 80.0 GiB"):
+                worker.TrainerWorker(cfg(*SEVEN_B_8), _model_dir(tmp_path, LLAMA_7B), rank, 8, ("127.0.0.1", 1), [])
+    finally:
+        torch.set_num_threads(threads)
