@@ -191,7 +191,7 @@ LOWER_BOUND = 0.75
 
 def memory_fit(hf_config: dict, cfg: RunConfig, memory_gb: float, has: str) -> tuple[list[str], list[str]]:
     """(problems, warnings) of the trainer's estimate against `memory_gb` GiB per GPU, `has` saying
-    whose memory that is ("--gpu-memory-gb is 80", "the trainer's GPU has 139.8 GiB"): a problem (the
+    whose memory that is ("--gpu-memory-gb is 80", "this trainer rank's GPU has 139.8 GiB"): a problem (the
     run is refused) when even LOWER_BOUND x the estimate exceeds it, a warning (the run goes on) when
     only the estimate does; each with the estimate and every single change of the flags that fits."""
     est = estimate(hf_config, cfg)
