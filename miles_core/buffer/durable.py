@@ -49,6 +49,7 @@ from miles_core.buffer.contract import (
     DataBufferError,
     UnusedSamplesHandler,
 )
+from miles_core.buffer.manifests import REBUILT_IDS
 from miles_core.failures import chaos
 from miles_core.samples import Group, groups_to_batch
 from miles_core.storage import ObjectNotFound, StorageError, Store, validate_name
@@ -204,6 +205,7 @@ class DurableBuffer:
         for (step, _), manifest in zip(later, manifests):
             consumed.update(manifest.get("consumed", ()))
             consumed.update(manifest.get("rejected", ()))
+            consumed.update(manifest.get(REBUILT_IDS, ()))  # rebuilt by `miles doctor`: taken, which way unknown
             for key in manifest.get("objects_done", ()):
                 self._note_done(key)
             self._last_step = step if self._last_step is None else max(self._last_step, step)

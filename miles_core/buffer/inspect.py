@@ -23,7 +23,9 @@ def inspect_buffer(run_uri: str) -> dict:
     readable manifest names but the compaction record covers (consumed or rejected at a step whose
     manifest does not parse); available: the rest (what a reopened buffer serves); unreadable_manifests:
     the manifests that do not parse ({"step", "key", "reason", "covered_by_compaction"}: the groups of
-    one not covered count as available here, wrongly if they were trained); oldest_version /
+    one not covered count as available here, wrongly if they were trained); rebuilt_manifests: the steps
+    whose manifest `miles doctor --repair` rebuilt from the compaction record (their groups count under
+    consumed_or_rejected_unattributed); oldest_version /
     newest_version: over the available groups' token versions (None when unknown or none).
     """
     store = Store(run_uri)
@@ -51,6 +53,7 @@ def inspect_buffer(run_uri: str) -> dict:
         "consumed_steps": len(steps),
         "last_consumed_step": max(steps) if steps else None,
         "unreadable_manifests": _unreadable_rows(store, record),
+        "rebuilt_manifests": record.rebuilt_steps(),
         "compaction_error": record.compaction_error,
         "oldest_version": min(oldest) if oldest else None,
         "newest_version": max(newest) if newest else None,

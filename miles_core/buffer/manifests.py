@@ -14,6 +14,14 @@ so instead of counting wrong: a group the compaction covers but no readable mani
 are unknown. Readers never write (a bad manifest is left where it is, for the user to restore).
 A resume refuses a bad manifest after the compaction step (miles_core.buffer.durable), since
 treating its groups as unconsumed would train them twice.
+
+`miles doctor --repair` (miles_core.lineage.doctor) rebuilds a bad manifest the compaction covers when
+its groups can be told exactly: it is the only covered step without a readable manifest and every
+object the compaction counts as done is still stored, so its groups are what the compaction covers
+less what the other manifests name. Which of them were trained and which rejected, and their order,
+are not recorded anywhere, so the rebuilt manifest lists them under REBUILT_IDS (`consumed` and
+`rejected` empty): a resume counts them as taken, `runs show` and `lineage` as "consumed or rejected at
+step k", fork and replay through that step refuse.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import miles_core.buffer.objects as O
 from miles_core.storage import ObjectNotFound, Store
@@ -29,6 +38,7 @@ from miles_core.storage import ObjectNotFound, Store
 log = logging.getLogger(__name__)
 
 READ_THREADS = 16  # object-store latency, not CPU, bounds reading many small manifests
+REBUILT_IDS = "consumed_or_rejected"  # a rebuilt manifest's groups: consumed or rejected at its step, not which
 
 
 class BadManifest(ValueError):
@@ -43,9 +53,20 @@ class ConsumptionRecord:
     compacted_ids: frozenset[str] = frozenset()
     compacted_done: dict[str, set[int]] = field(default_factory=dict)  # writer -> seqs of objects done
     compaction_error: str = ""  # why the newest compaction record does not parse, "" when it does
+    compaction_deleted_objects: bool = False  # the newest compaction deleted the objects consumed through it
+
+    @cached_property
+    def rebuilt(self) -> dict[str, int]:
+        """group id -> step, for the groups of manifests rebuilt from the compaction record (REBUILT_IDS)."""
+        return {gid: step for step, m in self.manifests.items() for gid in m.get(REBUILT_IDS, ())}
+
+    def rebuilt_steps(self) -> list[int]:
+        return [step for step, m in self.manifests.items() if REBUILT_IDS in m]
 
     def covered(self, group_id: str, key: str | None) -> bool:
         """Whether the compaction record says the group (in object `key`) was consumed or rejected."""
+        if group_id in self.rebuilt:
+            return True
         if self.compacted_through is None:
             return False
         parsed = O.split_group_key(key) if key else None
@@ -69,7 +90,7 @@ def parse_manifest(data: bytes, source: str) -> dict:
         manifest = json.loads(data)
     except ValueError as e:  # truncated, empty, garbage, not UTF-8
         raise BadManifest(f"{source} is not valid JSON ({len(data)} bytes: {e})") from e
-    lists = ("consumed", "rejected", "objects_done")
+    lists = ("consumed", "rejected", "objects_done", REBUILT_IDS)
     if not isinstance(manifest, dict) or not isinstance(manifest.get("consumed"), list) or any(
             not isinstance(manifest.get(k, []), list) for k in lists):
         raise BadManifest(f"{source} is not a consumption manifest (expected an object with a 'consumed' list)")
@@ -108,7 +129,7 @@ def _compaction(store: Store) -> dict:
         record = json.loads(store.get_bytes(key))
         done = {w: O.from_ranges(runs) for w, runs in record.get("objects_done", {}).items()}
         return {"compacted_through": compacted[-1], "compacted_ids": frozenset(record.get("consumed", ())),
-                "compacted_done": done}
+                "compacted_done": done, "compaction_deleted_objects": bool(record.get("deleted_consumed_objects"))}
     except ObjectNotFound:
         return {}
     except (ValueError, TypeError, AttributeError) as e:

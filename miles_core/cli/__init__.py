@@ -8,6 +8,8 @@
     miles lineage RUN_URI GROUP_ID [--json]         where one group came from and went
     miles report RUN_URI [-o FILE]                  a self-contained HTML report of a run
     miles trace RUN_URI [--steps A:B] [-o FILE]     the run's timeline as Chrome trace-event JSON (Perfetto)
+    miles doctor RUN_URI [--repair] [--json]        a run root checked end to end (exit 1: it cannot continue
+                                                    as it is); --repair fixes what can be fixed
     miles import-model SRC DEST_URI                 a GGUF file (or import:NAME) or an HF directory, imported
     miles fork RUN_URI --at-step K --new-run ID [FLAGS...]    a new run from step K's checkpoint
     miles replay RUN_URI [--steps N] [--from-step K] [--out URI] [FLAGS...]   retrain on the recorded groups
@@ -17,7 +19,7 @@
 Every command answers -h/--help anywhere on its line, takes its options before or after its
 positional arguments, and reports every problem of its command line at once. Exit status (see
 `miles_core.cli.errors`): 0 ok, 1 a runtime failure, 2 a usage or configuration error. The commands
-that only read (runs, buffer, lineage, report, trace) give up on unreachable storage after
+that read run roots (runs, buffer, lineage, report, trace, doctor) give up on unreachable storage after
 --storage-timeout seconds (default 5). `main(argv)` returns the status instead of exiting, for
 in-process callers.
 """

@@ -1,4 +1,5 @@
-"""The `miles` commands that only read run roots: runs show|list, buffer inspect, lineage, report, trace.
+"""The `miles` commands that read run roots: runs show|list, buffer inspect, lineage, report, trace, and doctor
+(which writes only with --repair).
 
 Each takes --storage-timeout SECONDS (default `READ_TIMEOUT_SECONDS`): unreachable storage ends the
 command after that many seconds of retries instead of the storage layer's 60 s, which exist so a
@@ -191,6 +192,39 @@ def _trace_run(ns) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- doctor
+
+
+def _doctor(p: CommandParser) -> None:
+    p.description = ("Checks a run root end to end: config and STATUS records, LATEST, the lease, every checkpoint "
+                     "against its COMPLETE, the consumption manifests and compaction record, every buffer object "
+                     "against them, eval results and requests, snapshots, temporaries of unfinished writes. Each "
+                     "finding says what it means for the run and the fix. Exit status: 0 when the run can continue "
+                     "as it is (warnings allowed), 1 when it cannot, 2 a usage error. With --repair it rebuilds "
+                     "STATUS.json and covered consumption manifests, moves what it removes under "
+                     "quarantine/doctor/{time}/ (undecodable buffer objects to buffer/quarantine/), never deletes a "
+                     "committed group or a complete checkpoint, refuses while a live writer holds the lease, and "
+                     "checks again.")
+    p.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
+    p.add_argument("--repair", action="store_true",
+                   help="make the repairs it can (see above), then check again and print what remains")
+    p.add_argument("--verify-checksums", action="store_true",
+                   help="verify every checkpoint file's sha256 too (default: sizes, and checksums of checkpoints "
+                        "under 256 MiB, as a resume does)")
+    _common(p)
+    p.set_defaults(handler=_doctor_run)
+
+
+def _doctor_run(ns) -> int:
+    # torch: the checkpoints are verified by the trainer's checkpoint manager
+    from miles_core.lineage.doctor import diagnose, render_report, repair
+
+    with storage_budget(ns.storage_timeout):
+        report = (repair if ns.repair else diagnose)(ns.run_uri, verify_checksums=ns.verify_checksums)
+    _emit(report.to_json(), lambda _: render_report(report), ns.json)
+    return 0 if report.can_continue else 1
+
+
 COMMANDS = [
     Command("runs", "what runs hold: `runs show RUN_URI` one run, `runs list STORAGE_ROOT` every run", _runs),
     Command("buffer", "a run's durable buffer: `buffer inspect RUN_URI` its counts, with --ids its group ids",
@@ -198,4 +232,5 @@ COMMANDS = [
     Command("lineage", "where one group of a run came from and went", _lineage),
     Command("report", "a self-contained HTML report of a run", _report),
     Command("trace", "a run's timeline as Chrome trace-event JSON (Perfetto opens it)", _trace),
+    Command("doctor", "check a run root end to end (--repair: fix what can be fixed)", _doctor),
 ]

@@ -21,6 +21,7 @@ from miles_core.config.rules import raise_problems
 from miles_core.driver.handles import RayActorHandle
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
 from miles_core.rollout.manager import rollout_manager_actor
 
@@ -115,7 +116,8 @@ class TrainerGroup:
         where = ray.get(ray.remote(rendezvous_address).options(**opts[0]).remote())  # rank 0's node and port
         worker = ray.remote(TrainerWorker)
         self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_uri, r, self.world_size, where,
-                                                                           engine_urls, engine_actors)
+                                                                           engine_urls, engine_actors,
+                                                                           check_device_memory)
                        for r in range(self.world_size)]
 
     def _place(self, cfg, timeout_seconds: float) -> list[dict]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from miles_core.buffer import objects as O
-from miles_core.buffer.manifests import BadManifest, ConsumptionRecord, parse_manifest, read_consumption
+from miles_core.buffer.manifests import REBUILT_IDS, BadManifest, ConsumptionRecord, parse_manifest, read_consumption
 from miles_core.config import RunConfig, replace_fields
 from miles_core.config.record import read_run_config
 from miles_core.storage import ObjectNotFound, StorageError, Store, normalize_uri
@@ -113,13 +113,19 @@ class RecordedRun:
 
     def _manifest(self, key: str) -> dict | None:
         try:
-            return parse_manifest(self.store.get_bytes(key), self.store.uri(key))
+            manifest = parse_manifest(self.store.get_bytes(key), self.store.uri(key))
         except ObjectNotFound:
             return None
         except BadManifest as e:
             raise LineageError(f"{e}: the groups that step trained on are unknown, so the run cannot be forked or "
                                "replayed through it. Restore the file from a backup, or fork or replay an earlier "
                                "step.") from e
+        if REBUILT_IDS in manifest:
+            raise LineageError(f"{self.store.uri(key)} was rebuilt from the compaction record (`miles doctor "
+                               "--repair`): it says which groups that step took, not which it trained or in what "
+                               "order, so the run cannot be forked or replayed through it. Restore the original "
+                               "from a backup, or fork or replay an earlier step.")
+        return manifest
 
     def group_keys(self) -> list[str]:
         """Every committed group object, in commit order (writer ids start with their start time)."""

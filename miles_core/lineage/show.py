@@ -160,7 +160,12 @@ def _unreadable_lines(b: dict) -> list[str]:
     covered = [r["step"] for r in bad if r["covered_by_compaction"]]
     after = [r["step"] for r in bad if not r["covered_by_compaction"]]
     lines, unattributed = [], b.get("consumed_or_rejected_unattributed", 0)
-    if unattributed or covered:
+    rebuilt = b.get("rebuilt_manifests") or []
+    if (unattributed or covered) and rebuilt:
+        lines.append(f"\n             + {unattributed} consumed or rejected at steps whose manifest does not parse "
+                     f"({_steps(covered) or 'none'}) or was rebuilt from the compaction record ({_steps(rebuilt)}), "
+                     "which does not say which")
+    elif unattributed or covered:
         lines.append(f"\n             + {unattributed} consumed or rejected at steps whose "
                      f"manifest does not parse ({_steps(covered) or 'none'}; counted from the compaction record)")
     if after:

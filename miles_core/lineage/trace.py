@@ -75,12 +75,15 @@ def _find_group(run: RecordedRun, group_id: str):
 
 
 def _fate(record: ConsumptionRecord, group_id: str, key: str | None) -> dict | None:
-    """{"step", "outcome": consumed | rejected} from the first manifest that lists the group; when none
-    does but a manifest that does not parse may have, outcome "unknown" with those steps."""
+    """{"step", "outcome": consumed | rejected} from the first manifest that lists the group; outcome
+    "consumed_or_rejected" at the step of a manifest rebuilt from the compaction record that lists it; when
+    none does but a manifest that does not parse may have, outcome "unknown" with those steps."""
     for step, manifest in record.manifests.items():
         for outcome in ("consumed", "rejected"):
             if group_id in manifest.get(outcome, ()):
                 return {"step": step, "outcome": outcome}
+    if group_id in record.rebuilt:  # its manifest was rebuilt from the compaction record (`miles doctor --repair`)
+        return {"step": record.rebuilt[group_id], "outcome": "consumed_or_rejected"}
     covered = record.covered(group_id, key)
     steps = record.unreadable_covered() if covered else record.unreadable_after() if key else []
     if not steps:
@@ -149,7 +152,7 @@ def render_lineage(t: dict) -> str:
         lines += [f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} tokens "
                   f"{s['response']!r}, versions {_versions(s['versions'])}" for s in t["samples"]]
     lines.append(_fate_line(t["fate"]))
-    if t["fate"] is not None and t["fate"]["outcome"] == "unknown":
+    if t["fate"] is not None and t["fate"]["outcome"] in ("unknown", "consumed_or_rejected"):
         return "\n".join(lines)
     if t["fate"] is not None and t["fate"]["outcome"] == "rejected":
         lines.append("             never trained: no checkpoint, snapshot or eval includes it (with "
@@ -183,6 +186,9 @@ def _fate_line(fate: dict | None) -> str:
                     f"does not parse: {steps}")
         return (f"consumed     unknown: no readable manifest names it, and the manifests of steps {steps} do not "
                 "parse (it may have been trained there, or still be in the buffer)")
+    if fate["outcome"] == "consumed_or_rejected":
+        return (f"consumed     or rejected at step {fate['step']} (its consumption manifest was rebuilt from the "
+                "compaction record, which does not say which)")
     if fate["outcome"] == "rejected":
         return f"rejected     at step {fate['step']}: too stale (--max-weight-staleness) when the trainer took it"
     return f"consumed     trained at step {fate['step']}"

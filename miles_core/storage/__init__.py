@@ -309,6 +309,29 @@ class Store:
                 sizes[rel] = int(info.get("size") or 0)
         return dict(sorted(sizes.items()))
 
+    def list_temporaries(self, prefix: str = "") -> dict[str, dict]:
+        """{key: {"size", "modified"}} of the temporaries of unfinished writes under `prefix` (names holding
+        TMP_MARK, which `list` hides): on file:// what a commit writes before its rename, left by a crash
+        between the two; on object stores a conditional-write probe a crash left. `modified` is Unix
+        seconds, None when the store does not say. Sorted by key."""
+        base = self.path(prefix)
+
+        def find():
+            self._invalidate(base)
+            try:
+                return self.fs.find(base, detail=True)
+            except FileNotFoundError:
+                return {}
+
+        root = self.root.rstrip("/") + "/"
+        out = {}
+        for p, info in self._retry(f"list temporaries {prefix!r}", find).items():
+            p = p if p.startswith(root) or not ("/" + p).startswith(root) else "/" + p
+            if info.get("type") == "directory" or not p.startswith(root) or TMP_MARK not in p.rsplit("/", 1)[-1]:
+                continue
+            out[p[len(root):]] = {"size": int(info.get("size") or 0), "modified": _modified(info)}
+        return dict(sorted(out.items()))
+
     def list_dirs(self, prefix: str = "") -> list[str]:
         """Names of the "directories" directly under `prefix` (one level, sorted): e.g. the run ids
         under `runs/`, without listing what each holds."""
@@ -378,3 +401,14 @@ class Store:
                 inv(path)
             except Exception:  # noqa: BLE001 - cache invalidation is best effort
                 pass
+
+
+def _modified(info: dict) -> float | None:
+    """An fsspec listing entry's modification time in Unix seconds (local: mtime; S3: LastModified)."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if hasattr(value, "timestamp"):
+        return float(value.timestamp())
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None

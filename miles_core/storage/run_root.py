@@ -103,7 +103,7 @@ def read_status(store: Store) -> RunStatus | None:
     except ObjectNotFound:
         return None
     try:
-        return _parse_status(raw)
+        return parse_status(raw)
     except (ValueError, TypeError) as e:
         why = f"{store.uri(STATUS_KEY)} does not parse ({e})"
         status = RunStatus(**rebuilt_status(store, why))
@@ -111,7 +111,8 @@ def read_status(store: Store) -> RunStatus | None:
         return status
 
 
-def _parse_status(raw: bytes) -> RunStatus:
+def parse_status(raw: bytes) -> RunStatus:
+    """STATUS.json's bytes as a RunStatus; ValueError or TypeError when they do not parse."""
     d = json.loads(raw)
     if not isinstance(d, dict) or not isinstance(d.get("state", ""), str):
         raise ValueError("not a STATUS object")

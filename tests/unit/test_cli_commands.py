@@ -22,7 +22,7 @@ from tests.support.small_run import small_run
 
 HELP_LINES = [["validate"], ["import-model"], ["fork"], ["replay"], ["runs"], ["runs", "show"], ["runs", "list"],
               ["buffer"], ["buffer", "inspect"], ["lineage"], ["report"], ["trace"], ["engines"], ["engines", "add"],
-              ["engines", "remove"], ["engines", "show"]]
+              ["engines", "remove"], ["engines", "show"], ["doctor"]]
 
 
 @pytest.fixture

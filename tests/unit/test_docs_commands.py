@@ -18,8 +18,8 @@ What is checked, by program (a failure names the doc file and line):
   command or the page sets it.
 - every `miles` command the docs use: `miles COMMAND --help` exits 0.
 - `miles validate FLAGS`: run; exit 0, or 2 when the doc shows the error it prints.
-- `miles runs show|list`, `miles buffer inspect`, `miles engines show`, `miles report`, `miles lineage`: run
-  on a small run root made here (the doc's run URI and group id replaced by the fixture's); exit 0.
+- `miles runs show|list`, `miles buffer inspect`, `miles engines show`, `miles report`, `miles lineage`,
+  `miles doctor`: run on a small run root made here (the doc's run URI and group id replaced by the fixture's); exit 0.
 - `miles engines add|remove RUN N`: run on a fresh run root of N + 1 engines (the reader's running run);
   exit 0 and the target it prints moved by N.
 - `miles fork|replay RUN ... FLAGS`: FLAGS pass validation (the recorded run is the reader's); so do
@@ -324,7 +324,7 @@ def fixture_run(tmp_path_factory) -> tuple[str, str]:
 
 # The read-only commands: where their run URI (or storage root) is among their words.
 INSPECT = {("runs", "show"): 2, ("runs", "list"): 2, ("buffer", "inspect"): 2, ("report",): 1, ("lineage",): 1,
-           ("engines", "show"): 2, ("trace",): 1}
+           ("engines", "show"): 2, ("trace",): 1, ("doctor",): 1}
 
 
 def check_inspection(cmd: Command, fixture_run, tmp_path, monkeypatch) -> None:

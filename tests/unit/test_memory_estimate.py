@@ -259,6 +259,7 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
     import torch
 
     from miles_core.prepare import memory
+    from miles_core.prepare.checks import check_device_memory
     from miles_core.train import worker
 
     def no_model(*a, **k):
@@ -272,6 +273,7 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
     try:
         for rank in (0, 3):
             with pytest.raises(ConfigError, match="GPU has 80.0 GiB"):
-                worker.TrainerWorker(cfg(*SEVEN_B_8), _model_dir(tmp_path, LLAMA_7B), rank, 8, ("127.0.0.1", 1), [])
+                worker.TrainerWorker(cfg(*SEVEN_B_8), _model_dir(tmp_path, LLAMA_7B), rank, 8, ("127.0.0.1", 1), [],
+                                     preflight=check_device_memory)
     finally:
         torch.set_num_threads(threads)
