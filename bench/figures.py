@@ -218,22 +218,32 @@ _MODELS = {"tiny": "builtin:tiny-gpt", "smollm": "SmolLM2-135M-size"}
 
 def render_weights(results: dict[str, dict]) -> list[str]:
     rec = results["weights"]
-    lines = [measured(rec), f"Medians of {rec['config']['repeats']} pushes (distributed: after the first, "
-             "which forms the group):", ""]
-    lines += _table(["model", "transport", "push", "engines paused", "baseline", "ratio"],
-                    [_weights_row(r) for r in rec["rows"]])
+    lines = [measured(rec), f"Medians of {rec['config']['repeats']} rounds per page-cache state, each a push and then "
+             "its baseline, after two left out (they allocate the engine's buffers; the first distributed push also "
+             "forms the group):", ""]
+    lines += _table(["model", "transport", "page cache", "push", "engines paused", "baseline", "ratio"],
+                    [_weights_row(r, cache) for r in rec["rows"] for cache in ("warm", "cold")
+                     if f"push_s{_cache_suffix(cache)}" in r])
     return lines + [""]
 
 
-def _weights_row(r: dict) -> list[str]:
+def _cache_suffix(cache: str) -> str:
+    return "" if cache == "warm" else f"_{cache}"
+
+
+def _weights_row(r: dict, cache: str = "warm") -> list[str]:
+    x = _cache_suffix(cache)
     model = f"{_MODELS.get(r['model'], r['model'])} ({_mib(r['bytes'])})"
     if r["transport"] == "distributed":
         buckets = r.get("buckets", 1)
-        transport = f"distributed, {buckets} bucket" + ("s" if buckets != 1 else "")
-        push = _s(r["push_s"]) + (f" (first push {_s(r['first_push_s'])})" if r.get("first_push_s") else "")
+        transport = (f"distributed, {buckets} bucket" + ("s" if buckets != 1 else "")
+                     + (" (flattened)" if r.get("flattened") else ""))
+        push = _s(r["push_s" + x]) + (f" (first push {_s(r['first_push_s'])})" if r.get("first_push_s") else "")
     else:
-        transport, push = r["transport"], f"{_s(r['push_s'])} (export {_s(r['export_s'])})"
-    return [model, transport, push, _s(r["pause_s"]), f"{r['baseline']} {_s(r['baseline_s'])}", f"{r['ratio']:.2f}"]
+        stage = f", stage {_s(r['stage_s' + x])}" if f"stage_s{x}" in r else ""
+        transport, push = r["transport"], f"{_s(r['push_s' + x])} (export {_s(r['export_s' + x])}{stage})"
+    return [model, transport, cache, push, _s(r["pause_s" + x]), f"{r['baseline']} {_s(r['baseline_s' + x])}",
+            f"{r['ratio' + x]:.2f}"]
 
 
 # ----------------------------------------------------------------------------- resume

@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,9 @@ from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.config import parse_flags  # noqa: E402
 from miles_core.eval.metric_names import mean_reward_metric  # noqa: E402
 from miles_core.metrics.names import REWARD  # noqa: E402
+from miles_core.storage.node_local import localize  # noqa: E402
+
+WARMUP = 2  # steps left out of the medians (the first steps compile and warm caches on both sides)
 
 
 def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
@@ -62,6 +66,69 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
     finally:
         server.stop()
     return float(result.metrics[mean_reward_metric(dataset.name)]), time.perf_counter() - t0
+
+
+def plain_loop(cfg, model_dir: str, steps: int, seed: int = 0) -> list[float]:
+    """Seconds of each step of a plain-torch GRPO loop on the same model, batch and sampling as the preset:
+    `model.generate` (temperature, top-k, new tokens of the preset) on B prompts x n samples, the arith
+    reward, group-normalized advantages, one AdamW step (grad clip 1.0) on the token-mean policy-gradient
+    loss over the whole batch; no weight push, no storage, no engine."""
+    import random
+    from types import SimpleNamespace
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from miles_core.rollout.arith import arith_reward, arith_rows
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(os.cpu_count() or 1)
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    rows = arith_rows("arith")
+    random.Random(seed).shuffle(rows)
+    r, times = cfg.rollout, []
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    for step in range(steps):
+        t0 = time.perf_counter()
+        batch = [row for row in rows[step * r.rollout_batch_size:(step + 1) * r.rollout_batch_size]
+                 for _ in range(r.n_samples_per_prompt)]
+        texts = [tok.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                         add_generation_prompt=True) for row in batch]
+        enc = tok(texts, return_tensors="pt", padding=True)
+        model.eval()
+        with torch.no_grad():
+            out = model.generate(**enc, do_sample=True, temperature=r.rollout_temperature, top_k=r.rollout_top_k,
+                                 max_new_tokens=r.rollout_max_response_len, pad_token_id=pad)
+        prompt_len = enc["input_ids"].shape[1]
+        response = out[:, prompt_len:]
+        done = (response == tok.eos_token_id).int().cumsum(-1)
+        response_mask = ((done == 0) | ((done == 1) & (response == tok.eos_token_id))).float()
+        rewards = torch.tensor([arith_reward(SimpleNamespace(label=row["label"]), text) for row, text in
+                                zip(batch, tok.batch_decode(response, skip_special_tokens=True))])
+        groups = rewards.view(-1, r.n_samples_per_prompt)
+        adv = ((groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)).view(-1)
+        model.train()
+        attention = torch.cat([enc["attention_mask"], response_mask.long()], dim=1)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = model(out, attention_mask=attention, position_ids=positions).logits[:, prompt_len - 1:-1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, response.unsqueeze(-1)).squeeze(-1)
+        loss = -(adv[:, None] * logp * response_mask).sum() / response_mask.sum().clamp(min=1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        print(f"plain loop step {step}: {times[-1]:.2f} s, reward {rewards.mean():.3f}", flush=True)
+    return times
+
+
+def pipeline_step_seconds(run_uri: str) -> list[float]:
+    from miles_core.metrics.names import STEP_SECONDS
+    from miles_core.metrics.sink import read_metrics, series
+
+    return series(read_metrics(run_uri, "trainer"), STEP_SECONDS)[1]
 
 
 def run_preset(flags: str) -> float:
@@ -97,6 +164,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--flags", default="", help="extra miles flags on top of --preset smollm2-arith")
     p.add_argument("--root", default="", help="storage root (default: a fresh temp dir)")
+    p.add_argument("--plain-steps", type=int, default=10,
+                   help="steps of the plain-torch loop run beside the pipeline (0: skip it)")
     add_results_flag(p, "real_model")
     a = p.parse_args(argv)
     results = ResultsFile("real_model", vars(a))
@@ -111,7 +180,9 @@ def main(argv=None) -> dict:
     import_s = time.perf_counter() - t0
     before, before_s = held_out_accuracy(cfg, model_uri)
     print(f"import {import_s:.1f} s; starting model: held-out greedy accuracy {before:.1%} ({before_s:.0f} s)", flush=True)
+    plain = plain_loop(cfg, localize(model_uri, "models"), a.plain_steps) if a.plain_steps else []
     wall = run_preset(flags)
+    piped = pipeline_step_seconds(cfg.run_uri)
     curve = reward_curve(cfg.run_uri)
     after = final_accuracy(cfg.run_uri, cfg.run.num_rollout - 1)
     mm = moving_mean(curve)
@@ -122,11 +193,20 @@ def main(argv=None) -> dict:
     print(f"wall {wall:.0f} s ({wall / 60:.1f} min) for {len(curve)} steps: {len(curve) / (wall / 60):.2f} steps/min")
     print(f"5-step mean reward: first {mm[min(4, len(mm) - 1)]:.3f}, max {max(mm):.3f}, first > 0.4 at step {first_04}")
     print(f"held-out greedy accuracy: before {before:.1%}, after {after if after is None else format(after, '.1%')}")
+    plain_s = statistics.median(plain[WARMUP:]) if len(plain) > WARMUP else None
+    piped_s = statistics.median(piped[WARMUP:]) if len(piped) > WARMUP else None
+    ratio = piped_s / plain_s if plain_s and piped_s else None
+    print(f"seconds per step (medians after {WARMUP} warm-up steps): pipeline {piped_s}, plain-torch loop {plain_s}: "
+          f"ratio {ratio}")
     figures = {"flags": flags, "import_seconds": import_s, "wall_seconds": wall, "steps": len(curve),
                "steps_per_minute": len(curve) / (wall / 60), "first_step_5_step_mean_above_0_4": first_04,
                "heldout_accuracy_before": before, "heldout_accuracy_after": after,
-               "heldout_accuracy_gain": None if after is None else after - before, "run_uri": cfg.run_uri}
-    rows = [{"step": i, "reward": r, "reward_5_step_mean": m} for i, (r, m) in enumerate(zip(curve, mm))]
+               "heldout_accuracy_gain": None if after is None else after - before, "run_uri": cfg.run_uri,
+               "pipeline_seconds_per_step": piped_s, "plain_loop_seconds_per_step": plain_s,
+               "pipeline_to_plain_ratio": ratio}
+    rows = [{"step": i, "reward": r, "reward_5_step_mean": m, "step_seconds": s}
+            for i, (r, m, s) in enumerate(zip(curve, mm, piped))]
+    rows += [{"plain_step": i, "step_seconds": s} for i, s in enumerate(plain)]
     return results.write(a.results, figures, rows)
 
 

@@ -1,27 +1,44 @@
 """Weight-sync benchmark, both transports, each against a raw transfer of the same bytes in the same run.
 
-    .venv/bin/python bench/weights.py [--models tiny,smollm] [--transports store,distributed] [--repeats 3]
+    .venv/bin/python bench/weights.py [--models tiny,smollm] [--transports store,distributed] [--repeats 5]
+                                      [--cache warm,cold]
 
 For each model (the embedded default builtin:tiny-gpt, and a random Llama the size of
 SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, vocab 49152) it
 runs the real path: a Megatron-core Trainer on CPU and `WeightSync.push` into the project's CPU
 engine server.
 
-- store: export the safetensors snapshot to a file:// run root, pause the engine (served in this
-  process), `update_weights_from_disk` over HTTP, resume, publish. Baseline: a raw copy of the
-  snapshot's bytes (read + write + fsync of model.safetensors).
+- store: export the safetensors snapshot to a file:// run root, stage it on the engine (served in
+  this process: it reads the snapshot in place and builds the model while it could generate), pause,
+  `update_weights_from_disk` over HTTP (the staged model is swapped in), resume, publish.
+  Baseline: a raw copy of the snapshot's bytes (read + write + fsync of model.safetensors into a new
+  file, in the kernel: copy_file_range). Both sides write new files and delete the previous round's
+  (the trainer keeps only the newest staged weights), so both reuse the pages freed a round before:
+  on this machine memory the kernel has not handed out before costs 2-3x more to write into.
+  The first two rounds (they allocate the engine's two sets of reusable buffers) are left out on
+  both sides.
 - distributed: `DistributedWeightTransport` over gloo (the trainer's HF tensors, pause, per bucket
-  of --bucket-mib an `/update_weights_from_distributed` call with a broadcast from rank 0, resume)
-  into an engine server process (as in production: its own process, so the broadcast crosses a
-  socket). The first push also forms the group and is reported apart; the median is over the
-  pushes after it. Baseline: a raw gloo broadcast of the same number of bytes (one flat uint8
-  tensor) from this process to a second process through the same `init_custom_process_group`,
-  timed until the receiver's one-element acknowledgement arrives: the transfer alone, without the
-  HF gather, the HTTP calls, or the engine's model rebuild.
+  of --bucket-mib an `/update_weights_from_distributed` call with a broadcast from rank 0 -- one
+  flattened buffer per bucket over gloo -- resume) into an engine server process (as in
+  production: its own process, so the broadcast crosses a socket). The first push also forms the
+  group and is reported apart; the first two pushes (and two baseline broadcasts) are left out. Baseline: a raw gloo
+  broadcast of the same number of bytes (one flat uint8 tensor, one buffer reused on both sides)
+  from this process to a second process through the same `init_custom_process_group`, timed until
+  the receiver's one-element acknowledgement arrives: the transfer alone, without the HF gather,
+  the HTTP calls, or the engine's model build.
 
-Printed: ratio = baseline seconds / push seconds (store target >= 0.5), and the pause the engine sees.
+Each round measures a push and then its baseline, alternating, so load on the machine falls on both.
+Page cache (`--cache`): `warm` runs as it is; `cold` first writes back and drops the page cache
+(`sync; echo 3 > /proc/sys/vm/drop_caches`, root only: skipped with a note otherwise) before each
+push and each baseline. Cold slows the raw copy's read (from disk); a push reads nothing from disk:
+the trainer's weights are in memory, and the engine reads the snapshot it was just written (still
+cached) or receives it.
+
+Printed per model, transport and cache state: medians of --repeats rounds of the push (export,
+stage, engines paused) and of the baseline, and ratio = baseline seconds / push seconds (target >= 0.5).
 Written to bench/results/weights.json (`--results`): one row per model and transport (`push_s`,
-`pause_s`, `export_s`, `baseline_s`, `ratio`); bench/async_speedup.py reads its push costs from it.
+`pause_s`, `export_s`, `baseline_s`, `ratio`: warm; the same with `_cold`; every round's seconds);
+bench/async_speedup.py reads its push costs from it.
 """
 
 from __future__ import annotations
@@ -60,12 +77,67 @@ def make_checkpoint(name: str, out: str) -> str:
 
 
 def raw_copy_seconds(src: str, dst: str) -> float:
+    """Read + write + fsync of `src` into the new file `dst`: in the kernel (copy_file_range, the fastest
+    copy measured here: no user-space buffer), or through a buffer where the kernel cannot."""
     t = time.perf_counter()
     with open(src, "rb") as fi, open(dst, "wb") as fo:
-        shutil.copyfileobj(fi, fo, 16 << 20)
-        fo.flush()
+        try:
+            left = os.fstat(fi.fileno()).st_size
+            while left > 0:
+                n = os.copy_file_range(fi.fileno(), fo.fileno(), left)
+                if n == 0:
+                    break
+                left -= n
+        except OSError:  # no in-kernel copy between these files: start again through a buffer
+            fi.seek(0)
+            fo.seek(0)
+            fo.truncate()
+            shutil.copyfileobj(fi, fo, 16 << 20)
+            fo.flush()
         os.fsync(fo.fileno())
     return time.perf_counter() - t
+
+
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+WARM_UP = 2  # rounds left out on both sides: the engine fills its two sets of buffers (the first push forms the group)
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (root only); False when this process may not."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def prepare_cache(mode: str) -> None:
+    if mode == "cold" and not drop_caches():
+        raise PermissionError(f"cannot write {DROP_CACHES}: the cold page cache needs root")
+
+
+def cache_modes(requested: str) -> list[str]:
+    modes = [m for m in requested.split(",") if m]
+    if any(m not in ("warm", "cold") for m in modes):
+        raise SystemExit(f"--cache {requested!r}: expected warm, cold or both")
+    if "cold" in modes and not drop_caches():
+        print(f"cold page cache skipped: this process cannot write {DROP_CACHES} (needs root)", flush=True)
+        modes.remove("cold")
+    return modes
+
+
+def summarize(rows: dict[str, list[dict]]) -> dict:
+    """Per cache mode, medians of each measured key (suffix `_cold` for cold) and the rounds themselves."""
+    out = {}
+    for mode, rounds in rows.items():
+        suffix = "" if mode == "warm" else f"_{mode}"
+        for key in rounds[0]:
+            out[f"{key}{suffix}"] = statistics.median(r[key] for r in rounds)
+        out[f"ratio{suffix}"] = out[f"baseline_s{suffix}"] / out[f"push_s{suffix}"]
+        out[f"rounds{suffix}"] = rounds
+    return out
 
 
 def free_port() -> int:
@@ -74,7 +146,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def bench_store(name: str, repeats: int, work: str, **_) -> dict:
+async def bench_store(name: str, repeats: int, work: str, modes: list[str], **_) -> dict:
     from miles_core.config.sections import TrainSection
     from miles_core.engines.client import EngineClient
     from miles_core.engines.cpu_server import CpuEngineServer, serve
@@ -88,25 +160,44 @@ async def bench_store(name: str, repeats: int, work: str, **_) -> dict:
     port = free_port()
     runner = await serve(server, "127.0.0.1", port)
     store = Store(os.path.join(work, f"{name}-run"))
-    pushes, pauses, copies = [], [], []
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    copies: list[str] = []
     try:
         async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
             sync = WeightSync([client], StoreWeightTransport(trainer, store), lambda v: None, "retract")
-            for k in range(repeats):
+
+            async def one_round(k: int, mode: str | None) -> None:
+                if mode:
+                    prepare_cache(mode)
                 res = await sync.push(k)
-                pushes.append(res.total_seconds)
-                pauses.append(res.pause_seconds)
                 src = store.local_path(f"snapshots/step_{k:08d}/model.safetensors")
-                copies.append(raw_copy_seconds(src, os.path.join(work, f"{name}-copy.safetensors")))
-            assert (await client.get_weight_version()) == {client.urls[0]: repeats}
+                copies.append(os.path.join(work, f"{name}-copy-{k}.safetensors"))
+                if mode:
+                    prepare_cache(mode)
+                copy = raw_copy_seconds(src, copies[-1])
+                for old in store.list_dirs("snapshots")[:-1]:  # the worker keeps the newest staged weights only
+                    store.delete_prefix(f"snapshots/{old}")
+                for old in copies[:-1]:
+                    os.unlink(old)
+                del copies[:-1]
+                if mode:
+                    rows[mode].append({"push_s": res.total_seconds, "pause_s": res.pause_seconds,
+                                       "export_s": res.export_seconds, "stage_s": getattr(res, "stage_seconds", 0.0),
+                                       "baseline_s": copy})
+
+            for k in range(WARM_UP):  # the first pushes also allocate the engine's two sets of buffers
+                await one_round(k, None)
+            k = WARM_UP
+            for _ in range(repeats):
+                for mode in modes:
+                    await one_round(k, mode)
+                    k += 1
+            assert (await client.get_weight_version()) == {client.urls[0]: k}
     finally:
         await runner.cleanup()
         trainer.close()
-    nbytes = os.path.getsize(store.local_path("snapshots/step_00000000/model.safetensors"))
-    push, copy = statistics.median(pushes), statistics.median(copies)
-    return {"model": name, "transport": "store", "bytes": nbytes, "push_s": push,
-            "pause_s": statistics.median(pauses), "export_s": statistics.median(r.export_seconds for r in sync.history),
-            "baseline_s": copy, "baseline": "raw copy", "ratio": copy / push}
+    nbytes = os.path.getsize(store.local_path(f"snapshots/step_{k - 1:08d}/model.safetensors"))
+    return {"model": name, "transport": "store", "bytes": nbytes, "baseline": "raw copy", **summarize(rows)}
 
 
 _RECEIVER = """
@@ -114,7 +205,7 @@ import sys, torch, torch.distributed as dist
 from datetime import timedelta
 from miles_core.weights.distributed import init_custom_process_group
 port, nbytes, repeats = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", timedelta(seconds=300), 2, 1, group_name="raw")
+pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", timedelta(seconds=600), 2, 1, group_name="raw")
 buf, ack = torch.empty(nbytes, dtype=torch.uint8), torch.ones(1)
 for _ in range(repeats):
     dist.broadcast(buf, src=0, group=pg)
@@ -123,34 +214,40 @@ dist.destroy_process_group(pg)
 """
 
 
-def raw_broadcast_seconds(nbytes: int, repeats: int) -> list[float]:
-    """Rank 0 (here) broadcasts `nbytes` to a second process over gloo, `repeats` times; seconds until acked."""
-    import subprocess
-    from datetime import timedelta
+class RawBroadcast:
+    """Rank 0 (here) of a two-process gloo group whose other process receives `nbytes` `repeats` times."""
 
-    import torch.distributed as dist
+    def __init__(self, nbytes: int, repeats: int):
+        import subprocess
+        from datetime import timedelta
 
-    from miles_core.weights.distributed import destroy_custom_process_group, init_custom_process_group
+        from miles_core.weights.distributed import init_custom_process_group
 
-    port = free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
-    proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port), str(nbytes), str(repeats)], env=env)
-    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", timedelta(seconds=300), 2, 0, group_name="raw")
-    buf, ack, out = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(1), []
-    try:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            dist.broadcast(buf, src=0, group=pg)
-            dist.broadcast(ack, src=1, group=pg)
-            out.append(time.perf_counter() - t)
-    finally:
-        destroy_custom_process_group(pg)
-        proc.wait(timeout=60)
-    return out
+        port = free_port()
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+        self.proc = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(port), str(nbytes), str(repeats)], env=env)
+        self.pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", timedelta(seconds=600), 2, 0,
+                                            group_name="raw")
+        self.buf, self.ack = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(1)
+
+    def seconds(self) -> float:
+        """One broadcast of the bytes, until the receiver acknowledges it."""
+        import torch.distributed as dist
+
+        t = time.perf_counter()
+        dist.broadcast(self.buf, src=0, group=self.pg)
+        dist.broadcast(self.ack, src=1, group=self.pg)
+        return time.perf_counter() - t
+
+    def close(self) -> None:
+        from miles_core.weights.distributed import destroy_custom_process_group
+
+        destroy_custom_process_group(self.pg)
+        self.proc.wait(timeout=60)
 
 
-async def bench_distributed(name: str, repeats: int, work: str, bucket_bytes: int = 512 << 20) -> dict:
+async def bench_distributed(name: str, repeats: int, work: str, modes: list[str], bucket_bytes: int = 512 << 20) -> dict:
     from miles_core.config.sections import TrainSection
     from miles_core.engines.client import EngineClient
     from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
@@ -167,43 +264,59 @@ async def bench_distributed(name: str, repeats: int, work: str, bucket_bytes: in
                                            backend="gloo", bucket_bytes=bucket_bytes, timeout_seconds=600,
                                            engine_generations=lambda: [server.restarts],
                                            restart_engine=lambda i: server.restart())
+    nbytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+    rows: dict[str, list[dict]] = {m: [] for m in modes}
+    raw = None
     try:
         async with EngineClient([server.url], control_timeout_seconds=600) as client:
             sync = WeightSync([client], transport, lambda v: None, "retract")
-            for k in range(repeats + 1):
+            first = await sync.push(0)  # forms the group
+            for k in range(1, WARM_UP):  # the first pushes also allocate the engine's two sets of buffers
                 await sync.push(k)
-            assert (await client.model_info(server.url))["weight_version"] == str(repeats + 1)
+            raw = RawBroadcast(nbytes, WARM_UP + repeats * len(modes))
+            for _ in range(WARM_UP):  # as many of the baseline's first broadcasts are left out
+                raw.seconds()
+            k = WARM_UP
+            for _ in range(repeats):
+                for mode in modes:
+                    prepare_cache(mode)
+                    res = await sync.push(k)
+                    prepare_cache(mode)
+                    rows[mode].append({"push_s": res.total_seconds, "pause_s": res.pause_seconds,
+                                       "export_s": res.export_seconds, "baseline_s": raw.seconds()})
+                    k += 1
+            assert (await client.model_info(server.url))["weight_version"] == str(k)
             assert all(h["attempts"] == 1 for h in transport.history)
         await transport.close()
     finally:
+        if raw is not None:
+            raw.close()
         server.stop()
-    nbytes = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
     trainer.close()
-    first, rest = sync.history[0], sync.history[1:]
-    push = statistics.median(r.total_seconds for r in rest)
-    raw = statistics.median(raw_broadcast_seconds(nbytes, repeats))
-    return {"model": name, "transport": "distributed", "bytes": nbytes, "push_s": push,
-            "pause_s": statistics.median(r.pause_seconds for r in rest),
-            "export_s": statistics.median(r.export_seconds for r in rest), "first_push_s": first.total_seconds,
-            "buckets": len(transport.history[-1]["buckets"]), "baseline_s": raw, "baseline": "raw gloo broadcast",
-            "ratio": raw / push}
+    return {"model": name, "transport": "distributed", "bytes": nbytes, "first_push_s": first.total_seconds,
+            "buckets": len(transport.history[-1]["buckets"]), "flattened": getattr(transport, "flatten", False),
+            "baseline": "raw gloo broadcast", **summarize(rows)}
 
 
-def print_row(r: dict) -> None:
+def print_row(r: dict, modes: list[str]) -> None:
     store = r["transport"] == "store"
-    extra = (f"export {r['export_s']:.3f}s" if store else
-             f"gather {r['export_s']:.3f}s, {r['buckets']} bucket(s), first push with group "
-             f"formation {r['first_push_s']:.3f}s")
-    print(f"{r['model']:>7} {r['transport']:>11}: {r['bytes'] / 2**20:8.1f} MiB  push {r['push_s']:.3f}s "
-          f"({extra}, engine pause {r['pause_s']:.3f}s)  {r['baseline']} {r['baseline_s']:.3f}s  "
-          f"ratio {r['ratio']:.2f}" + (" (target >= 0.5)" if store else ""), flush=True)
+    for mode in modes:
+        x = "" if mode == "warm" else f"_{mode}"
+        extra = (f"export {r['export_s' + x]:.3f}s, stage {r['stage_s' + x]:.3f}s" if store else
+                 f"gather {r['export_s' + x]:.3f}s, {r['buckets']} bucket(s)"
+                 f"{' flattened' if r.get('flattened') else ''}, first push with group formation "
+                 f"{r['first_push_s']:.3f}s")
+        print(f"{r['model']:>7} {r['transport']:>11} {mode}: {r['bytes'] / 2**20:8.1f} MiB  push {r['push_s' + x]:.3f}s "
+              f"({extra}, engine pause {r['pause_s' + x]:.3f}s)  {r['baseline']} {r['baseline_s' + x]:.3f}s  "
+              f"ratio {r['ratio' + x]:.2f}" + (" (target >= 0.5)" if r["model"] != "tiny" else ""), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="tiny,smollm")
     ap.add_argument("--transports", default="store,distributed")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="Rounds per cache state (each: a push, then its baseline).")
+    ap.add_argument("--cache", default="warm,cold", help="Page-cache states to measure: warm, cold (root only) or both.")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="Bucket size of the distributed push "
                     "(--update-weight-buffer-size; default 512 MiB).")
@@ -214,14 +327,18 @@ def main(argv: list[str] | None = None) -> dict:
     print("CPU: the distributed transport runs over gloo (NCCL needs CUDA + SGLang)" if not torch.cuda.is_available()
           else "CUDA present; this bench still measures gloo and the CPU engine")
     benches = {"store": bench_store, "distributed": bench_distributed}
+    modes = cache_modes(args.cache)
+    if not modes:
+        raise SystemExit("no page-cache state left to measure")
     rows = []
     with tempfile.TemporaryDirectory(prefix="miles-bench-weights-") as work:
         for name in args.models.split(","):
             for transport in args.transports.split(","):
-                rows.append(asyncio.run(benches[transport](name, args.repeats, work,
+                rows.append(asyncio.run(benches[transport](name, args.repeats, work, modes,
                                                            bucket_bytes=int(args.bucket_mib * 2**20))))
-                print_row(rows[-1])
-    figures = {f"{r['model']}_{r['transport']}_{k}": r[k] for r in rows for k in ("push_s", "pause_s", "ratio")}
+                print_row(rows[-1], modes)
+    keys = [f"{k}{'' if m == 'warm' else '_' + m}" for m in modes for k in ("push_s", "pause_s", "ratio")]
+    figures = {f"{r['model']}_{r['transport']}_{k}": r[k] for r in rows for k in keys}
     return results.write(args.results, figures, rows)
 
 

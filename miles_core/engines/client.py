@@ -469,13 +469,17 @@ class EngineClient:
     async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                               group_name: str, *, flush_cache: bool = False,
                                               weight_version: int | str | None = None,
+                                              load_format: str | None = None,
                                               timeout_seconds: float | None = None) -> list[dict]:
         """Every engine receives `names` by broadcast from rank 0, in order; send it concurrently with the
-        broadcast. `weight_version` (sent as a string) is set by the engine only when given."""
+        broadcast. `weight_version` (sent as a string) is set by the engine only when given;
+        `load_format="flattened_bucket"`: one broadcast of all their bytes (SGLang's FlattenedTensorBucket)."""
         body = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
                 "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
         res = await asyncio.gather(*(self._control(u, "POST", "/update_weights_from_distributed", body, retries=0,
                                                    timeout_seconds=timeout_seconds) for u in self.urls))
         return [self._success(r) for r in res]

@@ -874,6 +874,9 @@ class _Buffers:
         if not self.reusable:
             return torch.empty(_nbytes(metas), dtype=torch.uint8)
         if key not in self.flat:
+            names = {name for name, _, _ in metas}
+            for other in [k for k in self.flat if any(n in names for n, _, _ in k)]:
+                del self.flat[other]  # the same tensors in another layout: kept no longer (one model's bytes at most)
             self.flat[key] = torch.empty(_nbytes(metas), dtype=torch.uint8)
         return self.flat[key]
 

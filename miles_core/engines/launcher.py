@@ -245,6 +245,17 @@ class EngineServer:
             raise EngineLoadError(f"{self.name}: loading {uri} failed: {e}") from e
         self.note_weights(uri, weight_version)
 
+    def stage_weights(self, uri: str) -> bool:
+        """Before a pause: copy the snapshot at `uri` to this node and have the server read it and build
+        its model beside the served one (`/stage_weights_from_disk`), so the `load_weights` of the same
+        URI that follows only swaps it in. False when the server has no staging (SGLang)."""
+        path = localize(uri, "weights", required=COMPLETE_MARKER)
+        return bool(asyncio.run(self._stage(path)))
+
+    async def _stage(self, path: str) -> list[str]:
+        async with EngineClient([self.url], control_timeout_seconds=self.spec.startup_timeout_seconds) as client:
+            return await client.stage_weights_from_disk(path)
+
     async def _update_from_disk(self, path: str, weight_version: int, flush_cache: bool) -> None:
         async with EngineClient([self.url], control_timeout_seconds=self.spec.startup_timeout_seconds) as client:
             await client.update_weights_from_disk(path, weight_version, flush_cache=flush_cache)
@@ -373,6 +384,9 @@ class EngineActor:
     def load_weights(self, uri: str, weight_version: int, flush_cache: bool = False) -> None:
         self.server.load_weights(require_uri(uri, f"{self.server.name} weights"), weight_version,
                                  flush_cache=flush_cache)
+
+    def stage_weights(self, uri: str) -> bool:
+        return self.server.stage_weights(require_uri(uri, f"{self.server.name} weights"))
 
     def restart(self) -> str:
         return self.server.restart()

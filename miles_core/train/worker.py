@@ -20,12 +20,12 @@ import asyncio
 import logging
 import os
 import time
+from typing import Callable
 
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import free_port, lost_actors
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.prepare.checks import check_device_memory
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
@@ -49,7 +49,10 @@ def rendezvous_address() -> tuple[str, int]:
 
 class TrainerWorker:
     def __init__(self, cfg, hf_uri: str, rank: int, world_size: int, master: tuple[str, int],
-                 engine_urls: list[str], engine_actors: list | None = None):
+                 engine_urls: list[str], engine_actors: list | None = None,
+                 preflight: Callable[..., None] | None = None):
+        """`preflight(cfg, model_uri, warn=...)` runs first, before the model is built: the driver passes
+        the device-memory check (miles_core.prepare.checks.check_device_memory, a layer above this one)."""
         import torch
 
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
@@ -61,7 +64,8 @@ class TrainerWorker:
         self.cfg, self.rank = cfg, rank
         # Before anything is allocated: a trainer that cannot fit this rank's GPU is refused on every rank
         # (a rank left building its model would wait at the rendezvous for one that refused); rank 0 warns.
-        check_device_memory(cfg, require_uri(hf_uri, "--hf-checkpoint"), warn=rank == 0)
+        if preflight is not None:
+            preflight(cfg, require_uri(hf_uri, "--hf-checkpoint"), warn=rank == 0)
         self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
         apply_ref_load(self.trainer, cfg.train.ref_load)
@@ -103,7 +107,8 @@ class TrainerWorker:
         # Weights staged for the engines live under weights/ (only the newest is kept); eval
         # snapshots under snapshots/ are exported at the eval cadence by the eval scheduler.
         return StoreWeightTransport(self.trainer, self.run_store, prefix="weights",
-                                    loaders=[_loader(ray, a) for a in engine_actors] or None)
+                                    loaders=[_loader(ray, a) for a in engine_actors] or None,
+                                    stagers=[_stager(ray, a) for a in engine_actors] or None)
 
     def set_engines(self, engine_urls: list[str], engine_actors: list) -> int | None:
         """The fleet changed (rank 0; the other ranks have nothing to do): every later push reaches exactly
@@ -283,3 +288,8 @@ class TrainerWorker:
 def _loader(ray, engine_actor):
     """Engine i's loading, done by its actor on its node (`EngineActor.load_weights`)."""
     return lambda uri, version: ray.get(engine_actor.load_weights.remote(uri, version))
+
+
+def _stager(ray, engine_actor):
+    """Engine i's staging before the pause, done by its actor on its node (`EngineActor.stage_weights`)."""
+    return lambda uri: ray.get(engine_actor.stage_weights.remote(uri))

@@ -9,12 +9,18 @@ world, then the trainer broadcasts the HF tensors bucket by bucket:
    backend} to every engine concurrently while the trainer joins as rank 0 on a fresh free port of
    `master_address`. World = 1 + sum of engine TP sizes; engine i's TP ranks start at
    rank_offset = 1 + i * engine_tp_size (SGLang adds its TP rank to the offset).
-2. SGLang 0.5.23's weight-update session: `/end_weight_update` (best effort: closes one a failed push
-   left open), then `/begin_weight_update` {selector: "all"} on every engine; SGLang refuses
+2. SGLang 0.5.23's weight-update session: `/end_weight_update` (best effort, unless the last push
+   closed every session itself: closes one a failed push left open), then `/begin_weight_update`
+   {selector: "all"} on every engine; SGLang refuses
    `/update_weights_from_distributed` outside a session (weight_updater.py).
 3. per bucket of at most `bucket_bytes` (a larger tensor goes alone), `/update_weights_from_distributed`
-   {names, dtypes, shapes, group_name, flush_cache: false[, weight_version]} to every engine
-   concurrently with `broadcast(src=0)` of the same tensors in the same order.
+   {names, dtypes, shapes, group_name, flush_cache: false[, weight_version][, load_format]} to every
+   engine concurrently with `broadcast(src=0)` of the same tensors in the same order: one broadcast per
+   tensor, or with `flatten` (SGLang's load_format="flattened_bucket"; the default over gloo, where a
+   broadcast's fixed cost is high) one broadcast of a uint8 buffer holding the bucket's tensors' bytes
+   one after another, copied there by `prepare` (before the pause, while engines generate). The
+   buffers are kept for the next push (fresh memory costs more than the copy into it), so the
+   trainer holds one more copy of the weights' bytes with `flatten`.
 4. `/end_weight_update` on every engine.
 
 The per-bucket version rule: SGLang sets `weight_version` after every successful call that carries
@@ -127,7 +133,8 @@ class DistributedWeightTransport:
     def __init__(self, state_fn: Callable[[], dict[str, torch.Tensor]], engine_urls: list[str], *,
                  master_address: str, backend: str, bucket_bytes: int, engine_tp_size: int = 1,
                  timeout_seconds: float = 120.0, engine_generations: Callable[[], list[int]] | None = None,
-                 restart_engine: Callable[[int], None] | None = None, group_name: str = GROUP_NAME):
+                 restart_engine: Callable[[int], None] | None = None, group_name: str = GROUP_NAME,
+                 flatten: bool | None = None):
         if backend not in ("nccl", "gloo"):
             raise ValueError(f"backend={backend!r}; expected nccl (GPU) or gloo (CPU)")
         if not engine_urls:
@@ -139,6 +146,10 @@ class DistributedWeightTransport:
         self.engine_tp_size, self.timeout_seconds = engine_tp_size, timeout_seconds
         self.engine_generations, self.restart_engine = engine_generations, restart_engine
         self.group_name = group_name
+        self.flatten = backend == "gloo" if flatten is None else flatten
+        self._flat: dict[tuple, torch.Tensor] = {}  # a bucket's names -> its flat buffer (with `flatten`)
+        self._sessions_closed = False  # the last push ended every engine's weight-update session
+        self._filled: set[tuple] = set()  # buckets (by names) whose flat buffer prepare() filled
         self.group = None  # the trainer's side of the group, None when there is none
         self.group_generations: list[int] | None = None  # engine_generations() when the group formed
         self.state: dict[str, torch.Tensor] | None = None
@@ -146,11 +157,17 @@ class DistributedWeightTransport:
 
     # ---- WeightTransport ----------------------------------------------------------------------
     def prepare(self, step: int) -> None:
-        """Gather the HF tensors (a TP collective on the trainer: every TP peer calls this) and keep them."""
+        """Gather the HF tensors (a TP collective on the trainer: every TP peer calls this) and keep them;
+        with `flatten`, also copy each bucket into its flat buffer now, before the pause."""
         state = self.state_fn()
         self.state = state if self._is_source() else None
         if self.state is not None and not self.state:
             raise WeightPushError("state_fn() returned no tensors; nothing to push")
+        self._filled = set()
+        if self.state is not None and self.flatten:
+            for bucket in buckets(self.state, self.bucket_bytes):
+                self._flattened(bucket)
+                self._filled.add(tuple(n for n, _ in bucket))
         return None
 
     async def load(self, engines, version: int) -> None:
@@ -175,7 +192,7 @@ class DistributedWeightTransport:
                                       f"and rejoining: {second.describe(self.engine_urls)} "
                                       f"(first attempt: {first.describe(self.engine_urls)})")
         finally:
-            self.state = None  # views of live parameters must not outlive the push
+            self.state, self._filled = None, set()  # views of live parameters must not outlive the push
 
     async def close(self) -> None:
         """Destroy the group on every engine that answers, then the trainer's side."""
@@ -195,12 +212,18 @@ class DistributedWeightTransport:
                     await self._form_group(clients)
                     record["formed"] += 1
                 parts = buckets(self.state, self.bucket_bytes)
+                keep = {tuple(n for n, _ in b) for b in parts}
+                for names in [names for names in self._flat if names not in keep]:
+                    del self._flat[names]  # buffers of buckets this push no longer has
                 record["buckets"] = [[n for n, _ in b] for b in parts]
-                await self._end_sessions(clients)  # one a failed push left open; none is fine
+                if not self._sessions_closed:
+                    await self._end_sessions(clients)  # one a failed push left open; none is fine
+                self._sessions_closed = False
                 await self._each(clients, lambda c: c.begin_weight_update(timeout_seconds=self.timeout_seconds))
                 for k, bucket in enumerate(parts):
                     await self._send_bucket(clients, bucket, str(version) if k == len(parts) - 1 else None)
                 await self._each(clients, lambda c: c.end_weight_update(timeout_seconds=self.timeout_seconds))
+                self._sessions_closed = True  # by this push: the next one need not close a leftover
             except _AttemptFailed as e:
                 self._drop_group()
                 record["failures"].append(e.failure.describe(self.engine_urls))
@@ -245,9 +268,14 @@ class DistributedWeightTransport:
         names = [n for n, _ in bucket]
         dtypes = [dtype_name(t) for _, t in bucket]
         shapes = [list(t.shape) for _, t in bucket]
-        tensors = [self._on_device(t) for _, t in bucket]
+        if self.flatten:  # filled by prepare() (before the pause), else now
+            filled = tuple(names) in self._filled
+            tensors = [self._flat[tuple(names)] if filled else self._flattened(bucket)]
+        else:
+            tensors = [self._on_device(t) for _, t in bucket]
         calls = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, flush_cache=False,
                                                    weight_version=weight_version,
+                                                   load_format="flattened_bucket" if self.flatten else None,
                                                    timeout_seconds=self.timeout_seconds) for c in clients]
         *answers, sent = await asyncio.gather(*calls, asyncio.to_thread(broadcast_bucket, tensors, self.group),
                                               return_exceptions=True)
@@ -300,6 +328,22 @@ class DistributedWeightTransport:
             if isinstance(a, BaseException):
                 failure.add(i, a)
         return failure
+
+    def _flattened(self, bucket: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+        """The bucket's bytes, one tensor after another (SGLang's FlattenedTensorBucket layout), in the
+        buffer kept for a bucket of these names."""
+        nbytes = sum(t.numel() * t.element_size() for _, t in bucket)
+        device = "cuda" if self.backend == "nccl" else "cpu"
+        names = tuple(n for n, _ in bucket)
+        flat = self._flat.get(names)
+        if flat is None or flat.numel() != nbytes or flat.device.type != device:
+            flat = self._flat[names] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        offset = 0
+        for _, t in bucket:
+            n = t.numel() * t.element_size()
+            flat[offset:offset + n].copy_(t.contiguous().view(-1).view(torch.uint8), non_blocking=True)
+            offset += n
+        return flat
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         t = t.contiguous()

@@ -18,7 +18,8 @@
   6. resume every engine;
   7. publish the version to the rollout side (a callback).
 Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a
-failed push never leaves engines paused.
+failed push never leaves engines paused (an engine that cannot be resumed after a failed load, one
+that died with it, is logged: the load's error is the one raised).
 
 No cache flush, in any mode (SGLang 0.5.23, docs/engines.md cites the source): SGLang refuses a flush
 while a request is running, so a pause `in_place` (which keeps them running) can never flush -- the
@@ -42,6 +43,7 @@ import asyncio
 import functools
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
@@ -194,7 +196,9 @@ class WeightSync:
                 await self.transport.load(self.engines, version)
         finally:
             with span("resume"):
-                await asyncio.gather(*(e.continue_generation() for e in self.engines))
+                resumed = await asyncio.gather(*(e.continue_generation() for e in self.engines),
+                                               return_exceptions=True)
+            _raise_resume_failure(resumed, version)
         t_resume = time.perf_counter()
         with span("publish"):
             res = self.publish(version)
@@ -205,3 +209,15 @@ class WeightSync:
         log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version, step,
                  result.export_seconds, result.stage_seconds, result.pause_seconds)
         return result
+
+
+def _raise_resume_failure(resumed: list, version: int) -> None:
+    """Raise the first engine's resume failure, unless the push is failing already: then its own error
+    goes on (the resume failures are logged), not one about an engine that died along with it."""
+    failed = [r for r in resumed if isinstance(r, BaseException)]
+    if not failed:
+        return
+    if sys.exc_info()[1] is None:  # the pause and the load went through: the resume failure is the error
+        raise failed[0]
+    for r in failed:
+        log.error("weights v%d: resuming an engine after the failed push failed too: %s", version, r)

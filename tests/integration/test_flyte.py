@@ -246,7 +246,7 @@ STUBS = textwrap.dedent('''
     from miles_core.rollout.prompts import load_prompts
     from miles_core.storage import Store
 
-    def run_training(cfg):
+    def run_training(cfg, **kwargs):
         st = Store(cfg.run_uri)
         assert len(load_prompts(st)) == 9500  # prepare_data ran first
         seg = next_segment(st)

@@ -115,14 +115,14 @@ def test_the_train_task_maps_a_lost_node(monkeypatch, tmp_path):
     import miles_core.driver.segment
     from tasks.train import train
 
-    def lost(cfg):
+    def lost(cfg, **kwargs):
         raise rx.NodeDiedError("node died")
 
     monkeypatch.setattr(miles_core.driver.segment, "run_training", lost)
     with pytest.raises(FlyteRecoverableException, match="NodeDiedError"):
         train.task_function(flags="", run_id="t", storage_root=str(tmp_path), segment_steps=0)
 
-    def held(cfg):
+    def held(cfg, **kwargs):
         raise LeaseHeld("held by someone", holder="someone")
 
     monkeypatch.setattr(miles_core.driver.segment, "run_training", held)
