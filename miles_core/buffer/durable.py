@@ -240,14 +240,7 @@ class DurableBuffer:
 
     def _fetch(self, key: str) -> "list[O.StoredGroup] | BaseException | None":
         """An object's groups; None when it vanished; the decode error when it is undecodable."""
-        try:
-            return O.decode_object(self.store.get_bytes(key), self.store.uri(key))
-        except ObjectNotFound:
-            return None
-        except StorageError:
-            raise
-        except Exception as e:  # noqa: BLE001 - any decode failure quarantines, never crashes the run
-            return e
+        return O.fetch_object(self.store, key)
 
     def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> None:
         fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from miles_core.samples import SAMPLE_SCHEMA, Group, SchemaError, batch_to_groups
-from miles_core.storage import ObjectNotFound, Store
+from miles_core.storage import ObjectNotFound, StorageError, Store
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +174,19 @@ def decode_object(data: bytes, source: str) -> list[StoredGroup]:
             rows = batch if ids is None else batch.take(pa.array([i for i, x in enumerate(ids) if x == g.group_id]))
             out.append(describe(g, rows))
     return out
+
+
+def fetch_object(store: Store, key: str) -> "list[StoredGroup] | SchemaError | None":
+    """An object's groups; None when it vanished; the decode error (a SchemaError naming the key) when it
+    does not decode. Storage errors propagate: a store that cannot be read says nothing of the object."""
+    try:
+        return decode_object(store.get_bytes(key), store.uri(key))
+    except ObjectNotFound:
+        return None
+    except StorageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any decode failure quarantines, never crashes a reader
+        return e if isinstance(e, SchemaError) else SchemaError(f"{key}: {type(e).__name__}: {e}")
 
 
 def describe(group: Group, rows: pa.RecordBatch | None) -> StoredGroup:

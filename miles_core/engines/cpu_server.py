@@ -85,8 +85,14 @@ from aiohttp import web
 
 from miles_core.engines.auth import authorized, engine_token
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams, TokenEvent
-from miles_core.engines.model import (CausalLM, ModelLoadError, fused_layout, read_eos_token_ids, read_safetensors,
-                                      read_spec)
+from miles_core.engines.model import (
+    CausalLM,
+    ModelLoadError,
+    fused_layout,
+    read_eos_token_ids,
+    read_safetensors,
+    read_spec,
+)
 from miles_core.engines.weight_group import broadcast_bucket, init_custom_process_group
 from miles_core.failures import chaos
 from miles_core.models.safetensors_dir import safetensors_files

@@ -75,7 +75,6 @@ from miles_core.storage.run_root import (
 from miles_core.storage.status_rebuild import last_manifest_step, latest_config, newest_checkpoint, rebuilt_status
 from miles_core.train.checkpoint import LATEST, CheckpointError, CheckpointManager, step_dir
 
-
 OK, WARNING, ERROR = "ok", "warning", "error"
 QUARANTINE = "quarantine/doctor"
 IN_FLIGHT_SECONDS = 3600.0  # a temporary this young, under a live lease, is a write in progress
@@ -583,17 +582,7 @@ class _Doctor:
         """Every group object decoded: its groups, the decode error, or None when it vanished meanwhile."""
         keys = [k for k in self.store.list(O.GROUPS) if O.split_group_key(k) is not None]
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="doctor-read") as pool:
-            return dict(zip(keys, pool.map(self._decode, keys)))
-
-    def _decode(self, key: str):
-        try:
-            return O.decode_object(self.store.get_bytes(key), self.store.uri(key))
-        except ObjectNotFound:
-            return None
-        except StorageError:
-            raise
-        except Exception as e:  # noqa: BLE001 - SchemaError and any other decode failure: quarantined
-            return e if isinstance(e, SchemaError) else SchemaError(f"{key}: {type(e).__name__}: {e}")
+            return dict(zip(keys, pool.map(lambda key: O.fetch_object(self.store, key), keys)))
 
     def _buffer_objects(self) -> None:
         rec = self.record

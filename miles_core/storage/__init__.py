@@ -289,17 +289,8 @@ class Store:
 
     def list_sizes(self, prefix: str = "") -> dict[str, int]:
         """{key: size} of all committed objects under `prefix`, sorted by key."""
-        base = self.path(prefix)
-
-        def find():
-            self._invalidate(base)
-            try:
-                return self.fs.find(base, detail=True)
-            except FileNotFoundError:
-                return {}
-
         sizes = {}
-        for p, info in self._retry(f"list {prefix!r}", find).items():
+        for p, info in self._find(prefix, "list").items():
             # Filer-backed S3 servers (SeaweedFS) keep emptied "directories"; s3fs then reports the
             # prefix itself as a directory entry. It is not an object, so it is never a key.
             if info.get("type") == "directory":
@@ -314,6 +305,17 @@ class Store:
         TMP_MARK, which `list` hides): on file:// what a commit writes before its rename, left by a crash
         between the two; on object stores a conditional-write probe a crash left. `modified` is Unix
         seconds, None when the store does not say. Sorted by key."""
+        root = self.root.rstrip("/") + "/"
+        out = {}
+        for p, info in self._find(prefix, "list temporaries").items():
+            p = p if p.startswith(root) or not ("/" + p).startswith(root) else "/" + p
+            if info.get("type") == "directory" or not p.startswith(root) or TMP_MARK not in p.rsplit("/", 1)[-1]:
+                continue
+            out[p[len(root):]] = {"size": int(info.get("size") or 0), "modified": _modified(info)}
+        return dict(sorted(out.items()))
+
+    def _find(self, prefix: str, what: str) -> dict[str, dict]:
+        """{path: info} of everything under `prefix`, fresh (the listing cache dropped), with retries."""
         base = self.path(prefix)
 
         def find():
@@ -323,14 +325,7 @@ class Store:
             except FileNotFoundError:
                 return {}
 
-        root = self.root.rstrip("/") + "/"
-        out = {}
-        for p, info in self._retry(f"list temporaries {prefix!r}", find).items():
-            p = p if p.startswith(root) or not ("/" + p).startswith(root) else "/" + p
-            if info.get("type") == "directory" or not p.startswith(root) or TMP_MARK not in p.rsplit("/", 1)[-1]:
-                continue
-            out[p[len(root):]] = {"size": int(info.get("size") or 0), "modified": _modified(info)}
-        return dict(sorted(out.items()))
+        return self._retry(f"{what} {prefix!r}", find)
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         """Names of the "directories" directly under `prefix` (one level, sorted): e.g. the run ids

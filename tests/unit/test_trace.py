@@ -20,7 +20,8 @@ from miles_core.metrics import trace
 from miles_core.metrics.report import render_html, swimlane_figure, swimlane_spans
 from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, write_status
-from tests.support.report_run import ENGINE, write_steps
+from tests.support.report_run import write_steps
+
 
 @pytest.fixture
 def store(tmp_path) -> Store:
