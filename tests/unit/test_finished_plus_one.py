@@ -45,7 +45,7 @@ def segments(monkeypatch):
     checkpoint = {"next_step": 5}
     segment_module = sys.modules[run_training.__module__]  # where run_training looks up _run_segment
 
-    def fake_run_segment(cfg, store, segment, lease):
+    def fake_run_segment(cfg, store, segment, lease, *_):
         start = checkpoint["next_step"]
         end, reason = segment_module._end_step(cfg, start)
         rec = Recorder()

@@ -128,7 +128,7 @@ def test_a_run_that_cannot_be_placed_is_refused_before_any_actor_starts(tmp_path
 
 
 def test_a_writer_that_lost_its_lease_leaves_status_alone(tmp_path, monkeypatch):
-    def lose(cfg, store, segment, lease):
+    def lose(cfg, store, segment, lease, *_):
         lease._mark_lost("taken over by another writer")
         lease.check()
 
