@@ -265,8 +265,8 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
     def no_model(*a, **k):
         raise AssertionError("the model was built before the memory check")
 
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # __init__ sets them
-        monkeypatch.delenv(name, raising=False)
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):  # __init__ sets them:
+        monkeypatch.setenv(name, "")  # recorded, so teardown restores them (a later trainer would rendezvous on them)
     threads = torch.get_num_threads()  # __init__ sets them on CPU
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
     monkeypatch.setattr(worker, "Trainer", no_model)
