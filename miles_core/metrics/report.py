@@ -261,15 +261,18 @@ def _merge_busy(spans: list[tuple[str, str, float, float]]) -> list[tuple[str, s
 
 def swimlane_figure(spans: list[tuple[str, str, float, float]]):
     """Horizontal bars of `spans`, one row per lane, one legend entry per phase; None without spans."""
+    import plotly.colors
     import plotly.graph_objects as go
 
     if not spans:
         return None
     lanes = list(dict.fromkeys(sorted((s[0] for s in spans), key=lambda lane: (not lane.startswith("engine"), lane))))
     fig = go.Figure()
-    for phase in dict.fromkeys(s[1] for s in spans):
+    colors = plotly.colors.qualitative.Alphabet  # 26: every phase its own colour (the default has 10)
+    for i, phase in enumerate(dict.fromkeys(s[1] for s in spans)):
         mine = [s for s in spans if s[1] == phase]
         fig.add_trace(go.Bar(orientation="h", name=phase, y=[s[0] for s in mine], base=[s[2] for s in mine],
+                             marker_color=colors[i % len(colors)],
                              x=[max(s[3] - s[2], 1e-3) for s in mine],
                              hovertemplate="%{y}: " + phase + " %{base:.3f}s + %{x:.3f}s<extra></extra>"))
     fig.update_layout(title=f"Timeline of the last {SWIMLANE_STEPS} steps", barmode="overlay",
