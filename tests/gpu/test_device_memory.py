@@ -17,15 +17,9 @@ import torch
 from miles_core.config import ConfigError, parse_flags
 from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.memory import GIB, device_memory_bytes, estimate
+from tests.unit.test_memory_estimate import LLAMA_7B, SMOLLM2_135M
 
 pytestmark = pytest.mark.gpu
-
-SMOLLM2_135M = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
-                "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
-                "max_position_embeddings": 8192, "tie_word_embeddings": True}
-LLAMA_7B = {"model_type": "llama", "vocab_size": 32000, "hidden_size": 4096, "num_hidden_layers": 32,
-            "num_attention_heads": 32, "num_key_value_heads": 32, "intermediate_size": 11008,
-            "max_position_embeddings": 4096, "tie_word_embeddings": False}
 
 
 @pytest.fixture(scope="module", autouse=True)
