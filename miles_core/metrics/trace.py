@@ -10,7 +10,8 @@ new object, `trace/events/{process}/{flush time in ms}-{writer}-{part:06d}.json`
 parts: immutable, no coordination between writers; a key says when its chunk was written). A
 chunk carries its process, host, Ray node and pid; every time is the writer's `time.time()`.
 `trace/clock.json` holds each Ray node's clock offset from the driver's node, measured by the
-driver (a round trip to a task pinned on that node, the fastest of several); `build_trace` adds it when it merges the chunks, so spans from different nodes line up.
+driver (a round trip to a task pinned on that node, the fastest of several); `build_trace` adds
+it when it merges the chunks, so spans from different nodes line up.
 
 Bounded: a process buffers at most `max_pending` events between flushes (more are dropped and
 counted in the chunk's `dropped`); group and request spans are recorded for a deterministic
