@@ -86,7 +86,7 @@ def plain_loop(cfg, model_dir: str, steps: int, seed: int = 0) -> list[float]:
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
-    rows = arith_rows("arith")
+    rows = arith_rows("builtin:arith")
     random.Random(seed).shuffle(rows)
     r, times = cfg.rollout, []
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -20,6 +20,7 @@ from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch
 from miles_core.driver.timeline import NoTimeline
 from miles_core.metrics import names as N
+from miles_core.metrics import trace
 
 log = logging.getLogger(__name__)
 
@@ -91,36 +92,60 @@ class TrainerRole:
 class WeightPusher:
     """Pushes every --update-weights-interval steps (and at the last step), then publishes the
     version to the rollout side. The engine actors that loaded the weights noted them themselves
-    (a restarted engine comes back on them)."""
+    (a restarted engine comes back on them).
+
+    The step does not wait for the rollout side to take the version: its calls run in the order they
+    were made, so whatever the driver asks of it next sees the new version; a failure to take it is
+    raised at the next push (or at once on the last step)."""
 
     def __init__(self, trainer, rollout, interval: int, version_box: list[int]):
         self.trainer, self.rollout = trainer, rollout
         self.interval, self.version_box = interval, version_box
         self.snapshot: str | None = None  # the run-root URI of the pushed weights, when published there
+        self.publishing = None  # the rollout side's set_version call in flight
 
     def push(self, step: int, last: bool = False) -> tuple[int, dict]:
         if (step + 1) % self.interval != 0 and not last:
             return self.version_box[0], {}
-        out = self.trainer.call("push_weights", step).result()
+        self.published()
+        with trace.span("trainer.push_weights", lane="step", step=step):
+            out = self.trainer.call("push_weights", step).result()
         version = out.pop("version")
         self.snapshot = out.pop("snapshot", None) or self.snapshot
-        self.rollout.call("set_version", version).result()
+        self.publishing = self.rollout.call("set_version", version)
+        if last:
+            self.published()
         self.version_box[0] = version
         return version, out | {N.PUBLISHED_VERSION: version}
 
+    def published(self) -> None:
+        """Wait for the version published last (raising its failure)."""
+        pending, self.publishing = self.publishing, None
+        if pending is not None:
+            pending.result()
+
 
 class Checkpointer:
-    """Records the consumed group ids every step; saves trainer + rollout state at the cadence."""
+    """Records the consumed group ids every step; saves trainer + rollout state at the cadence.
+
+    A step's consumption record is written while the next step trains: the step waits only for the
+    previous one's (and for its own before a checkpoint, which covers it, or on the last step). A record
+    still in flight when the driver dies costs nothing: the resume starts from a checkpoint, and steps
+    after it train their groups again whether or not their records were written."""
 
     def __init__(self, trainer, rollout, save_interval: int | None, enabled: bool,
                  on_saved: Callable[[int], None] = lambda step: None):
         self.trainer, self.rollout = trainer, rollout
         self.save_interval, self.enabled, self.on_saved = save_interval, enabled, on_saved
         self.last_saved: int | None = None
+        self.recording = None  # the rollout side's record_consumed call in flight
 
     def save(self, step: int, consumed: list[str], version: int, last: bool) -> None:
-        self.rollout.call("record_consumed", step, consumed).result()
+        self.recorded()
+        self.recording = self.rollout.call("record_consumed", step, consumed)
         due = self.enabled and (last or (self.save_interval is not None and (step + 1) % self.save_interval == 0))
+        if last or due:
+            self.recorded()
         if not due:
             return
         extras = {"rollout_state": self.rollout.call("state").result(), "weight_version": version,
@@ -129,6 +154,13 @@ class Checkpointer:
         self.rollout.call("compact_buffer", step).result()  # complete: no resume starts before it again
         self.last_saved = step
         self.on_saved(step)
+
+    def recorded(self) -> None:
+        """Wait for the consumption record in flight (raising its failure)."""
+        pending, self.recording = self.recording, None
+        if pending is not None:
+            with trace.span("rollout.record_consumed", lane="step"):
+                pending.result()
 
 
 class MetricsLog:

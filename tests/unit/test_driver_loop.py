@@ -5,8 +5,10 @@ wait, push, checkpoint, eval, metrics, progress), stops at `end_step`, and at an
 it finishes the step as the last one (last=True to weights, checkpoints and evals) and says why it
 stopped; every step's metrics (train, batch, push, source, perf/step_seconds) are logged.
 `WeightPusher` pushes every `interval` steps and at the last step, then publishes the version to
-the rollout side (and the engine fleet). `Checkpointer` records the consumed group ids every step
-(the buffer's exactly-once record) and saves on its cadence and at the last step only.
+the rollout side (and the engine fleet) without waiting for it (a failure is raised at the next push).
+`Checkpointer` records the consumed group ids every step (the buffer's exactly-once record), writing
+step k's record while step k+1 trains (waited for before the next record, a checkpoint and the last
+step), and saves on its cadence and at the last step only.
 `PrefetchedBatches` asks for batch k+1 before training on k, against the version k+1 will be
 trained under. Guards against modes re-checked in the loop, a last step without a save, and
 consumption recorded only on save steps (groups trained twice after a resume).
@@ -242,6 +244,51 @@ def test_weight_pusher_publishes_to_rollout_after_the_trainer_pushed():
     assert trainer.log == ["trainer.push_weights", "rollout.set_version"]
 
 
+class PendingHandle(FakeHandle):
+    """A handle whose calls named in `pending` stay unanswered until the test answers them."""
+
+    def __init__(self, log, name, pending=(), **answers):
+        super().__init__(log, name, **answers)
+        self.pending, self.open = set(pending), []
+
+    def call(self, method, *args):
+        if method not in self.pending:
+            return super().call(method, *args)
+        self.calls.append((method, *args))
+        self.log.append(f"{self.name}.{method}")
+        f: concurrent.futures.Future = concurrent.futures.Future()
+        self.open.append(f)
+        return f
+
+
+def test_weight_pusher_does_not_wait_for_the_rollout_side_but_raises_its_failure_at_the_next_push():
+    log: list = []
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": step + 2})
+    rollout = PendingHandle(log, "rollout", pending={"set_version"})
+    wp = WeightPusher(trainer, rollout, 1, [1])
+    assert wp.push(0)[0] == 2  # returned with set_version(2) unanswered
+    rollout.open[0].set_exception(RuntimeError("rollout side gone"))
+    try:
+        wp.push(1)
+    except RuntimeError as e:
+        assert "rollout side gone" in str(e)
+    else:
+        raise AssertionError("the failed set_version was not raised at the next push")
+    assert [c[0] for c in trainer.calls] == ["push_weights"]  # the failure stops the next push before it starts
+
+
+def test_weight_pusher_waits_for_the_rollout_side_on_the_last_step():
+    log: list = []
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": step + 2})
+    rollout = PendingHandle(log, "rollout", pending={"set_version"})
+    wp = WeightPusher(trainer, rollout, 1, [1])
+    waited = []
+    rollout.pending.discard("set_version")
+    rollout.answers["set_version"] = lambda v: waited.append(v)
+    wp.push(0, last=True)
+    assert waited == [2] and wp.publishing is None
+
+
 # ----------------------------------------------------------------------------- Checkpointer
 
 
@@ -271,6 +318,41 @@ def test_checkpointer_records_consumption_before_it_saves():
     # compaction only after the checkpoint is complete: a resume never starts before a compacted step
     assert trainer.log == ["rollout.record_consumed", "rollout.state", "trainer.save_checkpoint",
                            "rollout.compact_buffer"]
+
+
+def test_checkpointer_writes_a_record_while_the_next_step_trains_and_waits_for_it_before_the_next():
+    """Step k's record is in flight during step k+1; step k+1's record starts only after k's is written (records
+    go in step order), and a failed record is raised at the next save."""
+    log: list = []
+    trainer = FakeHandle(log, "trainer")
+    rollout = PendingHandle(log, "rollout", pending={"record_consumed"}, state={})
+    cp = Checkpointer(trainer, rollout, save_interval=None, enabled=True)
+    cp.save(0, consumed=["g0"], version=1, last=False)
+    assert len(rollout.open) == 1 and not rollout.open[0].done()  # save returned with the record in flight
+    rollout.open[0].set_exception(OSError("storage down"))
+    try:
+        cp.save(1, consumed=["g1"], version=1, last=False)
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the failed record of step 0 was not raised")
+    assert [c[1] for c in rollout.calls if c[0] == "record_consumed"] == [0]  # step 1's never started
+
+
+def test_checkpointer_waits_for_the_record_before_a_checkpoint_and_on_the_last_step():
+    log: list = []
+    trainer = FakeHandle(log, "trainer")
+    rollout = FakeHandle(log, "rollout", state={})
+    answered = []
+    rollout.answers["record_consumed"] = lambda step, ids: answered.append(step)
+    cp = Checkpointer(trainer, rollout, save_interval=2, enabled=False)
+    cp.save(0, consumed=["g0"], version=1, last=False)
+    assert cp.recording is not None
+    cp.save(1, consumed=["g1"], version=1, last=True)
+    assert cp.recording is None and answered == [0, 1]
+    cp = Checkpointer(trainer, rollout, save_interval=1, enabled=True)
+    cp.save(0, consumed=["g0"], version=1, last=False)
+    assert cp.recording is None  # the checkpoint of step 0 covers its record: written before it
 
 
 def test_disabled_checkpointer_still_records_consumption_but_never_saves():
