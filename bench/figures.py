@@ -276,7 +276,16 @@ def render_real_model(results: dict[str, dict]) -> list[str]:
             f"held-out greedy accuracy **{fig['heldout_accuracy_before']:.1%} → {fig['heldout_accuracy_after']:.1%}** "
             f"({fig['heldout_accuracy_gain'] * 100:+.1f} points); the training reward's 5-step mean went "
             f"{reward[4]:.2f} (step 4) → {reward[-1]:.2f} (step {len(reward) - 1}), first past 0.4 at step "
-            f"{fig['first_step_5_step_mean_above_0_4']}.", ""]
+            f"{fig['first_step_5_step_mean_above_0_4']}.", "", *_against_plain_loop(fig)]
+
+
+def _against_plain_loop(fig: dict) -> list[str]:
+    if fig.get("pipeline_to_plain_ratio") is None:
+        return ["(This run predates the plain-loop comparison.)", ""]
+    return [f"Seconds per step, medians after the first 2 steps, in the same bench run: the pipeline "
+            f"{_s(fig['pipeline_seconds_per_step'], 1)}, a plain-torch GRPO loop on the same model, batch and "
+            f"sampling {_s(fig['plain_loop_seconds_per_step'], 1)}: **ratio {_x(fig['pipeline_to_plain_ratio'])}**.",
+            ""]
 
 
 # ----------------------------------------------------------------------------- elastic
@@ -354,6 +363,31 @@ def _rows_by(rec: dict, key: str) -> dict:
     return {k: ", ".join(v) for k, v in out.items()}
 
 
+# ----------------------------------------------------------------------------- step_overhead
+
+
+def _overhead_headline(fig: dict, label: str) -> str:
+    return (f"{label}: step {_s(fig[f'{label}_step_seconds'])}, trainer compute {_s(fig[f'{label}_compute_seconds'])}, "
+            f"**step ÷ compute {_x(fig[f'{label}_step_over_compute'])}**")
+
+
+def render_step_overhead(results: dict[str, dict]) -> list[str]:
+    rec = results["step_overhead"]
+    fig, cfg = rec["figures"], rec["config"]
+    against = f" each of this revision and of `{cfg['baseline_rev']}`, alternating" if cfg.get("baseline_rev") else ""
+    labels = [label for label in ("this", "baseline") if f"{label}_step_seconds" in fig]
+    headline = "; ".join(_overhead_headline(fig, label) for label in labels)
+    calls = sorted({k for r in rec["rows"] for k, v in r.items() if k.startswith("median_") and k.endswith("_seconds")
+                    and v >= 0.0005} - {"median_step_seconds", "median_compute_seconds"})  # what a step spends time on
+    header = ["run", "step", "trainer compute", "step ÷ compute", *[c[len("median_"):-len("_seconds")] for c in calls]]
+    rows = [[f"{r['variant']} {r['repeat']}", _f(r["median_step_seconds"] * 1e3, 1),
+             _f(r["median_compute_seconds"] * 1e3, 1), _x(r["median_step_over_compute"]),
+             *[_f(r.get(c, 0.0) * 1e3, 1) for c in calls]] for r in rec["rows"]]
+    return [measured(rec), "", f"The embedded default, {cfg['steps']} steps, {cfg['repeats']} run(s){against} "
+            f"(medians of the runs' medians): {headline}. Each run, medians over its traced steps after the first 5, "
+            "in ms:", "", *_table(header, rows), ""]
+
+
 # ----------------------------------------------------------------------------- the page
 
 
@@ -366,6 +400,7 @@ RENDERERS = {
     "real_model": render_real_model,
     "elastic": render_elastic,
     "trace": render_trace,
+    "step_overhead": render_step_overhead,
 }
 
 
