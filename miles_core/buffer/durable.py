@@ -30,6 +30,7 @@ compact Arrow rows and decoded at get.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import logging
 import threading
@@ -124,6 +125,7 @@ class DurableBuffer:
         self._seen: set[str] = set()  # object keys indexed (or found done) by this buffer
         self._foreign_at: dict[str, float] = {}  # other writer -> when its last group was indexed (monotonic)
         self._prompts: dict[tuple[int, int, int], str] = {}  # (epoch, position, attempt) -> the group id holding it
+        self._trained = TrainedPrompts()  # the data-source prompts (epoch, position) consumed through the last record
         self._tail = None if foreign_poll_seconds is None else _Tail(self, foreign_poll_seconds)
         self._writer = threading.Thread(target=self._write_loop, name=f"buffer-writer-{self.writer_id}", daemon=True)
         self._writer.start()
@@ -156,7 +158,7 @@ class DurableBuffer:
     def _load(self, through: int) -> None:
         consumed = self._load_consumption(through)
         self._consumed_prompts(consumed)
-        listed = [k for k in self.store.list(O.GROUPS) if k.endswith(".arrow")]
+        listed = _group_objects(self.store.list(O.GROUPS))
         with self._lock:
             self._index_keys([k for k in listed if not self._is_done(k)], consumed)
             self._seen.update(listed)
@@ -204,6 +206,7 @@ class DurableBuffer:
             manifests = list(pool.map(self._read_manifest, [k for _, k in later]))
         for (step, _), manifest in zip(later, manifests):
             consumed.update(manifest.get("consumed", ()))
+            self._trained.add_ids(manifest.get("consumed", ()))
             consumed.update(manifest.get("rejected", ()))
             consumed.update(manifest.get(REBUILT_IDS, ()))  # rebuilt by `miles doctor`: taken, which way unknown
             for key in manifest.get("objects_done", ()):
@@ -220,9 +223,10 @@ class DurableBuffer:
         if not compacted:
             return -1, set()  # every manifest through `through` is read instead
         step, key = compacted[-1]
-        record = self._read_manifest(key)
+        record = self._read_compaction(key)
         for writer, runs in record.get("objects_done", {}).items():
             self._done.setdefault(writer, set()).update(O.from_ranges(runs))
+        self._trained = TrainedPrompts(record.get("trained_positions"))
         self._last_step = step
         return step, set(record.get("consumed", ()))
 
@@ -244,7 +248,7 @@ class DurableBuffer:
 
     def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> None:
         fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]
-        fresh = [sg for sg in fresh if not self._duplicate(sg)]
+        fresh = [sg for sg in fresh if not self._duplicate(sg) and not self._trained_already(sg)]
         if not fresh:  # consumed entirely, but no manifest said so: remember it as done
             self._note_done(key)
             return
@@ -275,6 +279,17 @@ class DurableBuffer:
         self._window.duplicates += 1
         return True
 
+    def _trained_already(self, sg: "O.StoredGroup") -> bool:
+        """A group of a prompt that was trained already: a copy of a consumed group (its object copied or
+        restored under another key; a reopen reads no object consumed entirely, so its id is not known as
+        consumed). Skipped, never served nor recorded: the prompt was trained once."""
+        prompt = O.prompt_of_id(sg.group_id)
+        if prompt is None or not self._trained.has(prompt[0], prompt[1]):
+            return False
+        log.warning("buffer: group %s is of prompt (epoch %d, position %d), trained already; skipped (a copy of a "
+                    "consumed group?)", sg.group_id, prompt[0], prompt[1])
+        return True
+
     def _note_done(self, key: str) -> None:
         parsed = O.split_group_key(key)
         if parsed is not None:
@@ -300,6 +315,17 @@ class DurableBuffer:
                                   "groups were trained. Restore it from a backup, or delete it and every later one "
                                   "and resume from the checkpoint before that step.")
         return manifest
+
+    def _read_compaction(self, key: str) -> dict:
+        try:
+            return self._read_manifest(key)
+        except DataBufferError as e:
+            why = getattr(e.__cause__, "__cause__", None) or "not a compaction record"
+            raise DataBufferError(
+                f"compaction record {self.store.uri(key)} does not parse ({str(why)[:200]}): the resume cannot tell "
+                f"which groups were trained through its step. `miles doctor {self.store.root_uri} --repair` moves it "
+                "aside when every consumption manifest through that step is readable (a resume then reads them "
+                "instead); otherwise restore it from a backup.") from e
 
     def _quarantine(self, key: str, error: BaseException) -> None:
         dst = O.quarantine_key(key)
@@ -494,6 +520,7 @@ class DurableBuffer:
         self.store.put_json(O.consumed_key(step), manifest)
         with self._lock:
             self._last_step = step
+            self._trained.add_ids(group_ids)
             del self._rejected[: len(rejected)]
             for gid in [*group_ids, *rejected]:
                 self._unrecorded.pop(gid, None)
@@ -516,7 +543,8 @@ class DurableBuffer:
                       "deleted_consumed_objects": delete_consumed_objects,
                       "objects_done": {w: O.to_ranges(seqs) for w, seqs in sorted(self._done.items())},
                       "consumed": sorted(gid for key, ids in self._members.items()
-                                         for gid in ids if gid not in self._remaining.get(key, ()))}
+                                         for gid in ids if gid not in self._remaining.get(key, ())),
+                      "trained_positions": self._trained.ranges()}
         self.store.put_json(O.compact_key(through_step), record)
         for key in self.store.list(O.COMPACTED):
             step = O.compact_step(key)
@@ -628,7 +656,7 @@ class _Tail:
         """One pass; returns the groups it made available."""
         b = self.buffer
         own = f"{O.GROUPS}{b.writer_id}/"
-        listed = [k for k in b.store.list(O.GROUPS) if k.endswith(".arrow") and not k.startswith(own)]
+        listed = [k for k in _group_objects(b.store.list(O.GROUPS), warn=False) if not k.startswith(own)]
         with b._lock:
             new = sorted(k for k in listed if k not in b._seen and not b._is_done(k))
             if b._closed or not new:
@@ -646,3 +674,50 @@ class _Tail:
             for key in new:
                 b._foreign_at[O.writer_of(key)] = now
         return added
+
+
+class TrainedPrompts:
+    """The data-source prompts (epoch, position) trained so far, as per-epoch closed ranges of positions plus
+    those recorded since (consumption is nearly in position order, so the ranges stay few)."""
+
+    def __init__(self, ranges: dict | None = None):
+        self._ranges = {int(e): sorted(runs) for e, runs in (ranges or {}).items()}
+        self._recent: dict[int, set[int]] = {}
+
+    def add_ids(self, group_ids) -> None:
+        for gid in group_ids:
+            prompt = O.prompt_of_id(gid)
+            if prompt is not None:
+                self._recent.setdefault(prompt[0], set()).add(prompt[1])
+
+    def has(self, epoch: int, position: int) -> bool:
+        if position in self._recent.get(epoch, ()):
+            return True
+        runs = self._ranges.get(epoch, [])
+        i = bisect.bisect_right(runs, [position, float("inf")]) - 1
+        return i >= 0 and runs[i][0] <= position <= runs[i][1]
+
+    def ranges(self) -> dict[str, list[list[int]]]:
+        """Every trained position as {epoch: [[first, last], ...]} (the compaction record's field)."""
+        for epoch, positions in self._recent.items():
+            merged: list[list[int]] = []
+            for lo, hi in sorted([*self._ranges.get(epoch, []), *([p, p] for p in positions)]):
+                if merged and lo <= merged[-1][1] + 1:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            self._ranges[epoch] = merged
+        self._recent = {}
+        return {str(e): runs for e, runs in sorted(self._ranges.items())}
+
+
+def _group_objects(keys: list[str], warn: bool = True) -> list[str]:
+    """The group objects ({writer}/{seq:012d}.arrow) among keys listed under buffer/groups/. Anything else there
+    (a copy left by hand, a file of another tool) is never read: a copy of a consumed object would serve its
+    groups again, since a reopen does not read the objects consumed entirely."""
+    objects = [k for k in keys if O.split_group_key(k) is not None]
+    if warn and len(objects) < len(keys):
+        stray = sorted(set(keys) - set(objects))
+        log.warning("buffer: %d file(s) under %s are not group objects and are never read (first: %s); "
+                    "`miles doctor` lists them", len(stray), O.GROUPS, stray[0])
+    return objects

@@ -113,7 +113,7 @@ def _unreadable_rows(store: Store, record: ConsumptionRecord) -> list[dict]:
 
 
 def _object_sizes(store: Store) -> dict[str, int]:
-    return {k: v for k, v in store.list_sizes(O.GROUPS).items() if k.endswith(".arrow")}
+    return {k: v for k, v in store.list_sizes(O.GROUPS).items() if O.split_group_key(k) is not None}
 
 
 def _committed(store: Store, sizes: dict[str, int]) -> tuple[dict[str, O.StoredGroup], dict[str, str], int]:

@@ -7,7 +7,10 @@
     buffer/compacted/upto_{step:08d}.json        the compaction of every manifest through `step` (written
                                                  at a checkpoint): {"through_step", "objects_done":
                                                  {writer: [[first_seq, last_seq], ...]}, "consumed": [ids
-                                                 consumed or rejected in objects not yet done]}
+                                                 consumed or rejected in objects not yet done],
+                                                 "trained_positions": {epoch: [[first, last], ...]}: the
+                                                 data-source prompts consumed, so a copy of a consumed group
+                                                 is never served again}
     buffer/quarantine/{writer}/{seq}.arrow       an object that failed to decode, moved aside,
     buffer/quarantine/{writer}/{seq}.arrow.reason.json   with the reason
 

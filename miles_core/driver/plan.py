@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from miles_core.config import RunConfig
 from miles_core.metrics.names import STEP_SECONDS
 from miles_core.metrics.sink import read_metrics
-from miles_core.storage import Store, normalize_uri
+from miles_core.storage import StorageError, StorageUnavailable, Store, normalize_uri
 from miles_core.storage.run_root import (
     FINISHED,
     RunStatus,
     get_json_or_none,
     read_config,
     read_status,
+    require_first_config,
     segment_config_key,
 )
 
@@ -57,6 +58,7 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
     status = read_status(store)
     if is_finished(cfg, status):
         return finished_notice(cfg, status, flags, inputs or {})
+    require_first_config(store)  # the segment refuses a damaged one: said before anything starts
     start = 0 if status is None else status.last_step + 1
     end = cfg.run.num_rollout if cfg.run.segment_steps is None else min(cfg.run.num_rollout,
                                                                         start + cfg.run.segment_steps)
@@ -143,11 +145,22 @@ def sibling_timing(cfg: RunConfig) -> Timing | None:
     root = Store(normalize_uri(cfg.run.storage_root))
     for run_id in root.list_dirs("runs")[:SIBLINGS_READ]:
         store = root.child(f"runs/{run_id}")
-        if run_id != cfg.run.run_id and _same_shape(cfg, read_config(store, 0)):
+        if run_id != cfg.run.run_id and _same_shape(cfg, _first_config(store)):
             timing = measured_timing(store)
             if timing is not None:
                 return timing
     return None
+
+
+def _first_config(store: Store) -> dict | None:
+    """Another run's first config; None when it has none or it does not parse (its own runs say so)."""
+    try:
+        found = read_config(store, 0)
+    except StorageUnavailable:
+        raise
+    except StorageError:
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _same_shape(cfg: RunConfig, other: dict | None) -> bool:

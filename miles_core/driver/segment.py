@@ -91,6 +91,7 @@ def _finished(cfg: RunConfig, store) -> TrainResult | None:
 
 
 def _train(cfg: RunConfig, store, lease, eval_follower_after: bool = False) -> TrainResult:
+    run_root.require_first_config(store)
     segment = run_root.next_segment(store)
     run_root.write_config(store, cfg, segment)
     run_root.write_status(store, run_root.RUNNING, last_step=-1, segment=segment)

@@ -18,7 +18,8 @@ meet:
 - consumption records (buffer.manifests.read_consumption): manifests that do not parse or are missing, the
   compaction record, judged against the step a resume starts from as buffer.durable reopens them;
 - buffer objects against the manifests (buffer.objects.decode_object): objects that do not decode, groups
-  the records name whose object is gone before all its groups were consumed, gaps in a writer's objects;
+  the records name whose object is gone before all its groups were consumed, gaps in a writer's objects,
+  objects holding groups an earlier object holds (a copy), files there that are not group objects;
 - eval results and requests (eval.results), snapshots (eval.snapshots: the marker);
 - temporaries of unfinished writes (Store.list_temporaries), except young ones under a live lease.
 A finding has a key (a URI), a kind, a severity (ok; warning: the run continues but something is lost or
@@ -33,11 +34,13 @@ degraded; error: the run cannot continue as it is), what it means for the run, t
 - moved under quarantine/doctor/{time}/ + the original key (never deleted): records that do not parse
   (eval results and requests, a resumed segment's config record, the lease record, the compaction record
   when every manifest through its step is readable, a manifest that is rebuilt), temporaries of unfinished
-  writes, checkpoint step directories without COMPLETE older than the newest complete one;
-- a buffer object that does not decode: moved to buffer/quarantine/ with a `.reason.json`, as a buffer
-  reopen does.
-It never moves or deletes a committed group that decodes, a complete checkpoint, or config.json (readers
-need it where it is: restore it from a backup). Each repair run writes quarantine/doctor/{time}/REPAIRS.json.
+  writes, checkpoint step directories without COMPLETE older than the newest complete one, files under
+  buffer/groups/ that are not group objects;
+- a buffer object that does not decode, or whose groups an earlier object holds all of: moved to
+  buffer/quarantine/ with a `.reason.json`, as a buffer reopen does with one that does not decode.
+It never moves or deletes the only stored copy of a committed group that decodes, a complete checkpoint,
+or config.json (readers need it where it is: restore it from a backup). Each repair run writes
+quarantine/doctor/{time}/REPAIRS.json.
 """
 
 from __future__ import annotations
@@ -248,9 +251,9 @@ class _Doctor:
         why = f"does not parse as a run config ({type(e).__name__}: {str(e)[:300]})"
         if segment == 0:
             self.add(self.store.uri(key), "config", ERROR, why,
-                     "config.json records how the run started: the next execution's plan reads it (when the run "
-                     "started, for its time estimate) and fails on it, and so do `miles runs show`, lineage, fork and "
-                     "replay of a run without a later segment record",
+                     "config.json records how the run started: the next execution refuses to continue over it (its "
+                     "plan and its training segment say so), and `miles runs show`, lineage, fork and replay of a run "
+                     "without a later segment record fail on it",
                      "restore it from a backup. It is {\"segment\": 0, \"written_at\": ..., \"config\": {...}}; "
                      "`miles validate` with the run's flags prints the resolved config that goes under \"config\". "
                      "--repair leaves it where it is.")
@@ -279,10 +282,12 @@ class _Doctor:
             if newest_checkpoint(self.store, cfg) is None and last_manifest_step(self.store) is None:
                 self.add(key, "status", OK, "none: the run never started a segment")
                 return
+            rebuilt = rebuilt_status(self.store, "")
             self.add(key, "status", WARNING, "missing, in a run that has checkpoints or consumption manifests",
-                     "the next segment counts itself segment 0 and writes config.json over the run's first config "
-                     "record; `miles runs show` says the run never started",
-                     "--repair rebuilds it from the checkpoints and consumption manifests",
+                     f"every reader and the next segment rebuild it on read from the checkpoints and consumption "
+                     f"manifests ({rebuilt['state']} after step {rebuilt['last_step']}, segment {rebuilt['segment']}) "
+                     "and warn each time; nothing is lost",
+                     "--repair writes the rebuilt one",
                      Repair("rebuild_status", self.store, STATUS_KEY, "STATUS.json was missing", order=5))
             return
         try:
@@ -580,7 +585,9 @@ class _Doctor:
 
     def _read_objects(self) -> dict[str, list[O.StoredGroup] | Exception | None]:
         """Every group object decoded: its groups, the decode error, or None when it vanished meanwhile."""
-        keys = [k for k in self.store.list(O.GROUPS) if O.split_group_key(k) is not None]
+        listed = self.store.list(O.GROUPS)
+        keys = [k for k in listed if O.split_group_key(k) is not None]
+        self.strays = [k for k in listed if O.split_group_key(k) is None]
         with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="doctor-read") as pool:
             return dict(zip(keys, pool.map(lambda key: O.fetch_object(self.store, key), keys)))
 
@@ -599,6 +606,8 @@ class _Doctor:
                          "a buffer reopen moves it to buffer/quarantine/: the groups it held are never trained",
                          f"--repair moves it to {O.QUARANTINE} now, with the reason",
                          Repair("quarantine_object", self.store, key, str(got), order=2))
+        self._strays()
+        self._copies()
         present = {g.group_id for got in self.objects.values() if isinstance(got, list) for g in got}
         quarantined = {p for k in self.store.list(O.QUARANTINE) if k.endswith(".arrow")
                        and (p := O.split_group_key(O.GROUPS + k[len(O.QUARANTINE):])) is not None}
@@ -627,6 +636,43 @@ class _Doctor:
                                     for f in self.findings):
             self.add(self.store.uri(O.GROUPS), "group-objects", OK,
                      f"{len(self.objects)} group objects decode ({len(present)} groups); none the records need is gone")
+
+    def _strays(self) -> None:
+        for key in self.strays:
+            self.add(self.store.uri(key), "stray-file", WARNING,
+                     f"not a group object (those are {O.GROUPS}{{writer}}/{{seq:012d}}.arrow): the run did not "
+                     "write it",
+                     "the run and its readers never read it: groups it may hold are not trained from it",
+                     "--repair moves it under quarantine/doctor/", Repair("quarantine", self.store, key, order=3))
+
+    def _copies(self) -> None:
+        """Objects holding groups another object holds too: a copy (a restore, a copy by hand), not a write of the
+        run, which commits each group once. The original is the object the consumption records name as consumed,
+        else the first in key order."""
+        done = self._done()
+        holders: dict[str, list[str]] = {}
+        for key, got in self.objects.items():
+            for g in got if isinstance(got, list) else ():
+                holders.setdefault(g.group_id, []).append(key)
+        copies: dict[str, dict[str, str]] = {}  # copy -> {group id: the original's key}
+        for gid, keys in holders.items():
+            if len(keys) > 1:
+                original = next((k for k in keys if (p := O.split_group_key(k)) and p[1] in done.get(p[0], ())),
+                                keys[0])
+                for key in keys:
+                    if key != original:
+                        copies.setdefault(key, {})[gid] = original
+        for key, groups in sorted(copies.items()):
+            whole = len(groups) == len(self.objects[key])
+            first = sorted(groups)[0]
+            self.add(self.store.uri(key), "duplicate-groups", WARNING,
+                     f"{'all ' if whole else ''}{_plural(len(groups), 'group')} of it are in "
+                     f"{self.store.uri(groups[first])} too (first: {', '.join(sorted(groups)[:3])})",
+                     "a copy: a resume serves none of its groups whose prompt was trained already (nor any group "
+                     "twice); lineage shows the first object in key order",
+                     "--repair moves it to buffer/quarantine/" if whole else "move it away if it is a copy",
+                     Repair("quarantine_object", self.store, key, "a copy: its groups are in another object",
+                            order=2) if whole else None)
 
     def _fork_record(self) -> dict:
         try:

@@ -20,7 +20,7 @@ from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.producers import TRAINER, producer_rows
 from miles_core.lineage.recorded import FORK_KEY, RecordedRun
 from miles_core.storage import ObjectNotFound
-from miles_core.storage.lease import LEASE_KEY, LeaseRecord
+from miles_core.storage.lease import LEASE_KEY, LeaseError, LeaseRecord
 from miles_core.storage.run_root import get_json_or_none, read_status, segment_config_key
 
 
@@ -60,6 +60,8 @@ def _lease(run: RecordedRun) -> dict | None:
         record = LeaseRecord.from_bytes(run.store.get_bytes(LEASE_KEY), run.store.uri(LEASE_KEY))
     except ObjectNotFound:
         return None
+    except LeaseError as e:  # one bad file never stops the summary: said instead
+        return {"error": str(e)}
     return {"holder": record.holder, "released": record.released, "acquired_at": record.acquired_at,
             "expires_at": record.expires_at, "expired": record.expires_at < time.time()}
 
@@ -136,6 +138,8 @@ def _steps_line(s: dict) -> str:
 def _lease_line(lease: dict | None) -> str:
     if lease is None:
         return "lease        none (no segment ever held it)"
+    if lease.get("error"):
+        return f"lease        unreadable: {lease['error']}"
     if lease["released"]:
         return f"lease        released by {lease['holder']}"
     state = "expired" if lease["expired"] else "held"

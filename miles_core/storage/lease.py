@@ -92,7 +92,7 @@ class LeaseRecord:
             return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
         except (ValueError, TypeError, KeyError) as e:
             raise LeaseError(f"{where} is not a lease record ({e}); if no writer runs on this run root, "
-                             "delete it") from e
+                             "delete it, or let `miles doctor RUN_URI --repair` move it aside") from e
 
     def renewed(self, now: float) -> "LeaseRecord":
         return dataclasses.replace(self, seq=self.seq + 1, renewed_at=now, expires_at=now + self.ttl_seconds)

@@ -24,8 +24,8 @@ import logging
 import time
 from dataclasses import dataclass
 
-from miles_core.storage import ObjectNotFound, Store
-from miles_core.storage.status_rebuild import rebuilt_status
+from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
+from miles_core.storage.status_rebuild import last_manifest_step, latest_config, newest_checkpoint, rebuilt_status
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,26 @@ def read_config(store: Store, segment: int | None = None) -> dict | None:
     return None if found is None else found.get("config", found)
 
 
+def require_first_config(store: Store) -> None:
+    """Refuse to continue a run whose config.json is there but does not parse: a StorageError naming it and the
+    fix. It records how the run started (the plan's estimate, `miles runs show`, lineage, fork and replay read
+    it); a run root damaged so is repaired before more is written to it."""
+    try:
+        record = get_json_or_none(store, CONFIG_KEY)
+        if record is None or isinstance(record, dict):
+            return
+        why = f"{store.uri(CONFIG_KEY)} is not a config record (a JSON object)"
+    except StorageUnavailable:
+        raise
+    except StorageError as e:
+        why = str(e)
+    raise StorageError(
+        f"{why[:500]}. config.json records how this run started; the run does not continue over a damaged one. "
+        "Restore it from a backup (it is {\"segment\": 0, \"written_at\": ..., \"config\": {...}}: `miles validate` "
+        f"with the run's flags prints the config), then run again; `miles doctor {store.root_uri}` checks the rest "
+        "of the run root.")
+
+
 def write_status(store: Store, state: str, *, last_step: int, segment: int, message: str = "") -> RunStatus:
     if state not in STATES:
         raise ValueError(f"unknown run state {state!r}; known: {', '.join(STATES)}")
@@ -95,13 +115,14 @@ def write_status(store: Store, state: str, *, last_step: int, segment: int, mess
 
 
 def read_status(store: Store) -> RunStatus | None:
-    """STATUS.json, None when there is none. One that does not parse (truncated, garbage) is rebuilt
-    from the checkpoints and consumption manifests (miles_core.storage.status_rebuild), with a warning:
-    the run and every reader go on; the next segment writes a fresh one."""
+    """STATUS.json, None when there is none in a run that never started a segment. One that does not parse
+    (truncated, garbage), or is missing from a run with checkpoints or consumption manifests, is rebuilt
+    from them (miles_core.storage.status_rebuild), with a warning: the run and every reader go on (the next
+    segment numbers itself after the recorded ones, never over config.json); it writes a fresh one."""
     try:
         raw = store.get_bytes(STATUS_KEY)
     except ObjectNotFound:
-        return None
+        return _rebuilt_if_started(store)
     try:
         return parse_status(raw)
     except (ValueError, TypeError) as e:
@@ -109,6 +130,16 @@ def read_status(store: Store) -> RunStatus | None:
         status = RunStatus(**rebuilt_status(store, why))
         log.warning("%s; rebuilt: %s after step %d (segment %d)", why, status.state, status.last_step, status.segment)
         return status
+
+
+def _rebuilt_if_started(store: Store) -> RunStatus | None:
+    _, cfg = latest_config(store)
+    if newest_checkpoint(store, cfg) is None and last_manifest_step(store) is None:
+        return None  # a new run
+    why = f"{store.uri(STATUS_KEY)} is missing"
+    status = RunStatus(**rebuilt_status(store, why))
+    log.warning("%s; rebuilt: %s after step %d (segment %d)", why, status.state, status.last_step, status.segment)
+    return status
 
 
 def parse_status(raw: bytes) -> RunStatus:
@@ -121,7 +152,7 @@ def parse_status(raw: bytes) -> RunStatus:
 
 
 def next_segment(store: Store) -> int:
-    """0 for a run root without STATUS.json, else the recorded segment + 1."""
+    """0 for a run that never started a segment, else the recorded (or rebuilt) segment + 1."""
     status = read_status(store)
     return 0 if status is None else status.segment + 1
 

@@ -1,4 +1,5 @@
-"""STATUS.json rebuilt from the rest of the run root, when it does not parse (truncated, garbage).
+"""STATUS.json rebuilt from the rest of the run root, when it does not parse (truncated, garbage) or is
+missing from a run with checkpoints or consumption manifests.
 
     fields = rebuilt_status(store, why)    # {"state", "last_step", "segment", "updated_at", "message"}
 

@@ -86,6 +86,14 @@ def test_resume_through_a_bad_manifest_after_the_compaction_refuses_with_the_fix
         DurableBuffer.open(Store(uri), capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=3)
 
 
+def test_resume_over_a_compaction_record_that_does_not_parse_refuses_with_the_fix(tmp_path):
+    uri, _ = _run_root(tmp_path)
+    Store(uri).put_bytes("buffer/compacted/upto_00000001.json", b'{"through_step": 1, "objects_')
+    with pytest.raises(DataBufferError, match=r"compaction record .*upto_00000001\.json does not parse .*"
+                                              r"`miles doctor .* --repair` moves it aside"):
+        DurableBuffer.open(Store(uri), capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=2)
+
+
 def test_resume_before_the_bad_manifest_opens_and_ignores_the_covered_one(tmp_path):
     uri, by_step = _run_root(tmp_path)
     with DurableBuffer.open(Store(uri), capacity_groups=8, unused_handler=DropUnused(),

@@ -41,6 +41,20 @@ def test_a_bad_status_is_rebuilt_as_segment_done_from_checkpoints_and_manifests(
     assert store.get_bytes(STATUS_KEY) == bad  # reading writes nothing
 
 
+def test_a_missing_status_of_a_run_with_history_is_rebuilt_and_a_new_run_has_none(tmp_path):
+    """The next segment of a run whose STATUS.json is gone numbers itself after the recorded segments (never
+    segment 0, over config.json), and the plan says it resumes; a run that never started has no status."""
+    cfg, store = _run_root(tmp_path, checkpoint=3, manifests=5, segments=2)
+    store.delete(STATUS_KEY)
+    status = read_status(store)
+    assert (status.state, status.last_step, status.segment) == (SEGMENT_DONE, 4, 1)
+    assert "STATUS.json is missing" in status.message and next_segment(store) == 2
+    assert "resuming after step 4 (segment 2)" in describe_plan(cfg) and not store.exists(STATUS_KEY)
+    new = Store(f"file://{tmp_path}/runs/new")
+    write_config(new, cfg)
+    assert read_status(new) is None and next_segment(new) == 0
+
+
 def test_a_bad_status_of_a_run_checkpointed_at_its_last_step_is_finished(tmp_path):
     cfg, store = _run_root(tmp_path, "--num-rollout", "4", checkpoint=3, manifests=4)
     status = read_status(store)

@@ -303,6 +303,39 @@ def test_an_undecodable_object_is_quarantined_like_a_reopen(run, capsys):
     assert "not a readable Arrow" in json.loads(Path(str(moved) + ".reason.json").read_text())["reason"]
 
 
+@pytest.mark.parametrize("where", ["next-seq", "writer-sorting-first"])
+def test_a_copy_of_a_group_object_is_reported_and_repair_moves_the_copy_aside(run, capsys, where):
+    """Consumed object 0's bytes again under its writer's next seq, or under a writer that sorts before it (a
+    botched restore): a warning naming the copy (not the object the records name) and the object it repeats;
+    --repair moves the copy to buffer/quarantine/ and keeps the original."""
+    first = objects(run)[0]
+    copy = first.with_name("000000000008.arrow") if where == "next-seq" else \
+        run / GROUPS / "w0000000000000-restored" / "000000000000.arrow"
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(first.read_bytes())
+    status, out = doctor(run, capsys)
+    [f] = [f for f in out["findings"] if f["kind"] == "duplicate-groups"]
+    assert status == 0 and f["severity"] == "warning" and f["key"] == uri(copy) and first.name in f["what"]
+    assert not [f for f in out["findings"] if f["kind"] in ("lost-object", "lost-groups")]
+    status, out = doctor(run, capsys, "--repair")
+    assert status == 0 and not [f for f in out["findings"] if f["kind"] == "duplicate-groups"]
+    assert not copy.exists() and first.exists()
+    assert (run / "buffer/quarantine" / copy.parent.name / copy.name).read_bytes() == first.read_bytes()
+
+
+def test_a_stray_file_among_the_group_objects_is_reported_and_moved_aside(run, capsys):
+    first = objects(run)[0]
+    stray = first.with_name("000000000000.copy.arrow")
+    stray.write_bytes(first.read_bytes())
+    status, out = doctor(run, capsys)
+    [f] = [f for f in out["findings"] if f["kind"] == "stray-file"]
+    assert status == 0 and f["severity"] == "warning" and f["key"] == uri(stray) and "never read" in f["meaning"]
+    assert not [f for f in out["findings"] if f["kind"] == "duplicate-groups"]  # never read: no copy to serve
+    doctor(run, capsys, "--repair")
+    key = str(stray.relative_to(run))
+    assert quarantined(run, key).read_bytes() == first.read_bytes() and not stray.exists()
+
+
 def test_a_garbage_lease_is_an_error_repair_moves_it_aside(run, capsys):
     (run / LEASE_KEY).write_bytes(b"{not a lease")
     status, out = doctor(run, capsys)

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
+
 from miles_core.config import parse_flags
 from miles_core.driver.plan import describe_plan, rerun_command
 from miles_core.metrics.names import STEP_SECONDS
 from miles_core.metrics.sink import MetricsSink
-from miles_core.storage import Store
-from miles_core.storage.run_root import FINISHED, SEGMENT_DONE, write_config, write_status
+from miles_core.storage import StorageError, Store
+from miles_core.storage.run_root import FINISHED, SEGMENT_DONE, require_first_config, write_config, write_status
 
 
 def _cfg(tmp_path, *flags: str, run_id: str = "x"):
@@ -64,6 +66,19 @@ def test_a_new_run_estimates_from_another_run_of_the_same_shape(tmp_path):
     _recorded(_cfg(tmp_path, "--rollout-batch-size", "8", run_id="other-shape"), 4, 9.0, startup=20.0)
     plan = describe_plan(_cfg(tmp_path))
     assert f"1.50 s per step + 20 s start-up, from the step times recorded in {tmp_path}/runs/earlier" in plan
+
+
+def test_a_resumed_run_whose_config_json_does_not_parse_is_refused_by_name(tmp_path):
+    """The plan and the segment refuse to continue over a damaged config.json, naming it and the fix; another
+    run under the same storage root still plans (its estimate skips that run)."""
+    cfg = _cfg(tmp_path, run_id="damaged")
+    _recorded(cfg, 4, 1.5, startup=20.0)
+    Store(cfg.run_uri).put_bytes("config.json", b"\x00 garbage {")
+    with pytest.raises(StorageError, match=r"runs/damaged/config\.json is not valid JSON.*Restore it from a backup"):
+        describe_plan(cfg)
+    with pytest.raises(StorageError, match=r"config\.json.*miles doctor"):
+        require_first_config(Store(cfg.run_uri))
+    assert "a new run: steps 0..159" in describe_plan(_cfg(tmp_path, run_id="new"))
 
 
 def test_a_finished_run_says_so_and_how_to_continue(tmp_path):

@@ -70,3 +70,14 @@ def test_a_missing_run_or_group_is_a_clear_error(tmp_path, capsys):
     assert "no run at" in capsys.readouterr().err
     assert main(["lineage", f"file://{tmp_path}/runs/typo", "g0000"]) == 1
     assert main(["runs", "list"]) == 2
+
+
+def test_runs_show_says_a_lease_record_that_does_not_parse(tmp_path, capsys):
+    """One bad file never stops the summary: a garbage LEASE.json is shown as unreadable, with the fix."""
+    uri = _run_root(tmp_path)
+    Store(uri).put_bytes("LEASE.json", b"<html>503</html>")
+    assert main(["runs", "show", uri, "--json"]) == 0
+    lease = json.loads(capsys.readouterr().out)["lease"]
+    assert "LEASE.json is not a lease record" in lease["error"] and "miles doctor" in lease["error"]
+    assert main(["runs", "show", uri]) == 0
+    assert "lease        unreadable: " in capsys.readouterr().out
