@@ -75,7 +75,7 @@ from miles_core.storage.run_root import (
     segment_config_key,
     write_status,
 )
-from miles_core.storage.status_rebuild import last_manifest_step, latest_config, newest_checkpoint, rebuilt_status
+from miles_core.storage.status_rebuild import has_history, rebuilt_status
 from miles_core.train.checkpoint import LATEST, CheckpointError, CheckpointManager, step_dir
 
 OK, WARNING, ERROR = "ok", "warning", "error"
@@ -278,8 +278,7 @@ class _Doctor:
         try:
             raw = self.store.get_bytes(STATUS_KEY)
         except ObjectNotFound:
-            segment, cfg = latest_config(self.store)
-            if newest_checkpoint(self.store, cfg) is None and last_manifest_step(self.store) is None:
+            if not has_history(self.store):
                 self.add(key, "status", OK, "none: the run never started a segment")
                 return
             rebuilt = rebuilt_status(self.store, "")

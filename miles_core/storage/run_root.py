@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 
 from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
-from miles_core.storage.status_rebuild import last_manifest_step, latest_config, newest_checkpoint, rebuilt_status
+from miles_core.storage.status_rebuild import has_history, rebuilt_status
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +133,7 @@ def read_status(store: Store) -> RunStatus | None:
 
 
 def _rebuilt_if_started(store: Store) -> RunStatus | None:
-    _, cfg = latest_config(store)
-    if newest_checkpoint(store, cfg) is None and last_manifest_step(store) is None:
+    if not has_history(store):
         return None  # a new run
     why = f"{store.uri(STATUS_KEY)} is missing"
     status = RunStatus(**rebuilt_status(store, why))

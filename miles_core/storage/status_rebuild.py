@@ -43,6 +43,12 @@ def rebuilt_status(store: Store, why: str) -> dict:
                        f"{manifest}): {why}"}
 
 
+def has_history(store: Store) -> bool:
+    """Whether the run root holds a checkpoint or a consumption manifest: a run that started a segment."""
+    _, cfg = latest_config(store)
+    return newest_checkpoint(store, cfg) is not None or last_manifest_step(store) is not None
+
+
 def latest_config(store: Store) -> tuple[int, dict]:
     """(the newest segment with a config record, its config dict; {} when it does not parse)."""
     segment, cfg = 0, _config(store, "config.json")
