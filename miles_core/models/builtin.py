@@ -30,23 +30,34 @@ def digit_tokenizer():
                                    unk_token="<pad>", sep_token="<sep>")
 
 
-def builtin_hf_config(name: str, num_layers: int, hidden_size: int, num_heads: int):
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config
+_CONFIG_CLASSES = {"gpt2": "GPT2Config", "llama": "LlamaConfig", "qwen2": "Qwen2Config"}
 
+
+def builtin_config(name: str, num_layers: int, hidden_size: int, num_heads: int) -> dict:
+    """The builtin model `name`'s config.json fields that define it ({"model_type": ..., ...}), without
+    importing transformers (seconds of CPU): what the checks before a run read."""
     common = dict(vocab_size=len(DIGIT_VOCAB), bos_token_id=EOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
     if name == "builtin:tiny-gpt":  # learned absolute positions: the learnable default (DESIGN §10)
-        return GPT2Config(n_positions=MAX_POSITIONS, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-                          n_inner=4 * hidden_size, activation_function="gelu_new", resid_pdrop=0.0,
-                          embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, **common)
+        return dict(model_type="gpt2", n_positions=MAX_POSITIONS, n_embd=hidden_size, n_layer=num_layers,
+                    n_head=num_heads, n_inner=4 * hidden_size, activation_function="gelu_new", resid_pdrop=0.0,
+                    embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True, **common)
     llama_like = dict(hidden_size=hidden_size, intermediate_size=4 * hidden_size, num_hidden_layers=num_layers,
                       num_attention_heads=num_heads, num_key_value_heads=max(1, num_heads // 2),
                       max_position_embeddings=MAX_POSITIONS * 4, rms_norm_eps=1e-6, rope_theta=10000.0,
                       tie_word_embeddings=True, **common)
     if name == "builtin:tiny-llama":
-        return LlamaConfig(**llama_like)
+        return dict(model_type="llama", **llama_like)
     if name == "builtin:tiny-qwen2":
-        return Qwen2Config(**llama_like)
+        return dict(model_type="qwen2", **llama_like)
     raise ValueError(f"unknown builtin model {name!r}")
+
+
+def builtin_hf_config(name: str, num_layers: int, hidden_size: int, num_heads: int):
+    """`builtin_config` as the transformers config the model is built from."""
+    import transformers
+
+    fields = builtin_config(name, num_layers, hidden_size, num_heads)
+    return getattr(transformers, _CONFIG_CLASSES[fields.pop("model_type")])(**fields)
 
 
 def materialize_checkpoint(hf_checkpoint: str, seed: int, out_dir: str, *, num_layers: int = 2,

@@ -20,7 +20,7 @@ from miles_core.config import RunConfig
 from miles_core.config.plugins import PluginError, load_plugin
 from miles_core.config.rules import raise_problems, recompute_layers_problem, rule_problems, type_problems
 from miles_core.engines.auth import bind_problem
-from miles_core.models.builtin import builtin_hf_config
+from miles_core.models.builtin import builtin_config
 from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare import memory
 from miles_core.prepare.memory import GIB, Shape, budget_fit, memory_fit
@@ -111,7 +111,7 @@ def local_hf_config(cfg: RunConfig) -> dict | None:
     """The model's config.json when it can be read without a network call, else None."""
     m = cfg.model
     if is_builtin(m.hf_checkpoint):
-        return builtin_hf_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads).to_dict()
+        return builtin_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads)
     path = os.path.join(m.hf_checkpoint.removeprefix("file://"), "config.json")
     if "://" in m.hf_checkpoint.removeprefix("file://") or not os.path.isfile(path):
         return None

@@ -30,7 +30,6 @@ from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
-from miles_core.train.trainer import Trainer
 from miles_core.weights.distributed import DistributedWeightTransport
 from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.sync import StoreWeightTransport, WeightSync
@@ -66,6 +65,10 @@ class TrainerWorker:
         # (a rank left building its model would wait at the rendezvous for one that refused); rank 0 warns.
         if preflight is not None:
             preflight(cfg, require_uri(hf_uri, "--hf-checkpoint"), warn=rank == 0)
+        # Here, not at the top: the driver imports this module to define the actor class, and Megatron (seconds
+        # of CPU to import) belongs in the rank's process only.
+        from miles_core.train.trainer import Trainer
+
         self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
         apply_ref_load(self.trainer, cfg.train.ref_load)

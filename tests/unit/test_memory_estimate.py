@@ -260,7 +260,7 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
 
     from miles_core.prepare import memory
     from miles_core.prepare.checks import check_device_memory
-    from miles_core.train import worker
+    from miles_core.train import trainer, worker
 
     def no_model(*a, **k):
         raise AssertionError("the model was built before the memory check")
@@ -269,7 +269,7 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
         monkeypatch.setenv(name, "")  # recorded, so teardown restores them (a later trainer would rendezvous on them)
     threads = torch.get_num_threads()  # __init__ sets them on CPU
     monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
-    monkeypatch.setattr(worker, "Trainer", no_model)
+    monkeypatch.setattr(trainer, "Trainer", no_model)  # imported by __init__
     try:
         for rank in (0, 3):
             with pytest.raises(ConfigError, match="GPU has 80.0 GiB"):
@@ -277,3 +277,30 @@ def test_the_trainer_worker_refuses_before_it_builds_the_model(tmp_path, monkeyp
                                      preflight=check_device_memory)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", ["builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2"])
+def test_a_builtin_models_config_before_the_run_is_the_one_it_is_built_from(name):
+    """The checks read the builtin model's config without transformers; it must be the model's own."""
+    from miles_core.models.builtin import builtin_config, builtin_hf_config
+
+    built = builtin_hf_config(name, 3, 64, 4).to_dict()
+    light = builtin_config(name, 3, 64, 4)
+    assert {k: built[k] for k in light if k in built} == {k: v for k, v in light.items() if k in built}
+    assert len(set(light) & set(built)) >= len(light) - 1  # transformers 5 keeps rope_theta in rope_parameters
+    assert Shape.from_hf_config(light) == Shape.from_hf_config(built)
+
+
+def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
+    """`miles validate` and the plan task answer in a fraction of a second, and the driver stays light:
+    transformers and Megatron cost seconds of CPU to import (each trainer rank imports them itself)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from miles_core.config import parse_flags; "
+            "from miles_core.prepare.checks import validation_problems; "
+            "assert validation_problems(parse_flags([])) == []; "
+            "import miles_core.driver.segment, miles_core.train.worker; "  # the driver defines the trainer's actor class
+            "print(sorted(m for m in ('transformers', 'megatron.core') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
