@@ -15,6 +15,7 @@ tests; the Flyte Ray task connects its own).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 
 from miles_core.config.rules import raise_problems
@@ -63,6 +64,9 @@ def cluster_shape() -> ClusterShape:
     return ClusterShape(tuple(nodes), where)
 
 
+log = logging.getLogger(__name__)
+
+RENDEZVOUS_ATTEMPTS = 3  # rank 0's port is picked free, then bound: another process may take it in between
 _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
@@ -113,12 +117,45 @@ class TrainerGroup:
         t = cfg.train
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
         opts = self._place(cfg, placement_timeout_seconds)
-        where = ray.get(ray.remote(rendezvous_address).options(**opts[0]).remote())  # rank 0's node and port
         worker = ray.remote(TrainerWorker)
-        self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_uri, r, self.world_size, where,
-                                                                           engine_urls, engine_actors,
-                                                                           check_device_memory)
-                       for r in range(self.world_size)]
+        for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+            where = self._rendezvous(opts[0], rendezvous_address)  # rank 0's node and a free port on it
+            self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_uri, r, self.world_size, where,
+                                                                               engine_urls, engine_actors,
+                                                                               check_device_memory)
+                           for r in range(self.world_size)]
+            try:
+                self._wait_ready()
+                return
+            except ray.exceptions.ActorDiedError as e:
+                self._kill()
+                if not _port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                    ray.util.remove_placement_group(self.pg)
+                    raise
+                log.warning("the trainer's rendezvous port %s:%s was taken before rank 0 listened on it; "
+                            "starting the ranks again on another (attempt %d of %d)", *where, attempt + 1,
+                            RENDEZVOUS_ATTEMPTS)
+
+    def _rendezvous(self, rank0_options: dict, rendezvous_address) -> tuple[str, int]:
+        import ray
+
+        return ray.get(ray.remote(rendezvous_address).options(**rank0_options).remote())
+
+    def _wait_ready(self) -> None:
+        """Until every rank is built; a rank that failed raises at once (the others may be waiting for it)."""
+        import ray
+
+        pending = [a.__ray_ready__.remote() for a in self.actors]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            ray.get(done)
+
+    def _kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []
 
     def _place(self, cfg, timeout_seconds: float) -> list[dict]:
         """One placement-group bundle per rank (a GPU each on GPU clusters); Ray options per rank."""
@@ -148,17 +185,19 @@ class TrainerGroup:
         return GroupFuture([getattr(a, method).remote(*refs) for a in self.actors])
 
     def shutdown(self) -> None:
-        import ray
         from ray.util.placement_group import remove_placement_group
 
         try:
             if self.actors:
                 self.call("close").result(timeout=120)
         finally:
-            for a in self.actors:
-                ray.kill(a)
-            self.actors = []
+            self._kill()
             remove_placement_group(self.pg)
+
+
+def _port_taken(error: Exception) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text
 
 
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):

@@ -199,6 +199,35 @@ def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, 
         TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=2)
 
 
+class _FirstPortTaken(TrainerGroup):
+    """Rank 0's first rendezvous port is one another process listens on (as when it takes the port between
+    the driver picking it free and rank 0 binding it)."""
+
+    taken: int = 0
+    tried: list
+
+    def _rendezvous(self, rank0_options, rendezvous_address):
+        where = super()._rendezvous(rank0_options, rendezvous_address)
+        self.tried = [*getattr(self, "tried", []), where if getattr(self, "tried", None) else (where[0], self.taken)]
+        return self.tried[-1]
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_replaced(tmp_path, tiny_gpt):
+    """The ranks start again on another port (before, every rank died with EADDRINUSE and the run failed)."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("", 0))
+        other.listen()
+        _FirstPortTaken.taken = other.getsockname()[1]
+        group = _FirstPortTaken(_cfg(tmp_path, 2), tiny_gpt, [])
+        try:
+            assert [port for _, port in group.tried][0] == _FirstPortTaken.taken and len(group.tried) == 2
+            assert group.call("restore_latest").result() is None  # every rank serves calls (no checkpoint yet)
+        finally:
+            group.shutdown()
+
+
 MEMORY_FLAGS = ("--use-distributed-optimizer", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64")
 
 
