@@ -199,6 +199,7 @@ def _alive(url: str, timeout: float = 5.0) -> bool:
     return _answers(url, "/model_info", timeout)
 
 
+PORT_ATTEMPTS = 3  # an engine port taken between picking it free and binding it: pick again
 SGLANG_RL_ARGS = ("--disable-radix-cache", "--incremental-streaming-output")
 
 
@@ -210,9 +211,7 @@ class EngineServer:
         self.name = name
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
         self.model_kind = "models"  # node-cache kind of model_path: the initial model, then pushed weights
-        bind = self.spec.bind_host
-        self.port = free_port(bind if bind not in ("0.0.0.0", "::") else "")
-        self.url = f"http://{_url_host(bind)}:{self.port}"
+        self._pick_port()
         log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
         os.makedirs(log_dir, exist_ok=True)
         self.log_path = os.path.join(log_dir, f"{name}.log")
@@ -222,10 +221,26 @@ class EngineServer:
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
 
+    def _pick_port(self) -> None:
+        bind = self.spec.bind_host
+        self.port = free_port(bind if bind not in ("0.0.0.0", "::") else "")
+        self.url = f"http://{_url_host(bind)}:{self.port}"
+
     def start(self) -> str:
-        """Start the process and wait until it is healthy; then watch it. Returns the URL."""
+        """Start the process and wait until it is healthy; then watch it. Returns the URL. The port is
+        picked free, then bound by the process seconds later: when another process took it meanwhile,
+        the engine starts again on another (its URL is not handed out before it is healthy)."""
         with self._lock:
-            self._launch()
+            for attempt in range(1, PORT_ATTEMPTS + 1):
+                try:
+                    self._launch()
+                    break
+                except EngineStartError as e:
+                    if attempt == PORT_ATTEMPTS or "address already in use" not in str(e).lower():
+                        raise
+                    log.warning("%s: port %d was taken before the engine bound it; starting on another "
+                                "(attempt %d of %d)", self.name, self.port, attempt + 1, PORT_ATTEMPTS)
+                    self._pick_port()
         self._monitor = threading.Thread(target=self._watch, name=f"{self.name}-monitor", daemon=True)
         self._monitor.start()
         return self.url

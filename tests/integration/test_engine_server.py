@@ -625,3 +625,26 @@ def test_engine_fault_aborts_in_flight_and_the_launcher_restarts_it(ckpts, tmp_p
         assert server.restarts == 1 and after.finish_reason == "length" and len(after.output_ids) == 4
     finally:
         server.stop()
+
+
+def test_an_engine_port_taken_before_the_engine_binds_it_is_replaced(ckpts):
+    """The port is picked free and bound by the process seconds later; another process taking it in
+    between must not fail the start (the engine starts again on another port, its URL follows)."""
+    server = EngineServer(EngineLaunchSpec("cpu", ckpts["gpt"], weight_version=1, startup_timeout_seconds=120))
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", server.port))
+        other.listen()
+        taken = server.port
+        try:
+            url = server.start()
+            assert server.port != taken and url == f"http://127.0.0.1:{server.port}"
+            assert "address already in use" in open(server.log_path).read().lower()  # the first try's bind
+            result = run(_generate_once(url))
+            assert result.finish_reason in ("length", "stop") and result.weight_version == 1
+        finally:
+            server.stop()
+
+
+async def _generate_once(url: str) -> GenerateResult:
+    async with EngineClient([url]) as client:
+        return await client.generate(PROMPT, {"max_new_tokens": 4, "temperature": 0.0})
