@@ -21,7 +21,7 @@ import os
 from miles_core.config.rules import raise_problems
 from miles_core.driver.handles import RayActorHandle
 from miles_core.engines.auth import bind_problem
-from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, port_taken
 from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
 from miles_core.rollout.manager import rollout_manager_actor
@@ -129,7 +129,7 @@ class TrainerGroup:
                 return
             except ray.exceptions.ActorDiedError as e:
                 self._kill()
-                if not _port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
+                if not port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
                     ray.util.remove_placement_group(self.pg)
                     raise
                 log.warning("the trainer's rendezvous port %s:%s was taken before rank 0 listened on it; "
@@ -193,11 +193,6 @@ class TrainerGroup:
         finally:
             self._kill()
             remove_placement_group(self.pg)
-
-
-def _port_taken(error: Exception) -> bool:
-    text = str(error)
-    return "EADDRINUSE" in text or "address already in use" in text
 
 
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):

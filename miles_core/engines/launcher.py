@@ -153,6 +153,13 @@ def server_env(spec: EngineLaunchSpec) -> dict[str, str]:
     return env
 
 
+def port_taken(error: Exception) -> bool:
+    """Whether `error` (a server's or a rank's, with its log or traceback) says its port was bound by another
+    process: a port picked by `free_port` is free only when picked."""
+    text = str(error).lower()
+    return "eaddrinuse" in text or "address already in use" in text
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
@@ -236,7 +243,7 @@ class EngineServer:
                     self._launch()
                     break
                 except EngineStartError as e:
-                    if attempt == PORT_ATTEMPTS or "address already in use" not in str(e).lower():
+                    if attempt == PORT_ATTEMPTS or not port_taken(e):
                         raise
                     log.warning("%s: port %d was taken before the engine bound it; starting on another "
                                 "(attempt %d of %d)", self.name, self.port, attempt + 1, PORT_ATTEMPTS)
