@@ -319,7 +319,7 @@ class PromptClaims:
         try:
             version = self._put(index, new, held.version)
         except Exception as e:  # noqa: BLE001 - storage trouble: retried at the next renewal until fenced
-            log.warning("prompt claims: renewing block %d failed (%s: %s); it is fenced in %.0f s unless a renewal "
+            log.warning("prompt claims: renewing block %d failed (%s: %s); it is fenced in %.3g s unless a renewal "
                         "succeeds", index, type(e).__name__, str(e)[:300], max(0.0, held.valid_until - t0))
             return True
         with self._mutex:

@@ -9,7 +9,9 @@ two data sources together serve every position of two epochs exactly once, with 
 shuffle; a killed source's block is finished by the other minus what it committed; group ids differ
 across holders; a restarted source serves its unsettled positions again and nothing twice.
 The racing test fails if create were a plain put (two threads then both "create" an index).
-Timings are small (TTL 0.5 s, fence at 0.375 s; 1 s where a test races the fence against expiry).
+Time is the claims module's clock, moved by each test (`clock`, `elapse`): fences and expiries then
+depend on the test's steps alone, never on how late a loaded machine runs it. A holder's renewals are
+its renew() calls at the renewer's cadence; one test runs the ClaimRenewer thread against that clock.
 """
 
 from __future__ import annotations
@@ -23,12 +25,45 @@ import time
 import pytest
 
 from miles_core.buffer.objects import committed_positions, group_key
+from miles_core.rollout import claims as claims_module
 from miles_core.rollout.claims import ClaimError, ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource, DataSourceError, position_of
 from miles_core.samples import SampleStatus, groups_to_ipc
 from miles_core.storage import Store
 
-TTL = 0.5  # renewals every 1/6 s, fenced after 3/8 s: room for fsync stalls on a loaded machine
+TTL = 0.5  # fenced 3/8 s after the last renewal, taken over a TTL after a watcher first saw the record
+
+
+class Clock:
+    """The claims module's `time`, moved only by the test (binary fractions, so sums are exact)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return 1.7e9 + self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(claims_module, "time", c)
+    return c
+
+
+def elapse(clock: Clock, seconds: float, *renewing: PromptClaims) -> None:
+    """`seconds` pass; each holder in `renewing` renews every TTL/4 meanwhile, as its ClaimRenewer would."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.advance(min(TTL / 4, end - clock.now))
+        for h in renewing:
+            h.renew()
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -81,16 +116,16 @@ def test_threads_racing_on_one_store_claim_distinct_blocks(store):
     assert all(record(store, i)["holder"] == h for h, v in got.items() for i in v)
 
 
-def test_a_holder_that_stops_renewing_is_fenced_then_taken_over_after_ttl(store, caplog):
-    ttl = 1.0  # room for a loaded machine between the fence (0.75 s) and the expiry (1 s)
-    a, b = claims(store, "trainer", "w-old", ttl=ttl), claims(store, "p1", ttl=ttl)
+def test_a_holder_that_stops_renewing_is_fenced_then_taken_over_after_ttl(store, clock, caplog):
+    a, b = claims(store, "trainer", "w-old"), claims(store, "p1")
     assert a.claim_next().index == 0
-    t0 = time.monotonic()
     assert b.claim_next().index == 1  # b first sees block 0 here
-    time.sleep(ttl * 0.8)
+    clock.advance(TTL / 2)
+    assert a.holds(0)
+    clock.advance(TTL / 4)
     assert not a.holds(0) and a.held == []  # fenced at 3/4 TTL: a no longer serves it
     assert b.claim_next().index == 2  # b watched 0 for less than a TTL: not expired yet
-    time.sleep(max(0.0, ttl - (time.monotonic() - t0)) + 0.02)
+    clock.advance(TTL / 4)
     with caplog.at_level(logging.WARNING):
         taken = b.claim_next()
     assert (taken.index, taken.previous_writer, taken.previous_writers) == (0, "w-old", ("w-old",))
@@ -101,7 +136,7 @@ def test_a_holder_that_stops_renewing_is_fenced_then_taken_over_after_ttl(store,
     assert record(store, 0)["holder"] == "p1"
 
 
-def test_expiry_never_reads_the_holders_wall_clock(store):
+def test_expiry_never_reads_the_holders_wall_clock(store, clock):
     """A record stamped by a host whose clock is an hour behind is still watched a whole TTL (on the
     watcher's monotonic clock) before it is taken over."""
     claims(store, "trainer").claim_next()
@@ -109,43 +144,68 @@ def test_expiry_never_reads_the_holders_wall_clock(store):
     store.put_bytes(PromptClaims.PREFIX + "0000000000.json", json.dumps(stale).encode())
     b = claims(store, "p1")
     assert b.claim_next().index == 1
-    time.sleep(TTL + 0.02)
+    clock.advance(TTL * 7 / 8)
+    assert b.claim_next().index == 2  # watched for less than a TTL
+    clock.advance(TTL / 8)
     assert b.claim_next().index == 0
 
 
-def test_renewals_that_fail_fence_the_holder_before_anyone_can_take_over(store, monkeypatch):
-    ttl = 1.0
-    a = claims(store, ttl=ttl)
+def test_renewals_that_fail_fence_the_holder_before_anyone_can_take_over(store, clock, monkeypatch):
+    a, b = claims(store), claims(store, "p1")
     a.claim_next()
+    assert b.claim_next().index == 1  # b starts watching block 0
     monkeypatch.setattr(a, "_put", lambda *args: (_ for _ in ()).throw(OSError("storage down")))
-    t0 = time.monotonic()
-    while a.holds(0):
-        a.renew()
-        time.sleep(0.02)
-    assert ttl * 0.7 <= time.monotonic() - t0 < ttl  # fenced at 3/4 of the TTL, before expiry
+    for _ in range(2):
+        clock.advance(TTL / 4)
+        assert a.renew() == [] and a.holds(0)  # a failed renewal keeps the block until the fence
+    clock.advance(TTL / 4)
+    assert a.renew() == [0] and not a.holds(0)  # fenced at 3/4 of the TTL ...
+    assert b.claim_next().index == 2  # ... while b may not take it over yet
+    clock.advance(TTL / 4)
+    assert b.claim_next().index == 0
 
 
-def test_a_renewed_block_is_never_taken(store):
-    ttl = 1.0
-    a, b = claims(store, "trainer", ttl=ttl), claims(store, "p1", ttl=ttl)
+def test_a_renewed_block_is_never_taken(store, clock):
+    a, b = claims(store, "trainer"), claims(store, "p1")
     a.claim_next()
-    with ClaimRenewer(a):
-        seen = []
-        deadline = time.monotonic() + 2 * ttl  # b watches it two TTLs: it would have expired by then
-        while time.monotonic() < deadline:
-            seen.append(b.claim_next().index)
-            assert a.holds(0)
-            time.sleep(ttl / 4)
+    seen = [b.claim_next().index]
+    for _ in range(8):  # b watches it two TTLs: it would have expired by then
+        elapse(clock, TTL / 4, a)
+        seen.append(b.claim_next().index)
+        assert a.holds(0)
     assert 0 not in seen and a.held == [0] and record(store, 0)["holder"] == "trainer"
 
 
-def test_a_finished_block_is_never_claimed_again(store):
+def test_a_claim_renewer_renews_on_its_own_thread(store, clock):
+    """The renewer's thread runs on real time; the fence on the claims' clock. Each step waits until two
+    renewals have started after the clock moved, so none is judged by a renewal from before."""
+    a = claims(store)
+    a.claim_next()
+    tokens = []
+
+    def renewed_twice():
+        deadline = time.monotonic() + 60
+        while len(set(tokens)) < 3 and time.monotonic() < deadline:
+            tokens.append(record(store, 0)["token"])
+            time.sleep(0.01)
+        assert len(set(tokens)) >= 3, "the renewer did not renew within 60 s"
+        tokens.clear()
+
+    with ClaimRenewer(a, interval_seconds=0.02):
+        for _ in range(4):  # 4 x 3/16 s: twice the fence
+            clock.advance(TTL * 3 / 8)
+            renewed_twice()
+            assert a.holds(0)
+    assert a.held == [0]
+
+
+def test_a_finished_block_is_never_claimed_again(store, clock):
     a, b = claims(store, "trainer"), claims(store, "p1")
     a.claim_next()
     a.finish(0)
     assert a.held == [] and record(store, 0)["done"] is True
     assert b.claim_next().index == 1
-    time.sleep(TTL + 0.05)
+    clock.advance(TTL)
     assert b.claim_next().index == 2 and a.renew() == []
     with pytest.raises(ClaimError, match="does not hold"):
         a.finish(0)
@@ -171,21 +231,20 @@ def test_release_gives_blocks_back_at_once(store):
     assert (first.index, second.index) == (0, 1) and first.previous_writer == "w-trainer"
 
 
-def test_a_restarted_holder_adopts_its_own_unfinished_blocks(store):
+def test_a_restarted_holder_adopts_its_own_unfinished_blocks(store, clock):
     old, other = claims(store, "trainer", "w1"), claims(store, "p1")
     for _ in range(3):
         old.claim_next()
     old.finish(0)
     other.claim_next()  # 3; other starts watching 1 and 2
-    time.sleep(TTL + 0.05)
+    clock.advance(TTL)
     assert other.claim_next().index == 1  # taken over from the dead trainer
     new = claims(store, "trainer", "w2")  # the trainer's next segment
     adopted = new.adopt_own()
     assert [(b.index, b.previous_writers) for b in adopted] == [(2, ("w1",))]
     assert new.held == [2] and record(store, 2)["writer"] == "w2"
-    with ClaimRenewer(new):
-        time.sleep(TTL + 0.05)
-        assert other.claim_next().index == 4  # the adopted block is live again
+    elapse(clock, TTL, new)
+    assert other.claim_next().index == 4  # the adopted block is live again
     assert new.held == [2]
 
 
@@ -258,7 +317,7 @@ def test_two_sources_serve_every_position_of_two_epochs_once(store, shuffle):
         assert record(store, i)["done"] is True
 
 
-def test_a_killed_sources_block_is_finished_by_another_minus_what_it_committed(store):
+def test_a_killed_sources_block_is_finished_by_another_minus_what_it_committed(store, clock):
     committed: dict[str, set] = {"w-dead": set()}
     dead = source(store, "p0", writer="w-dead", block=4, ttl=TTL, committed=committed)
     live = source(store, "p1", writer="w-live", block=4, ttl=TTL, committed=committed)
@@ -267,14 +326,13 @@ def test_a_killed_sources_block_is_finished_by_another_minus_what_it_committed(s
         committed["w-dead"].add(position_of(x)[:2])
         dead.settled(x)  # position 2 stays in flight: the process is killed here
     del dead
-    with ClaimRenewer(live.claims, interval_seconds=TTL / 4):
-        first = [position_of(live.next_group())[:2] for _ in range(4)]  # block 1: [4, 8)
-        time.sleep(TTL + 0.1)
-        later = []
-        for _ in range(4):
-            h = live.next_group()
-            later.append(position_of(h)[:2])
-            live.settled(h)
+    first = [position_of(live.next_group())[:2] for _ in range(4)]  # block 1: [4, 8)
+    elapse(clock, TTL, live.claims)
+    later = []
+    for _ in range(4):
+        h = live.next_group()
+        later.append(position_of(h)[:2])
+        live.settled(h)
     assert first == [(0, 4), (0, 5), (0, 6), (0, 7)]
     assert later[:2] == [(0, 2), (0, 3)]  # the dead writer's unfinished rest, not its committed 0 and 1
     assert later[2:] == [(0, 8), (0, 9)]
@@ -305,7 +363,7 @@ def test_a_retry_of_a_committed_group_is_served_even_after_its_block_finished(st
     assert ds.next_group().group_id == "e0-p0-a1-trainer"
 
 
-def test_a_put_rejected_retry_of_a_lost_block_is_left_to_its_taker(store):
+def test_a_put_rejected_retry_of_a_lost_block_is_left_to_its_taker(store, clock):
     committed: dict[str, set] = {}
     a = source(store, "trainer", writer="w-a", block=4, ttl=TTL, committed=committed)
     b = source(store, "p1", writer="w-b", block=4, ttl=TTL, committed=committed)
@@ -313,11 +371,10 @@ def test_a_put_rejected_retry_of_a_lost_block_is_left_to_its_taker(store):
     committed["w-a"] = {(0, 1)}
     a.settled(g1)
     a.recycle(g0)  # rejected at put; a stops renewing (stalled)
-    with ClaimRenewer(b.claims, interval_seconds=TTL / 4):
-        assert position_of(b.next_group())[:2] == (0, 4)  # b starts watching block 0
-        time.sleep(TTL + 0.05)
-        assert position_of(a.next_group()) == (0, 8, 0)  # fenced: not the retry of 0, and block 0 is left
-        got = [position_of(b.next_group())[:2] for _ in range(6)]
+    assert position_of(b.next_group())[:2] == (0, 4)  # b starts watching block 0
+    elapse(clock, TTL, b.claims)
+    assert position_of(a.next_group()) == (0, 8, 0)  # fenced: not the retry of 0, and block 0 is left
+    got = [position_of(b.next_group())[:2] for _ in range(6)]
     assert got == [(0, 5), (0, 6), (0, 7), (0, 0), (0, 2), (0, 3)]  # b took block 0 over: 0, not the committed 1
 
 
