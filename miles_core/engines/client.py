@@ -54,7 +54,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 
@@ -120,6 +120,13 @@ class _Stream:
     prompt_tokens: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first chunk with a token
 
+    def result(self, rid: str, url: str, t0: float) -> "GenerateResult":
+        """The finished answer (`finish` set)."""
+        kind = self.finish.get("type", "abort")
+        return GenerateResult(self.output_ids, self.logprobs, self.versions, kind, self.version, self.prompt_tokens,
+                              len(self.output_ids), rid, url, self.finish.get("message", "") if kind == "abort" else "",
+                              time.monotonic() - t0, None if self.first_token_at is None else self.first_token_at - t0)
+
     def absorb(self, chunk: dict) -> None:
         meta = chunk.get("meta_info") or {}
         if self.first_token_at is None and chunk.get("output_ids"):
@@ -146,6 +153,45 @@ class _Stream:
             v = parse_version(span.get("version"))
             for i in range(max(0, int(span["start"])), min(int(span["end"]), len(self.versions))):
                 self.versions[i] = v if v is not None else 0
+
+
+class _Batch:
+    """The items of one batched /generate request: their streams, and each result once it finished
+    (handed to `on_result` at once)."""
+
+    def __init__(self, payload: dict, t0: float, note: Callable, on_result: Callable | None, abort_rest: bool):
+        self.payload, self.t0, self._note, self._on_result, self._abort_rest = payload, t0, note, on_result, abort_rest
+        self.rids: list[str] = payload["rid"]
+        self.streams = [_Stream(prompt_tokens=len(ids)) for ids in payload["input_ids"]]
+        self._results: list[GenerateResult | None] = [None] * len(self.rids)
+
+    def absorb(self, i: int, chunk: dict, url: str) -> bool:
+        """Fold one answer or chunk of item i in; True when it ended the item aborted and the rest should
+        end too."""
+        if not 0 <= i < len(self.rids) or self._results[i] is not None:
+            return False
+        st = self.streams[i]
+        st.absorb(chunk)
+        if st.finish is None:
+            return False
+        self._end(i, st.result(self.rids[i], url, self.t0))
+        return self._abort_rest and self._results[i].aborted and bool(self.unfinished_rids())
+
+    def end_rest(self, client: "EngineClient", url: str, message: str) -> None:
+        for i, rid in enumerate(self.rids):
+            if self._results[i] is None:
+                self._end(i, client._aborted(rid, self.streams[i], url, message, self.t0))
+
+    def unfinished_rids(self) -> list[str]:
+        return [rid for rid, r in zip(self.rids, self._results) if r is None]
+
+    def results(self) -> list["GenerateResult"]:
+        return list(self._results)
+
+    def _end(self, i: int, result: "GenerateResult") -> None:
+        self._results[i] = self._note(result)
+        if self._on_result is not None:
+            self._on_result(i, result)
 
 
 async def _sse_data(content: aiohttp.StreamReader):
@@ -246,6 +292,39 @@ class EngineClient:
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}), "rid": rid,
                    "return_logprob": return_logprob, "stream": stream}
         t0 = time.monotonic()
+        out = await self._on_an_engine(url, 1, lambda eng: self._generate_on(eng, payload, t0), t0)
+        if isinstance(out, str):
+            return self._aborted(rid, _Stream(), "", out, t0, len(input_ids))
+        return self._note_served(out)
+
+    async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, *,
+                             rids: list[str] | None = None, return_logprob: bool = True, stream: bool = True,
+                             url: str | None = None, on_result: Callable[[int, GenerateResult], None] | None = None,
+                             abort_rest: bool = True) -> list[GenerateResult]:
+        """Generate several inputs in one request to one engine (SGLang's batched `/generate`: lists of
+        `input_ids` and `rid`; each streamed chunk carries its item's `index`). `sampling_params`: one
+        dict for every item, or one per item. `on_result(i, result)` runs as soon as item i finished.
+        The failure rules of `generate` hold per item: an item never raises for an engine failure, it
+        ends aborted with its tokens so far. `abort_rest`: when an item ends aborted, the request is
+        closed (the engine aborts what is left) and the unfinished items end aborted at once."""
+        rids = list(rids) if rids is not None else [uuid.uuid4().hex for _ in input_ids]
+        if len(rids) != len(input_ids) or not input_ids:
+            raise ValueError(f"generate_batch needs one rid per input and at least one input "
+                             f"({len(input_ids)} inputs, {len(rids)} rids)")
+        params = [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params or {})
+        payload = {"input_ids": [list(ids) for ids in input_ids], "sampling_params": params, "rid": rids,
+                   "return_logprob": return_logprob, "stream": stream}
+        batch = _Batch(payload, time.monotonic(), self._note_served, on_result, abort_rest)
+        out = await self._on_an_engine(url, len(rids), lambda eng: self._generate_batch_on(eng, batch), batch.t0)
+        if isinstance(out, str):
+            batch.end_rest(self, "", out)
+        return batch.results()
+
+    async def _on_an_engine(self, url: str | None, size: int, attempt: Callable[[_Engine], Awaitable[Any]],
+                            t0: float) -> Any:
+        """`attempt` on the least-loaded engine (or `url`), on another when the connection is refused
+        (the request never left); when every engine refused, wait for one (backing off) for up to
+        `refused_wait_seconds`, then return the reason as a string."""
         tried: set[str] = set()
         rounds = 0
         while True:
@@ -253,22 +332,21 @@ class EngineClient:
             if eng is None:  # every engine refused the connection: wait for one to come back
                 wait = min(0.05 * 2 ** rounds, 1.0)
                 if time.monotonic() - t0 + wait > self.refused_wait_seconds:
-                    return self._aborted(rid, _Stream(), "", "no engine accepted the connection within "
-                                         f"{self.refused_wait_seconds:g} s", t0, len(input_ids))
+                    return f"no engine accepted the connection within {self.refused_wait_seconds:g} s"
                 await asyncio.sleep(wait)
                 tried.clear()
                 rounds += 1
                 continue
             tried.add(eng.url)
-            eng.in_flight += 1
+            eng.in_flight += size
             try:
-                return self._note_served(await self._generate_on(eng, payload, t0))
+                return await attempt(eng)
             except aiohttp.ClientConnectorError as e:  # refused: the request never left, safe elsewhere
                 eng.suspect_until = time.monotonic() + 2.0
                 if rounds == 0:
                     log.warning("engine %s refused the connection (%s); trying another", eng.url, e)
             finally:
-                eng.in_flight -= 1
+                eng.in_flight -= size
 
     def _pick(self, url: str | None, tried: set[str]) -> _Engine | None:
         if url is not None:
@@ -311,10 +389,36 @@ class EngineClient:
             return self._aborted(rid, st, eng.url, f"{type(e).__name__}: {e}", t0)
         if st.finish is None:
             return self._aborted(rid, st, eng.url, "the stream ended without a finish_reason", t0)
-        return GenerateResult(st.output_ids, st.logprobs, st.versions, st.finish.get("type", "abort"), st.version,
-                              st.prompt_tokens, len(st.output_ids), rid, eng.url,
-                              st.finish.get("message", "") if st.finish.get("type") == "abort" else "",
-                              time.monotonic() - t0, None if st.first_token_at is None else st.first_token_at - t0)
+        return st.result(rid, eng.url, t0)
+
+    async def _generate_batch_on(self, eng: _Engine, batch: "_Batch") -> None:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_seconds, sock_connect=self.connect_timeout_seconds)
+        try:
+            async with self._sess().post(eng.url + "/generate", json=batch.payload, timeout=timeout) as resp:
+                if 400 <= resp.status < 500:
+                    raise EngineRequestError(f"{eng.url}/generate answered {resp.status}: {await resp.text()}")
+                if resp.status >= 500:
+                    return batch.end_rest(self, eng.url, f"HTTP {resp.status}: {await resp.text()}")
+                if not batch.payload["stream"]:
+                    answers = await resp.json()
+                    for i, answer in enumerate(answers if isinstance(answers, list) else []):
+                        batch.absorb(i, answer, eng.url)
+                    return batch.end_rest(self, eng.url, "the answer had no finish_reason for it")
+                async for data in _sse_data(resp.content):
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if batch.absorb(int(chunk.get("index", 0)), chunk, eng.url):
+                        resp.close()  # an item aborted: the engine aborts the rest when the connection closes
+                        return batch.end_rest(self, eng.url, "another request of its group was aborted")
+        except aiohttp.ClientConnectorError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
+            if isinstance(e, asyncio.TimeoutError):  # the engine may still be working on them
+                for rid in batch.unfinished_rids():
+                    asyncio.get_running_loop().create_task(self._abort_quietly(eng.url, rid))
+            return batch.end_rest(self, eng.url, f"{type(e).__name__}: {e}")
+        batch.end_rest(self, eng.url, "the stream ended without a finish_reason")
 
     def _aborted(self, rid: str, st: _Stream, url: str, message: str, t0: float, prompt_tokens: int | None = None):
         log.info("request %s on %s aborted: %s", rid, url or "-", message)

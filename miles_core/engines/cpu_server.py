@@ -3,8 +3,8 @@
     python -m miles_core.engines.cpu_server --model-path DIR --host 127.0.0.1 --port P --weight-version N
 
 Endpoints, with SGLang 0.5.23's request/response shapes and rules (docs/engines.md cites the source;
-tests/unit/test_sglang_conformance.py pins them): `POST /generate` (non-streaming and `"stream": true`
-SSE), `POST /pause_generation {mode}`, `POST /continue_generation {}`, `GET|POST /flush_cache`,
+tests/unit/test_sglang_conformance.py pins them): `POST /generate` (one request or a batch; non-streaming
+and `"stream": true` SSE), `POST /pause_generation {mode}`, `POST /continue_generation {}`, `GET|POST /flush_cache`,
 `POST /update_weights_from_disk`, `GET /model_info` (and the deprecated `/get_model_info`),
 `POST /abort_request {rid}`, `GET /health` (and `/health_generate`), and SGLang's distributed weight
 update over gloo: `POST /init_weights_update_group`, `POST /update_weights_from_distributed`,
@@ -40,6 +40,13 @@ Streaming: with `--incremental-streaming-output` (the default here; SGLang's fla
 the new `output_ids`, `text` and `meta_info.output_token_logprobs`; `completion_tokens` is cumulative.
 A request whose tokens span weight versions carries SGLang 0.5.23's `meta_info.weight_versions`
 ([{version, start, end}] over the output tokens).
+
+Batches (SGLang's GenerateReqInput): `input_ids` a list of lists (or `text` a list of strings) makes each
+item a request of its own, with its rid (`rid` a list, one string that item i suffixes with `_i`, or
+none), and `sampling_params` / `return_logprob` either one value for all or a list of one per item; the
+items enter the engine together. The answer is the list of the items' answers in order, or one SSE
+stream of every item's chunks as they come, each with the item's `"index"`, and one [DONE] at the end.
+`/abort_request` of one rid ends that item only; a client that goes away aborts every unfinished item.
 
 Distributed weight update: the engine joins the group at `rank_offset` (it has one rank: TP 1) with
 SGLang's `init_custom_process_group` helper, in a thread of its own (the rendezvous blocks until every
@@ -78,8 +85,10 @@ import signal
 import threading
 import time
 import uuid
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import NamedTuple
 
 from aiohttp import web
 
@@ -110,14 +119,25 @@ UPDATE_NOT_FLUSHED = ("Weights were updated, but the cache was not flushed becau
                       "or queued. Retract or finish them, then call /flush_cache.")
 
 
+class _Generate(NamedTuple):
+    """A parsed /generate body: one request, or the items of a batch."""
+
+    reqs: list[Request]
+    logprobs: list[bool]  # return_logprob, per item
+    stream: bool
+    single: bool  # not a batch: answered as one object, its chunks without "index"
+
+
 class _Progress:
-    """What a /generate handler has accumulated for its request."""
+    """What a /generate handler has accumulated for one of its requests (item `index` of a batch)."""
 
-    __slots__ = ("rid", "queue", "output_ids", "logprobs", "versions", "finish", "version", "sent", "text",
-                 "sent_text", "detok")
+    __slots__ = ("req", "index", "logprob", "queue", "output_ids", "logprobs", "versions", "finish", "version",
+                 "sent", "text", "sent_text", "detok")
 
-    def __init__(self, rid: str, version: int, detok=None):
-        self.rid, self.queue = rid, asyncio.Queue()
+    def __init__(self, req: Request, index: int | None, logprob: bool, queue: asyncio.Queue, version: int,
+                 detok=None):
+        self.req, self.index, self.logprob = req, index, logprob  # index: None for a single request
+        self.queue = queue  # shared by the items of a batch
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []  # the weight version of each output token
@@ -299,55 +319,89 @@ class CpuEngineServer:
 
     # ---- /generate ----------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's /generate: one request, or a batch (`input_ids` a list of lists) whose items run as
+        requests of their own, added to the engine together; a batch answers a list in request order, or
+        streams every item's chunks with its `index`, then one [DONE] (TokenizerManager._handle_batch_request)."""
         t0 = time.monotonic()
         try:
-            body = await request.json()
-            req, stream, want_logprob = self._parse_generate(body)
-        except (ValueError, TypeError, KeyError) as e:
+            gen = self._parse_generate(await request.json())
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
             return _error(400, f"bad /generate request: {e}")
         if self._closing or self.dead:
             return _error(503, "server is shutting down" if self._closing else f"the engine loop died: {self.dead}")
         try:
-            self.engine.check(req)
+            self._admit_check(gen.reqs)
         except ValueError as e:
             return _error(400, f"bad /generate request: {e}")
-        if req.rid in self.progress:
-            return _error(400, f"bad /generate request: rid {req.rid!r} is already in flight")
-        prog = _Progress(req.rid, self.engine.version, self._detokenizer(req.params))
-        self.progress[req.rid] = prog
+        progs = self._track(gen)
         try:
-            self._inbox.append(req)  # added to the engine by the loop, in one hop with the next step
+            self._inbox.extend(gen.reqs)  # added to the engine by the loop, in one hop with the next step
             self._wake.set()
-            if not stream:
-                while prog.finish is None:
-                    for group in await _next_groups(prog.queue):
-                        self._absorb(prog, group)
-                return web.json_response(self._body(req, prog, want_logprob, t0, delta=False), dumps=_dumps)
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await resp.prepare(request)
-            chaos.point("engine.generate")
-            pending = 0  # tokens absorbed but not yet sent
-            while prog.finish is None:
-                for group in await _next_groups(prog.queue):
-                    if pending and group[0].version != prog.version:  # a chunk never mixes versions
-                        await self._send(resp, req, prog, want_logprob, t0)
-                        pending = 0
-                    self._absorb(prog, group)
-                    pending += sum(ev.token is not None for ev in group)
-                    if prog.finish is None and pending >= self.stream_interval:
-                        await self._send(resp, req, prog, want_logprob, t0)
-                        pending = 0
-            # the last chunk, [DONE] and the end of the chunked body leave in one write
-            await resp.write_eof(_sse(self._body(req, prog, want_logprob, t0, self.incremental))
-                                 + b"data: [DONE]\n\n")
-            return resp
+            if gen.stream:
+                return await self._stream(request, progs, t0)
+            async for prog, ev in self._events(progs):
+                self._absorb(prog, ev)
+            bodies = [self._body(p, t0, delta=False) for p in progs]
+            return web.json_response(bodies[0] if gen.single else bodies, dumps=_dumps)
         finally:
-            self.progress.pop(req.rid, None)
-            if prog.finish is None and not self._closing:  # the client went away: free the slot
-                asyncio.get_running_loop().create_task(self._abort_quietly(req.rid))
+            for p in progs:
+                self.progress.pop(p.req.rid, None)
+            unfinished = [p.req.rid for p in progs if p.finish is None]
+            if unfinished and not self._closing:  # the client went away: free their slots
+                asyncio.get_running_loop().create_task(self._abort_quietly(unfinished))
 
-    async def _send(self, resp, req, prog, want_logprob, t0) -> None:
-        await resp.write(_sse(self._body(req, prog, want_logprob, t0, self.incremental)))
+    def _admit_check(self, reqs: list[Request]) -> None:
+        """ValueError for an item the engine cannot serve or whose rid is in flight already."""
+        for i, req in enumerate(reqs):
+            try:
+                self.engine.check(req)
+            except ValueError as e:
+                raise ValueError(e if len(reqs) == 1 else f"input_ids[{i}]: {e}") from None
+            if req.rid in self.progress:
+                raise ValueError(f"rid {req.rid!r} is already in flight")
+
+    def _track(self, gen: _Generate) -> list[_Progress]:
+        """One _Progress per item, where `_dispatch` finds it; the items share one queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        progs = [_Progress(req, None if gen.single else i, want, queue, self.engine.version,
+                           self._detokenizer(req.params))
+                 for i, (req, want) in enumerate(zip(gen.reqs, gen.logprobs))]
+        self.progress.update((p.req.rid, p) for p in progs)
+        return progs
+
+    async def _events(self, progs: list[_Progress]):
+        """(item, event) as the items' events come, until every item finished (later events are dropped)."""
+        by_rid = {p.req.rid: p for p in progs}
+        while not _all_finished(progs):
+            for ev in await _ready(progs[0].queue):
+                prog = by_rid[ev.rid]
+                if prog.finish is None:
+                    yield prog, ev
+
+    async def _stream(self, request: web.Request, progs: list[_Progress], t0: float) -> web.StreamResponse:
+        """SSE: an item's chunk goes out every `stream_interval` tokens, before a token of another weight
+        version (a chunk never mixes versions) and at its finish; [DONE] once every item finished."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        chaos.point("engine.generate")
+        async for prog, ev in self._events(progs):
+            if ev.version != prog.version and _unsent(prog):
+                await resp.write(self._chunk(prog, t0))
+            self._absorb(prog, ev)
+            if prog.finish is None and _unsent(prog) < self.stream_interval:
+                continue
+            if not _all_finished(progs):
+                await resp.write(self._chunk(prog, t0))
+            else:  # the last chunk, [DONE] and the end of the chunked body leave in one write
+                await resp.write_eof(self._chunk(prog, t0) + b"data: [DONE]\n\n")
+        return resp
+
+    def _chunk(self, prog: _Progress, t0: float) -> bytes:
+        """One SSE chunk; a batch item's carries its `index` (SGLang's _stream_batch_responses)."""
+        body = self._body(prog, t0, self.incremental)
+        if prog.index is not None:
+            body["index"] = prog.index
+        return _sse(body)
 
     def _detokenizer(self, params: SamplingParams):
         if self.tokenizer is None:
@@ -356,38 +410,56 @@ class CpuEngineServer:
 
         return DecodeStream(skip_special_tokens=params.skip_special_tokens)
 
-    def _absorb(self, prog: _Progress, group: list[TokenEvent]) -> None:
-        for ev in group:
-            if ev.token is not None:
-                prog.output_ids.append(ev.token)
-                prog.logprobs.append(ev.logprob)
-                prog.versions.append(ev.version)
-                if prog.detok is not None:
-                    prog.text += prog.detok.step(self.tokenizer, ev.token) or ""
-            if ev.finish is not None:
-                prog.finish = ev.finish
-            prog.version = ev.version
+    def _absorb(self, prog: _Progress, ev: TokenEvent) -> None:
+        if ev.token is not None:
+            prog.output_ids.append(ev.token)
+            prog.logprobs.append(ev.logprob)
+            prog.versions.append(ev.version)
+            if prog.detok is not None:
+                prog.text += prog.detok.step(self.tokenizer, ev.token) or ""
+        if ev.finish is not None:
+            prog.finish = ev.finish
+        prog.version = ev.version
 
-    def _parse_generate(self, body: dict) -> tuple[Request, bool, bool]:
+    def _parse_generate(self, body: dict) -> _Generate:
+        """SGLang's GenerateReqInput.normalize_batch_and_arguments, for the fields the CPU engine serves."""
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
+        prompts, single = self._prompts(body)
+        n = len(prompts)
+        params = [SamplingParams.from_json(p) for p in _each(body, "sampling_params", n, single)]
+        reqs = [Request(rid, ids, p) for rid, ids, p in zip(_rids(body.get("rid"), n, single), prompts, params)]
+        wants = [bool(w) for w in _each(body, "return_logprob", n, single)]
+        return _Generate(reqs, wants, bool(body.get("stream", False)), single)
+
+    def _prompts(self, body: dict) -> tuple[list[list[int]], bool]:
+        """The prompts as token ids, and whether the body is one request rather than a batch (SGLang's
+        _determine_batch_size: a batch when `input_ids` is a list of lists, or `text` a list)."""
         ids = body.get("input_ids")
         if ids is None and body.get("text") is not None:
-            if self.tokenizer is None or not isinstance(body["text"], str):
-                raise ValueError("text needs a single string and a tokenizer.json in the model dir; send input_ids")
-            ids = self.tokenizer.encode(body["text"]).ids
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
-            raise ValueError("input_ids must be one non-empty list of ints (batched requests are not supported)")
-        rid = body.get("rid") or uuid.uuid4().hex
-        if not isinstance(rid, str):
-            raise ValueError("rid must be a string")
-        params = SamplingParams.from_json(body.get("sampling_params"))
-        return Request(rid, ids, params), bool(body.get("stream", False)), bool(body.get("return_logprob", False))
+            ids = self._encode(body["text"])
+        if not isinstance(ids, list) or not ids:
+            raise ValueError("input_ids cannot be empty: send a list of ints, or a batch (a list of such lists)")
+        single = not isinstance(ids[0], list)
+        prompts = [ids] if single else ids
+        for i, p in enumerate(prompts):
+            if not isinstance(p, list) or not p or not all(isinstance(t, int) for t in p):
+                raise ValueError(f"input_ids{'' if single else f'[{i}]'} must be a non-empty list of ints")
+        return prompts, single
 
-    def _body(self, req: Request, prog: _Progress, want_logprob: bool, t0: float, delta: bool) -> dict:
+    def _encode(self, text) -> list:
+        """`text`, one string or a batch of them, as token ids."""
+        batch = isinstance(text, list) and all(isinstance(t, str) for t in text)
+        if self.tokenizer is None or not (batch or isinstance(text, str)):
+            raise ValueError("text needs a string (or a list of them) and a tokenizer.json in the model dir; "
+                             "send input_ids")
+        return [self.tokenizer.encode(t).ids for t in text] if batch else self.tokenizer.encode(text).ids
+
+    def _body(self, prog: _Progress, t0: float, delta: bool) -> dict:
         """One answer (or SSE chunk) in SGLang's shape. `delta`: SGLang's `--incremental-streaming-output`
         chunk: `output_ids`, `text` and `meta_info.output_token_logprobs` carry only what is new since the
         previous chunk; `completion_tokens` and `weight_versions` always cover the whole output."""
+        req = prog.req
         start = prog.sent if delta else 0
         ids = prog.output_ids[start:]
         text = _final_text(prog, req.params)
@@ -404,20 +476,23 @@ class CpuEngineServer:
         if len(spans) > 1:  # SGLang 0.5.23: per-token versions of a request that straddled an update
             meta["weight_versions"] = spans
             meta["weight_version"] = spans[-1]["version"]
-        if want_logprob:
+        if prog.logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(prog.logprobs[start:], ids)]
         out_text = text[prog.sent_text:] if delta else text
-        if delta:
-            prog.sent, prog.sent_text = len(prog.output_ids), max(prog.sent_text, len(text))
+        prog.sent, prog.sent_text = len(prog.output_ids), max(prog.sent_text, len(text))
         return {"text": out_text, "output_ids": list(ids), "meta_info": meta}
 
     async def _abort(self, rid: str | None, message: str) -> None:
         self._dispatch(self._take_from_inbox(rid, message))
         self._dispatch(await self._call(self.engine.abort, rid, message))
 
-    async def _abort_quietly(self, rid: str) -> None:
+    async def _abort_quietly(self, rids: list[str]) -> None:
+        """Abort requests whose client went away (one hop to the engine thread for them all)."""
+        message = "Client disconnected"
         try:
-            await self._abort(rid, "Client disconnected")
+            for rid in rids:
+                self._dispatch(self._take_from_inbox(rid, message))
+            self._dispatch(await self._call(lambda: [ev for rid in rids for ev in self.engine.abort(rid, message)]))
         except RuntimeError:  # pool already shut down
             pass
 
@@ -794,18 +869,55 @@ class CpuEngineServer:
                 await self._abort(rid, "health check done")
 
 
-async def _next_groups(queue: asyncio.Queue) -> list[list[TokenEvent]]:
-    """Wait for events, take all that are ready, and split them into runs of one weight version."""
+async def _ready(queue: asyncio.Queue) -> list[TokenEvent]:
+    """Wait for events and take all that are ready."""
     events = [await queue.get()]
     while not queue.empty():
         events.append(queue.get_nowait())
-    groups: list[list[TokenEvent]] = []
-    for ev in events:
-        if groups and groups[-1][-1].version == ev.version:
-            groups[-1].append(ev)
-        else:
-            groups.append([ev])
-    return groups
+    return events
+
+
+def _all_finished(progs: list[_Progress]) -> bool:
+    return all(p.finish is not None for p in progs)
+
+
+def _unsent(prog: _Progress) -> int:
+    """Tokens absorbed but not streamed yet."""
+    return len(prog.output_ids) - prog.sent
+
+
+def _rids(rid, n: int, single: bool) -> list[str]:
+    """The items' rids (SGLang's GenerateReqInput._normalize_rid, _validate_rid_uniqueness): a single
+    request's string (generated when absent); for a batch a list of distinct strings, one per item, or
+    one string (item i gets "{rid}_{i}"), or none (generated)."""
+    if single:
+        rid = rid or uuid.uuid4().hex
+        if not isinstance(rid, str):
+            raise ValueError("rid must be a string")
+        return [rid]
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(n)]
+    if isinstance(rid, str):
+        return [f"{rid}_{i}" for i in range(n)]
+    if not isinstance(rid, list) or not all(isinstance(r, str) for r in rid):
+        raise ValueError("rid must be a string or a list of strings")
+    if len(rid) != n:
+        raise ValueError(f"rid has {len(rid)} ids for a batch of {n} prompts")
+    duplicates = [r for r, count in Counter(rid).items() if count > 1]
+    if duplicates:
+        raise ValueError(f"duplicate rids within the batch: {duplicates}")
+    return rid
+
+
+def _each(body: dict, key: str, n: int, single: bool) -> list:
+    """A per-item field (SGLang's _normalize_sampling_params, _normalize_logprob_params): a single
+    request's value; for a batch one value for every item, or a list of one per item."""
+    value = body.get(key)
+    if single or not isinstance(value, list):
+        return [value] * n
+    if len(value) != n:
+        raise ValueError(f"{key} has {len(value)} entries for a batch of {n} prompts")
+    return value
 
 
 def _seconds_per_token(text: str) -> float:

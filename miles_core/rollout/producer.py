@@ -1,8 +1,9 @@
 """The rollout producer (DESIGN §5.1-§5.3): a persistent asyncio loop that keeps the engines busy.
 
 Each turn of the loop waits until a new prompt group may start, takes it from the data source,
-and spawns a group task: the group's n samples are generated concurrently on the engines, scored
-by the reward function, and `put` into the buffer. A group may start only when every gate is open:
+and spawns a group task: the group's n samples are generated on an engine (one batched request per
+group; one call per sample with a custom generate function), scored by the reward function, and `put`
+into the buffer. A group may start only when every gate is open:
 
 - not paused (Mode-1 eval on shared engines) and not stopping;
 - an engine to generate on (`set_engines_available`: a fleet of 0 engines starts no group until one joins);
@@ -70,6 +71,9 @@ class Engine(Protocol):
         """-> an object with output_ids, output_logprobs, token_versions, finish_reason
         ('stop' | 'length' | 'abort'), seconds. Never raises for an engine failure (it aborts)."""
         ...
+
+    # An engine that also has `generate_batch(inputs, params, *, on_result)` (EngineClient) gets each
+    # group in one request; `on_result(i, result)` as each sample finishes.
 
 
 class GroupSink(Protocol):
@@ -245,7 +249,38 @@ class Producer:
             self._wake.set()
 
     async def _generate_group(self, group: Group, ticket: Ticket, backlog: "_Backlog") -> None:
-        """Generate every sample; if one aborts, cancel its siblings (the group is rejected anyway)."""
+        """Generate every sample; if one aborts, the rest are stopped (the group is rejected anyway)."""
+        if self.generate_fn is None and hasattr(self.engine, "generate_batch"):
+            await self._generate_together(group, ticket, backlog)
+        else:
+            await self._generate_each(group, ticket, backlog)
+        for s in group.samples:
+            if s.status == SampleStatus.PENDING:  # stopped because a sibling aborted
+                s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
+
+    async def _generate_together(self, group: Group, ticket: Ticket, backlog: "_Backlog") -> None:
+        """The group's samples in one engine request (SGLang's batched /generate): one HTTP exchange per
+        group, not one per sample. Each sample's credit comes back as soon as it finished."""
+        samples, t0, start = group.samples, time.monotonic(), trace.now()
+        left = set(range(len(samples)))
+
+        def finished(i: int, out: Any) -> None:
+            left.discard(i)
+            _sample_finished(ticket, backlog)
+            trace_request(group.group_id, out, start)
+            self._fill(samples[i], out, time.monotonic() - t0)
+
+        try:
+            params = [sample_params(self.sampling_params, len(s.prompt_ids), self.max_seq_len) for s in samples]
+            same = all(p == params[0] for p in params)
+            await self.engine.generate_batch([s.prompt_ids for s in samples], params[0] if same else params,
+                                             on_result=finished)
+        finally:
+            for _ in range(len(left)):  # failed or cancelled: their credits come back too
+                _sample_finished(ticket, backlog)
+
+    async def _generate_each(self, group: Group, ticket: Ticket, backlog: "_Backlog") -> None:
+        """One engine call (or custom episode) per sample; if one aborts, cancel its siblings."""
         tasks = [asyncio.ensure_future(self._generate_sample(s, ticket, backlog)) for s in group.samples]
         try:
             pending = set(tasks)
@@ -265,9 +300,6 @@ class Producer:
             # retrieves every outcome too: a second failing sample must not log "never retrieved"
             await asyncio.gather(*tasks, return_exceptions=True)
         _take_episode_samples(group, tasks)
-        for s in group.samples:
-            if s.status == SampleStatus.PENDING:  # cancelled because a sibling aborted
-                s.status, s.finish_reason = SampleStatus.ABORTED, "abort"
 
     async def _generate_sample(self, sample: Sample, ticket: Ticket, backlog: "_Backlog") -> list[Sample] | None:
         """-> the samples of a custom generate function's episode (None: `sample` was filled in place)."""
@@ -280,12 +312,14 @@ class Producer:
             out = await self.engine.generate(sample.prompt_ids, params)
             trace_request(sample.group_id, out, start)
         finally:
-            backlog.sample_finished()  # before the credit: the loop never sees one without the other
-            ticket.sample_done()  # finished, failed or cancelled: the credit comes back (§5.2)
-        fill_sample(sample, out, time.monotonic() - t0)
+            _sample_finished(ticket, backlog)  # finished, failed or cancelled
+        self._fill(sample, out, time.monotonic() - t0)
+        return None
+
+    def _fill(self, sample: Sample, out: Any, seconds: float) -> None:
+        fill_sample(sample, out, seconds)
         self._window_tokens += len(sample.response_ids)
         self.tokens_total += len(sample.response_ids)
-        return None
 
     async def _run_episode(self, sample: Sample, params: dict, t0: float) -> list[Sample] | None:
         """Run the custom generate function on `sample`. Its failure fails only this group: the
@@ -416,6 +450,13 @@ class _Backlog:
         if self._held:
             self._held = False
             self._producer._awaiting_put -= 1
+
+
+def _sample_finished(ticket: Ticket, backlog: _Backlog) -> None:
+    """A sample finished, failed or was cancelled: its credit comes back (§5.2), the backlog first so
+    the loop never sees one without the other."""
+    backlog.sample_finished()
+    ticket.sample_done()
 
 
 def _take_episode_samples(group: Group, tasks: list[asyncio.Future]) -> None:

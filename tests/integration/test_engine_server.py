@@ -3,7 +3,9 @@
 Pins the SGLang native API subset: the JSON keys and types of /generate (plain and SSE streaming) and
 of the control endpoints; per-token weight versions across an in-place pause + weight update +
 resume; that a weight reload changes what is generated; abort by rid and pause(mode=abort) end
-requests with finish_reason abort; retract keeps requests alive; the client's least-in-flight
+requests with finish_reason abort; retract keeps requests alive; batched /generate (SGLang's list of
+lists: a list answer in order, streamed chunks with "index" and one [DONE], abort of one item, a client
+gone mid-stream frees every item, bad batches refused with nothing enqueued); the client's least-in-flight
 dispatch, its fallback when a connection is refused, and that a killed engine's in-flight requests come
 back as aborted (not as exceptions) while the launcher restarts the process. The distributed weight
 update endpoints (SGLang's shapes over gloo): their error answers, and a round trip with rank 0 in
@@ -20,14 +22,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import time
+from datetime import timedelta
 
 import aiohttp
 import pytest
-
-import socket
-from datetime import timedelta
-
 import torch
 from safetensors.torch import load_file
 
@@ -330,6 +330,198 @@ def test_timed_out_request_is_aborted_and_freed(gpt_engine, ckpts):
     res, left = run(go())
     assert all(r.finish_reason == "abort" and "Timeout" in r.abort_message for r in res)
     assert left == 0
+
+
+# ---- batched /generate (SGLang's GenerateReqInput batch: input_ids a list of lists) -------------
+PROMPTS = [PROMPT, [7, 8, 9], [2, 4]]
+
+
+@pytest.fixture(scope="module")
+def slow_engine(ckpts):
+    """An engine whose every step lasts 0.1 s (MILES_CPU_ENGINE_SECONDS_PER_TOKEN): a request of 20 tokens
+    stays in flight for 2 s, so what a test leaves behind is still there when it looks."""
+    from miles_core.engines.cpu_server import SECONDS_PER_TOKEN_ENV
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECONDS_PER_TOKEN_ENV, "0.1")
+        s = start(ckpts["gpt"])
+    yield s
+    s.stop()
+
+
+async def in_flight(session, engine: EngineServer, ckpt: str) -> int:
+    """The requests the engine holds: the num_paused_requests of a reload of the weights it serves."""
+    body = {"model_path": ckpt, "weight_version": "1", "flush_cache": False}
+    async with session.post(engine.url + "/update_weights_from_disk", json=body) as r:
+        return (await r.json())["num_paused_requests"]
+
+
+def sse_chunks(lines: list[str]) -> list:
+    """The `data:` payloads of an SSE body: JSON chunks, and "[DONE]" as a string."""
+    data = [ln.strip()[len("data: "):] for ln in lines if ln.strip()]
+    return [d if d == "[DONE]" else json.loads(d) for d in data]
+
+
+async def stream_batch(s, url: str, body: dict, on_chunk=None) -> list:
+    """POST a streamed batch and read it to the end; `on_chunk(chunk)` is awaited for each JSON chunk."""
+    async with s.post(url + "/generate", json={**body, "stream": True}) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        chunks = []
+        async for line in r.content:
+            for chunk in sse_chunks([line.decode()]):
+                chunks.append(chunk)
+                if on_chunk is not None and chunk != "[DONE]":
+                    await on_chunk(chunk)
+        return chunks
+
+
+def by_index(chunks: list) -> dict[int, list[dict]]:
+    items: dict[int, list[dict]] = {}
+    for c in chunks:
+        items.setdefault(c["index"], []).append(c)
+    return items
+
+
+def test_batched_generate_answers_a_list_in_order(gpt_engine):
+    """A batch (input_ids a list of lists, rid a list, sampling_params one per item) answers a JSON list of
+    the items' answers in request order, each SGLang's single answer (no index) for its own rid."""
+    lengths = [6, 2, 4]
+    body = {"input_ids": PROMPTS, "rid": ["b-0", "b-1", "b-2"], "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": n, "ignore_eos": True} for n in lengths]}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gpt_engine.url + "/generate", json=body) as r:
+                assert r.status == 200
+                return await r.json()
+
+    out = run(go())
+    assert isinstance(out, list) and len(out) == 3
+    for i, item in enumerate(out):
+        meta = item["meta_info"]
+        assert set(item) == {"text", "output_ids", "meta_info"}
+        assert meta["id"] == f"b-{i}" and meta["prompt_tokens"] == len(PROMPTS[i])
+        assert meta["completion_tokens"] == len(item["output_ids"]) == lengths[i]
+        assert meta["finish_reason"] == {"type": "length", "length": lengths[i]}
+        assert [e[1] for e in meta["output_token_logprobs"]] == item["output_ids"]
+
+
+def test_batched_stream_interleaves_items_by_index(gpt_engine):
+    """A streamed batch: every chunk is the item's single-request chunk plus "index" (its position in the
+    batch); each item's chunks reassemble into its whole output (completion_tokens cumulative, only the
+    last chunk with a finish_reason), a short item ends before a long one, one [DONE] ends the stream."""
+    lengths = [20, 3, 12]
+    body = {"input_ids": PROMPTS, "rid": ["s-0", "s-1", "s-2"], "return_logprob": True,
+            "sampling_params": [{"max_new_tokens": n, "ignore_eos": True} for n in lengths]}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await stream_batch(s, gpt_engine.url, body)
+
+    chunks = run(go())
+    assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    chunks = chunks[:-1]
+    assert all(set(c) == {"text", "output_ids", "meta_info", "index"} for c in chunks)
+    items = by_index(chunks)
+    assert sorted(items) == [0, 1, 2]
+    for i, mine in items.items():
+        ids = []
+        for k, c in enumerate(mine):
+            meta = c["meta_info"]
+            assert meta["id"] == f"s-{i}" and meta["prompt_tokens"] == len(PROMPTS[i])
+            ids += c["output_ids"]
+            assert meta["completion_tokens"] == len(ids)
+            assert len(meta["output_token_logprobs"]) == len(c["output_ids"])
+            assert (meta["finish_reason"] is not None) == (k == len(mine) - 1)
+        assert len(ids) == lengths[i] and mine[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    last = {i: max(k for k, c in enumerate(chunks) if c["index"] == i) for i in items}
+    assert last[1] < last[0]  # interleaved as produced: the 3-token item is done before the 20-token one
+
+
+def test_abort_of_one_rid_ends_only_that_item(slow_engine, ckpts):
+    """/abort_request with one item's rid, while the streamed batch runs, ends that item with finish_reason
+    abort; the others run to their full length and the stream ends with one [DONE]."""
+    body = {"input_ids": PROMPTS, "rid": ["ab-0", "ab-1", "ab-2"],
+            "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            aborted = []
+
+            async def abort_once(chunk):
+                if not aborted:
+                    aborted.append(chunk["index"])
+                    async with s.post(slow_engine.url + "/abort_request", json={"rid": "ab-1"}) as r:
+                        assert r.status == 200
+
+            chunks = await stream_batch(s, slow_engine.url, body, abort_once)
+            return chunks, await in_flight(s, slow_engine, ckpts["gpt"])
+
+    chunks, left = run(go())
+    assert chunks[-1] == "[DONE]" and chunks.count("[DONE]") == 1
+    items = by_index(chunks[:-1])
+    finish = {i: mine[-1]["meta_info"]["finish_reason"] for i, mine in items.items()}
+    assert finish[1]["type"] == "abort"
+    assert items[1][-1]["meta_info"]["completion_tokens"] < 20
+    assert finish[0] == finish[2] == {"type": "length", "length": 20}
+    assert left == 0
+
+
+def test_client_gone_mid_stream_frees_every_item(slow_engine, ckpts):
+    """A client that closes a streamed batch after its first chunk: the engine aborts every unfinished
+    item at once (nothing in flight soon after, long before the items could have finished)."""
+    body = {"input_ids": PROMPTS, "rid": ["gone-0", "gone-1", "gone-2"], "stream": True,
+            "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with aiohttp.ClientSession() as client:
+                r = await client.post(slow_engine.url + "/generate", json=body)
+                first = sse_chunks([(await r.content.readline()).decode()])[0]
+                held = await in_flight(s, slow_engine, ckpts["gpt"])
+                r.close()  # the connection drops mid-stream
+            t0 = time.monotonic()
+            while await in_flight(s, slow_engine, ckpts["gpt"]):
+                assert time.monotonic() - t0 < 0.5, "items still in flight after the client left"  # they'd run 1 s more
+                await asyncio.sleep(0.05)
+            return first, held
+
+    first, held = run(go())
+    assert first["index"] in (0, 1, 2) and first["meta_info"]["finish_reason"] is None
+    assert held == 3  # all three ran when the client left (20 tokens take 2 s)
+
+
+def test_bad_batches_are_refused_and_leave_nothing_in_flight(slow_engine, ckpts):
+    """400, naming the problem, and nothing enqueued: rids fewer than prompts, a duplicate rid, a rid in
+    flight already, a sampling_params list of the wrong length, an empty item, an empty batch."""
+    params = {"max_new_tokens": 20, "ignore_eos": True}
+    cases = [({"rid": ["a", "b"]}, "rid has 2 ids for a batch of 3"),
+             ({"rid": ["a", "b", "a"]}, "duplicate rids"),
+             ({"rid": ["fresh-0", "busy", "fresh-2"]}, "'busy' is already in flight"),
+             ({"sampling_params": [params, params]}, "sampling_params has 2 entries for a batch of 3"),
+             ({"input_ids": [PROMPT, [], PROMPT]}, "input_ids[1] must be a non-empty list of ints"),
+             ({"input_ids": []}, "input_ids cannot be empty")]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            busy = asyncio.create_task(stream_batch(s, slow_engine.url, {"input_ids": PROMPT, "rid": "busy",
+                                                                         "sampling_params": params}))
+            await until(lambda: in_flight(s, slow_engine, ckpts["gpt"]))
+            answers = []
+            for extra, _ in cases:
+                body = {"input_ids": PROMPTS, "sampling_params": params, **extra}
+                async with s.post(slow_engine.url + "/generate", json=body) as r:
+                    answers.append((r.status, (await r.json())["error"]["message"]))
+            held = await in_flight(s, slow_engine, ckpts["gpt"])
+            async with s.post(slow_engine.url + "/abort_request", json={"rid": "busy"}) as r:
+                assert r.status == 200
+            await busy
+            return answers, held, await in_flight(s, slow_engine, ckpts["gpt"])
+
+    answers, held, left = run(go())
+    for (status, message), (_, want) in zip(answers, cases):
+        assert status == 400 and want in message, (message, want)
+    assert held == 1 and left == 0  # only "busy" was ever in flight
 
 
 # ---- the client over several engines -----------------------------------------------------------

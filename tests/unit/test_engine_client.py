@@ -5,6 +5,9 @@ Pins: per-token weight versions from streamed chunks, for SGLang's default cumul
 that are not integers (SGLang's "default") read as 0; SGLang 0.5.23's `weight_versions` spans override
 the per-chunk version; the client refuses an empty engine list and an unknown pause mode; a weight
 load is never re-sent after a timeout; versions come from /model_info and health() does not generate.
+A batched request (one per group): one request, each item handed over as it finishes, an aborted item
+ends the rest (the client hangs up) unless told otherwise, a stream cut short aborts only what had not
+finished.
 """
 
 from __future__ import annotations
@@ -216,3 +219,107 @@ def test_a_client_without_engines_waits_for_set_urls_and_counts_a_dropped_engine
     assert first.finish_reason == "stop" and first.engine_url == url
     assert after == {}
     assert served == {url: {"min_version": 7, "max_version": 7, "requests": 2}}
+
+
+def _batch_stub(script, seen):
+    """A stub engine answering batched /generate streams: `script(body)` yields (index, chunk) pairs
+    (None: end the stream without [DONE]); `seen` gets each body and whether the client hung up."""
+    from aiohttp import web
+
+    from miles_core.engines.cpu_server import _sse
+
+    async def handler(request):
+        body = await request.json()
+        seen.append({"body": body, "hung_up": False})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        try:
+            for item in script(body):
+                if item is None:
+                    return resp
+                await resp.write(_sse({**item[1], "index": item[0]}))
+                await asyncio.sleep(0.01)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            seen[-1]["hung_up"] = True
+            raise
+        return resp
+
+    return _stub(handler)
+
+
+def _run_batch(script, **kw):
+    seen, order = [], []
+
+    async def go():
+        url, runner = await _batch_stub(script, seen)
+        try:
+            async with EngineClient([url]) as c:
+                out = await c.generate_batch([[1, 2], [1, 2], [1, 2]], {"max_new_tokens": 4}, rids=["a", "b", "c"],
+                                             on_result=lambda i, r: order.append(i), **kw)
+                await asyncio.sleep(0.3)  # the stub notices a hang-up
+                return out, c.in_flight()
+        finally:
+            await runner.cleanup()
+
+    out, in_flight = asyncio.run(go())
+    return out, order, seen, in_flight
+
+
+def test_a_batch_is_one_request_and_each_item_is_handed_over_as_it_finishes():
+    """SGLang's batched /generate: one request with lists of input_ids and rids; streamed chunks carry
+    their item's index, in any order. Each item's result goes to on_result when its finish arrives."""
+    def script(body):
+        yield 1, chunk([7], [-0.1], "3")
+        yield 0, chunk([5, 6], [-0.2, -0.3], "3", {"type": "stop"})
+        yield 2, chunk([8], [-0.4], "3", {"type": "length", "length": 1})
+        yield 1, chunk([9], [-0.5], "4", {"type": "stop"}, completion=2)
+
+    out, order, seen, in_flight = _run_batch(script)
+    assert len(seen) == 1 and seen[0]["body"]["input_ids"] == [[1, 2]] * 3 and seen[0]["body"]["rid"] == ["a", "b", "c"]
+    assert seen[0]["body"]["sampling_params"] == {"max_new_tokens": 4}  # one dict for all items
+    assert order == [0, 2, 1]
+    assert [r.rid for r in out] == ["a", "b", "c"] and [r.finish_reason for r in out] == ["stop", "stop", "length"]
+    assert out[1].output_ids == [7, 9] and out[1].token_versions == [3, 4] and out[0].output_logprobs == [-0.2, -0.3]
+    assert all(n == 0 for n in in_flight.values())
+
+
+def test_an_aborted_item_ends_the_batch_and_the_rest_come_back_aborted_with_their_tokens():
+    """One item aborted: the client hangs up (the engine aborts the rest), the finished item keeps its
+    result and the unfinished ones end aborted with what they had."""
+    def script(body):
+        yield 0, chunk([5], [-0.2], "3", {"type": "stop"})
+        yield 2, chunk([8], [-0.4], "3")
+        yield 1, chunk([], [], "3", {"type": "abort", "message": "engine paused"}, completion=0)
+        for k in range(2, 52):
+            yield 2, chunk([8], [-0.4], "3", completion=k)
+
+    out, order, seen, _ = _run_batch(script)
+    assert [r.finish_reason for r in out] == ["stop", "abort", "abort"] and order == [0, 1, 2]
+    assert out[2].output_ids == [8] and "another request of its group was aborted" in out[2].abort_message
+    assert seen[0]["hung_up"]
+    out, _, seen, _ = _run_batch(script, abort_rest=False)  # asked to keep the rest going
+    assert [r.finish_reason for r in out] == ["stop", "abort", "abort"] and len(out[2].output_ids) == 51
+    assert not seen[0]["hung_up"]
+
+
+def test_a_batch_cut_short_keeps_the_finished_items_and_aborts_the_rest():
+    def script(body):
+        yield 0, chunk([5], [-0.2], "3", {"type": "stop"})
+        yield 1, chunk([6], [-0.2], "3")
+        yield None
+
+    out, order, _, _ = _run_batch(script)
+    assert [r.finish_reason for r in out] == ["stop", "abort", "abort"] and order == [0, 1, 2]
+    assert out[1].output_ids == [6] and "without a finish_reason" in out[1].abort_message
+
+
+def test_a_batch_refused_by_every_engine_and_a_malformed_batch():
+    async def go():
+        async with EngineClient(["http://127.0.0.1:9"], refused_wait_seconds=0.2) as c:
+            return await c.generate_batch([[1], [2]], {})
+
+    out = asyncio.run(go())
+    assert [r.finish_reason for r in out] == ["abort", "abort"] and "no engine accepted" in out[0].abort_message
+    with pytest.raises(ValueError, match="one rid per input"):
+        asyncio.run(EngineClient([]).generate_batch([[1]], {}, rids=["a", "b"]))

@@ -79,6 +79,44 @@ class ScriptedEngine:
         raise AssertionError(f"expected {k} generate calls, saw {len(self.calls)}")
 
 
+class BatchedScriptedEngine(ScriptedEngine):
+    """ScriptedEngine behind EngineClient.generate_batch's contract (the producer sends each group as one
+    request): `batches` counts the requests; each item is still one `Call` the test resolves and goes to
+    `on_result` when it does; an aborted item ends the rest aborted at once (the client hangs up, so
+    their calls are cancelled); an item that raises fails the whole request."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches = 0
+
+    async def generate_batch(self, inputs, sampling_params=None, *, on_result=None):
+        self.batches += 1
+        tasks = [asyncio.ensure_future(self.generate(ids, sampling_params)) for ids in inputs]
+        results = [None] * len(tasks)
+        try:
+            pending = {t: i for i, t in enumerate(tasks)}
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for t in done:
+                    i = pending.pop(t)
+                    results[i] = t.result()
+                    on_result(i, results[i])
+                    if results[i].finish_reason == "abort":
+                        for j in sorted(pending.values()):
+                            results[j] = Result([], [], [], "abort")
+                            on_result(j, results[j])
+                        pending = {}
+                        break
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return results
+
+
+ENGINES = pytest.mark.parametrize("engine", [ScriptedEngine, BatchedScriptedEngine], ids=["each", "batched"])
+
+
 class TokenEngine:
     """`tokens` tokens per request, `token_seconds` apart, each tagged with `version` at that moment."""
 
@@ -201,13 +239,14 @@ async def settle(seconds=0.02):
 # ----------------------------------------------------------------------------- budget and granularity
 
 
+@ENGINES
 @pytest.mark.parametrize("granularity", ["sample", "group"])
-def test_credits_conserved_when_a_sample_raises(granularity):
+def test_credits_conserved_when_a_sample_raises(granularity, engine):
     """Pins §5.2 credit conservation across an exception: a raising generate fails the worker,
     siblings and other groups are cancelled, and every credit/slot comes back (used == 0)."""
 
     async def main():
-        eng = ScriptedEngine()
+        eng = engine()
         r = rig(eng, granularity=granularity)
         r.producer.start()
         await eng.wait_calls(4)
@@ -223,13 +262,14 @@ def test_credits_conserved_when_a_sample_raises(granularity):
     run(main())
 
 
+@ENGINES
 @pytest.mark.parametrize("granularity", ["sample", "group"])
-def test_credits_conserved_when_groups_are_cancelled(granularity):
+def test_credits_conserved_when_groups_are_cancelled(granularity, engine):
     """Pins §5.2 credit conservation across cancellation: stop() past its grace cancels in-flight
     groups; nothing is leaked and the cancelled prompts stay outstanding for a resume."""
 
     async def main():
-        eng = ScriptedEngine()
+        eng = engine()
         r = rig(eng, granularity=granularity)
         r.producer.start()
         await eng.wait_calls(4)
@@ -243,12 +283,13 @@ def test_credits_conserved_when_groups_are_cancelled(granularity):
     run(main())
 
 
-def test_sample_granularity_admits_a_group_as_soon_as_n_samples_finish():
+@ENGINES
+def test_sample_granularity_admits_a_group_as_soon_as_n_samples_finish(engine):
     """Pins §5.2 'sample': with budget 2 groups x n=2 and every group holding a straggler, a third
     group starts once n (=2) samples have finished, although no group has finished."""
 
     async def main():
-        eng = ScriptedEngine()
+        eng = engine()
         r = rig(eng, granularity="sample")
         r.producer.start()
         await eng.wait_calls(4)
@@ -259,17 +300,19 @@ def test_sample_granularity_admits_a_group_as_soon_as_n_samples_finish():
         eng.finish(b0)
         await eng.wait_calls(6)
         assert len(eng.calls_for(2)) == 2
+        assert getattr(eng, "batches", 3) == 3  # batched: one request per group
         await r.producer.stop(grace_seconds=0)
 
     run(main())
 
 
-def test_group_granularity_waits_for_a_whole_group():
+@ENGINES
+def test_group_granularity_waits_for_a_whole_group(engine):
     """Pins §5.2 'group': finished samples free nothing; a new group starts only when fewer than
     budget group tasks are pending (here: when group A has finished and been put)."""
 
     async def main():
-        eng = ScriptedEngine()
+        eng = engine()
         r = rig(eng, granularity="group")
         r.producer.start()
         await eng.wait_calls(4)
@@ -418,12 +461,13 @@ def test_drop_handler_does_not_re_serve_and_releases_the_started_count():
     run(main())
 
 
-def test_an_aborted_sample_aborts_its_group_and_cancels_the_siblings():
+@ENGINES
+def test_an_aborted_sample_aborts_its_group_and_cancels_the_siblings(engine):
     """A group is aborted if any sample is: the still-running siblings are cancelled (freeing the
     engines) and marked aborted; the buffer rejects the group."""
 
     async def main():
-        eng = ScriptedEngine()
+        eng = engine()
         r = rig(eng, budget_groups=1, n=3)
         r.producer.start()
         await eng.wait_calls(3)

@@ -13,7 +13,11 @@ check both sides against it:
   during a pause while `/model_info` answers; pause/continue without a JSON body get the 400
   validation error; the sampling parameters RL rollouts send (stop strings, stop_token_ids,
   min_new_tokens, ignore_eos, the three penalties, sampling_seed, max_new_tokens' default 128, EOS ids
-  from generation_config.json) and incremental streaming (each chunk carries only what is new).
+  from generation_config.json) and incremental streaming (each chunk carries only what is new);
+  the batched `/generate` (`BATCH`): `input_ids` a list of lists, the items entering the engine together,
+  `rid` a list / one string (item i gets "{rid}_{i}") / none, per-item or shared `sampling_params` and
+  `return_logprob`; not streamed, a list of the items' answers in order; streamed, every chunk carries the
+  item's `index`, then one [DONE].
 """
 
 from __future__ import annotations
@@ -117,6 +121,16 @@ SGLANG = {
         "methods": {"POST"}, "required": set(), "request": {"group_name", "rid"},
         "response": {"success", "message"}, "source": f"{IO} DestroyWeightsUpdateGroupReqInput",
     },
+}
+# A batched /generate (input_ids a list of lists): not streamed, the list of the items' single answers in
+# request order; streamed, each item's single chunk plus "index" (its rid's position in the batch), then one
+# "data: [DONE]" after every item finished.
+BATCH = {
+    "chunk": SGLANG["/generate"]["response"] | {"index"},
+    "source": f"{IO} GenerateReqInput._determine_batch_size, _normalize_rid, _normalize_sampling_params, "
+              f"_normalize_logprob_params, _validate_rid_uniqueness; {TM} _handle_batch_request, "
+              f"_collect_batch_responses, _stream_batch_responses (result['index'] = rid_to_index[id]); "
+              f"{HTTP} generate_request (one [DONE] after the whole generator)",
 }
 GONE = {"/get_weight_version": f"{HTTP}: no such route in 0.5.23 (FastAPI answers 404 {{'detail': 'Not Found'}})"}
 # SamplingParams fields an RL rollout sends, with SGLang's defaults (sampling_params.py).
@@ -306,6 +320,58 @@ def test_cpu_engine_answers_match_sglang(ckpt):
                     _keys_ok(path, await r.json())
 
     with_engine(ckpt, body)
+
+
+def test_cpu_engine_batched_answers_match_sglang(ckpt):
+    """A batch enters the engine in one hop (one inbox holds all its items). Not streamed it answers the
+    list of SGLang's single answers in order: rid "grp" names the items grp_0, grp_1, return_logprob is per
+    item, no rid gets distinct generated ones. Streamed, every chunk carries its item's "index" (its rid's
+    position), each item's tokens add up, and one [DONE] ends it; a single request's chunks have no index."""
+    sp = {"max_new_tokens": 3, "ignore_eos": True}
+
+    async def body(url, server):
+        inboxes, add_and_step = [], server._add_and_step
+
+        def recording(inbox):
+            inboxes.append([r.rid for r in inbox])
+            return add_and_step(inbox)
+
+        server._add_and_step = recording
+        async with aiohttp.ClientSession() as s:
+            async def post(req):
+                async with s.post(url + "/generate", json=req) as r:
+                    assert r.status == 200, await r.text()
+                    if not req.get("stream"):
+                        return await r.json()
+                    lines = [ln.decode().strip() async for ln in r.content]
+                    return [ln[len("data: "):] for ln in lines if ln]
+
+            named = await post({"input_ids": [PROMPT, PROMPT[:2]], "rid": "grp", "sampling_params": sp,
+                                "return_logprob": [True, False]})
+            unnamed = await post({"input_ids": [PROMPT, PROMPT], "sampling_params": sp})
+            streamed = await post({"input_ids": [PROMPT, PROMPT[:3]], "rid": ["x", "y"], "stream": True,
+                                   "sampling_params": [sp, {**sp, "max_new_tokens": 5}]})
+            single = await post({"input_ids": PROMPT, "sampling_params": sp, "stream": True})
+        return inboxes, named, unnamed, streamed, single
+
+    inboxes, named, unnamed, streamed, single = with_engine(ckpt, body)
+    assert ["grp_0", "grp_1"] in inboxes and ["x", "y"] in inboxes
+    assert isinstance(named, list) and [a["meta_info"]["id"] for a in named] == ["grp_0", "grp_1"]
+    for answer in named:
+        _keys_ok("/generate", answer)
+    assert [a["meta_info"]["prompt_tokens"] for a in named] == [len(PROMPT), 2]
+    assert "output_token_logprobs" in named[0]["meta_info"] and "output_token_logprobs" not in named[1]["meta_info"]
+    ids = [a["meta_info"]["id"] for a in unnamed]
+    assert len(set(ids)) == 2 and all(isinstance(i, str) and i for i in ids)
+    assert streamed[-1] == "[DONE]" and streamed.count("[DONE]") == 1
+    chunks = [json.loads(c) for c in streamed[:-1]]
+    tokens = {0: 0, 1: 0}
+    for c in chunks:
+        assert set(c) == BATCH["chunk"] and c["meta_info"]["id"] == ["x", "y"][c["index"]]
+        tokens[c["index"]] += len(c["output_ids"])
+        assert c["meta_info"]["completion_tokens"] == tokens[c["index"]]
+    assert tokens == {0: 3, 1: 5}
+    assert single[-1] == "[DONE]" and all(set(json.loads(c)) == SGLANG["/generate"]["response"] for c in single[:-1])
 
 
 def test_flush_rule_and_health_during_a_pause(ckpt):
