@@ -148,7 +148,8 @@ class TrainerWorker:
         """The push to the engines still there: one whose actor is gone (its node lost, its process killed)
         is dropped before the push, or after a push that failed, which is then made once more without it
         (under the same version). None when no engine is left."""
-        self._drop_lost_engines()
+        with trace.span("engines.check", lane="weights", step=step):
+            self._drop_lost_engines()
         try:
             return None if self.sync is None else self.loop.run_until_complete(self.sync.push(step))
         except Exception:
@@ -208,7 +209,8 @@ class TrainerWorker:
         if result is None:  # every engine was lost
             return None
         if self.transport.key is not None:
-            self._drop_staged_except(self.transport.key)
+            with trace.span("weights.cleanup", lane="weights", step=step):
+                self._drop_staged_except(self.transport.key)
         return {"version": result.version, N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
                 N.WEIGHT_EXPORT_SECONDS: result.export_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
