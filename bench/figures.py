@@ -269,7 +269,7 @@ def render_resume(results: dict[str, dict]) -> list[str]:
 def render_real_model(results: dict[str, dict]) -> list[str]:
     rec = results["real_model"]
     fig = rec["figures"]
-    reward = [r["reward_5_step_mean"] for r in rec["rows"]]
+    reward = [r["reward_5_step_mean"] for r in rec["rows"] if "step" in r]  # the plain loop's rows have none
     return [measured(rec), "",
             f"`{fig['flags']}`: {fig['steps']} steps in {fig['wall_seconds']:,.0f} s "
             f"({fig['steps_per_minute']:.2f} steps/min; the import took {fig['import_seconds']:.0f} s before it); "
