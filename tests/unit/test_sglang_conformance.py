@@ -217,6 +217,8 @@ def test_client_requests_match_sglang():
                 params = {k: v for k, v in SAMPLING_DEFAULTS.items() if v is not None}
                 await c.generate(PROMPT, {**params, "stop": ["\n"], "stop_token_ids": [2], "sampling_seed": 3})
                 await c.generate(PROMPT, params, stream=False)
+                await c.generate_batch([PROMPT, PROMPT], params)  # a group: SGLang's batch, one rid per item
+                await c.generate_batch([PROMPT, PROMPT], [params, params], stream=False)
                 assert await c.health(url) and await c.health_generate(url)
                 assert await c.get_weight_version() == {url: 3}
                 await c.model_info(url)
@@ -244,11 +246,17 @@ def test_client_requests_match_sglang():
         assert keys <= spec["request"], f"{path}: {keys - spec['request']} not in SGLang's request model"
         assert spec["required"] <= keys, f"{path}: lacks required {spec['required'] - keys}"
         if path == "/generate":
-            assert set(body["sampling_params"]) <= set(SAMPLING_DEFAULTS)
+            per_item = body["sampling_params"] if isinstance(body["sampling_params"], list) else [body["sampling_params"]]
+            assert all(set(p) <= set(SAMPLING_DEFAULTS) for p in per_item)
+            if isinstance(body["input_ids"][0], list):  # a batch: _normalize_rid, _validate_rid_uniqueness
+                n = len(body["input_ids"])
+                assert isinstance(body["rid"], list) and len(set(body["rid"])) == n
+                assert not isinstance(body["sampling_params"], list) or len(body["sampling_params"]) == n
         if path in ("/pause_generation", "/continue_generation"):
             assert isinstance(body, dict)  # FastAPI's Body(): SGLang answers 400 without a JSON body
         seen.add(path)
     assert "/get_weight_version" not in seen and {"/model_info", "/health", "/generate"} <= seen
+    assert sum(p == "/generate" and isinstance(b["input_ids"][0], list) for _, p, b in rec.calls) == 2
     # the liveness probe does not generate: health() asked /model_info; only health_generate() asked /health
     assert [p for _, p, _ in rec.calls].count("/health") == 1
     disk = [b for _, p, b in rec.calls if p == "/update_weights_from_disk"][0]
