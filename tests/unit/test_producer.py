@@ -236,6 +236,15 @@ async def settle(seconds=0.02):
     await asyncio.sleep(seconds)
 
 
+async def until(condition, seconds=30.0):
+    """Wait until `condition()` holds (however loaded the machine: rewards run on threads)."""
+    for _ in range(int(seconds / 0.002)):
+        if condition():
+            return
+        await asyncio.sleep(0.002)
+    raise AssertionError(f"not within {seconds} s")
+
+
 # ----------------------------------------------------------------------------- budget and granularity
 
 
@@ -599,8 +608,9 @@ def test_pause_stops_submission_without_aborting_in_flight_work():
         r.producer.pause()
         for c in eng.calls:
             eng.finish(c)
+        await until(lambda: len(r.buffer.queue) == 1)  # scored (on a thread) and put
         await settle()
-        assert len(eng.calls) == 2 and len(r.buffer.queue) == 1 and not any(c.cancelled for c in eng.calls)
+        assert len(eng.calls) == 2 and not any(c.cancelled for c in eng.calls)
         r.producer.resume()
         await eng.wait_calls(4)
         await r.producer.stop(grace_seconds=0)
@@ -619,7 +629,7 @@ def test_state_restores_started_groups_and_cursor():
         r.producer.start()
         await eng.wait_calls(4)
         eng.finish(eng.calls[0]), eng.finish(eng.calls[1])
-        await settle()
+        await until(lambda: len(r.buffer.queue) == 1)  # e0-p0 scored, put and settled
         await eng.wait_calls(6)
         state = json.loads(json.dumps(r.producer.state()))
         await r.producer.stop(grace_seconds=0)
