@@ -6,14 +6,21 @@ The shape is read once, at registration, from MILES_RAY_* variables (docs/deploy
 `TRAIN_CLUSTER` describes the same cluster to `miles_core.prepare.checks.validate`, so the first task
 of a remote execution refuses a run whose engines, trainer ranks and eval engines cannot be placed on
 it, before the Ray cluster is even requested.
+
+Both clusters are `RayJob` configs: Flyte's Ray plugin, except that a local execution (`pyflyte run`
+without --remote, RAY_ADDRESS unset) starts its Ray instance without the dashboard, as the driver's own
+local instance does (miles_core.driver.placement.ensure_ray): nothing reads it, and it costs a few CPU
+seconds per run.
 """
 
 from __future__ import annotations
 
 import os
 
-from flytekit import Resources
+from flytekit import FlyteContextManager, Resources
+from flytekit.core.task import TaskPlugins
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
+from flytekitplugins.ray.task import RayFunctionTask
 
 from miles_core.prepare.resources import ClusterShape, Node
 
@@ -22,7 +29,33 @@ GPUS_PER_WORKER = int(os.environ.get("MILES_RAY_GPUS_PER_WORKER", "8"))
 HEAD_CPUS = 4
 CPUS_PER_GPU = 8
 
-RAY_CLUSTER = RayJobConfig(
+class RayJob(RayJobConfig):
+    """A RayJobConfig whose tasks start a local Ray instance without the dashboard (module doc)."""
+
+
+class RayJobTask(RayFunctionTask):
+    """Flyte's Ray task (same type, same cluster spec when registered) for `RayJob` configs."""
+
+    def pre_execute(self, user_params):
+        if _new_local_ray(self.task_config):
+            import ray
+
+            ray.init(include_dashboard=False)
+        return super().pre_execute(user_params)  # the plugin's ray.init: a no-op on an instance started here
+
+
+def _new_local_ray(config: RayJobConfig) -> bool:
+    """A local execution that starts its own Ray instance (the plugin's ray.init would start one)."""
+    import ray
+
+    state = FlyteContextManager.current_context().execution_state
+    local = state is not None and state.is_local_execution()
+    return local and not config.address and not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
+
+
+TaskPlugins.register_pythontask_plugin(RayJob, RayJobTask)
+
+RAY_CLUSTER = RayJob(
     head_node_config=HeadNodeConfig(
         ray_start_params={"num-gpus": "0", "log-color": "false"},
         requests=Resources(cpu=str(HEAD_CPUS), mem="16Gi"),
@@ -58,7 +91,7 @@ TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER)
 PRODUCER_GPU_WORKERS = int(os.environ.get("MILES_PRODUCER_GPU_WORKERS", "1"))
 PRODUCER_GPUS_PER_WORKER = int(os.environ.get("MILES_PRODUCER_GPUS_PER_WORKER", "1"))
 
-PRODUCER_CLUSTER = RayJobConfig(
+PRODUCER_CLUSTER = RayJob(
     head_node_config=HeadNodeConfig(
         ray_start_params={"num-gpus": "0", "log-color": "false"},
         requests=Resources(cpu="2", mem="8Gi"),

@@ -1,7 +1,8 @@
 """The Flyte layer (tasks/, workflows/, images/; DESIGN §8).
 
 Pins: `pyflyte package` and `pyflyte register --non-fast --dry-run` succeed offline and the
-packaged train task is a Ray task; prepare_data is cached; every workflow input has an immutable
+packaged train and producer tasks are Ray tasks; locally a Ray task starts its Ray instance without
+the dashboard; prepare_data is cached; every workflow input has an immutable
 default (so `pyflyte run ... fully_async_rl` runs with no arguments); the typed inputs and
 `flags` combine without silent overrides; the Arrow StructuredDataset decoder reads from S3
 (regression guard for flyte#5859); and, slow, the workflows run locally end to end with stand-in
@@ -70,6 +71,9 @@ def test_package_offline_train_is_ray(tmp_path):
     cluster = MessageToDict(train.custom)["rayCluster"]
     assert cluster["workerGroupSpec"][0]["groupName"] == "gpu"
     assert MessageToDict(train.custom)["shutdownAfterJobFinishes"] is True
+    producer = _task_spec(_find(files, "tasks.producer.rollout_producer_"))
+    assert producer.type == "ray" and MessageToDict(producer.custom)["rayCluster"]["workerGroupSpec"][0]["groupName"] \
+        == "rollout"
 
     prep = _task_spec(_find(files, "tasks.data.prepare_data_"))
     assert prep.type == "python-task" and prep.metadata.discoverable and prep.metadata.discovery_version == "1"
@@ -84,6 +88,24 @@ def test_package_offline_train_is_ray(tmp_path):
     assert lp.spec.entity_metadata.schedule.cron_schedule.schedule == "0 2 * * *"
     assert set(lp.spec.fixed_inputs.literals) == {"run_id", "storage_root", "segment_steps"}
     assert any(name.split("_", 1)[1].startswith("eval_backfill_default") for name in files)
+
+
+def test_a_local_ray_task_starts_ray_without_the_dashboard(tmp_path):
+    """`pyflyte run` of a task on tasks.cluster's Ray config (RAY_ADDRESS unset): Ray is up inside the task,
+    started by the config's task without the dashboard (Flyte's plugin alone would start one)."""
+    (tmp_path / "probe.py").write_text(textwrap.dedent("""
+        import ray
+        from flytekit import task
+        from tasks.cluster import RAY_CLUSTER
+
+        @task(task_config=RAY_CLUSTER)
+        def probe() -> str:
+            node = ray._private.worker.global_worker.node
+            return f"up={ray.is_initialized()} dashboard={node.address_info.get('webui_url') or 'none'}"
+    """))
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "RAY_ADDRESS": ""}
+    proc = _pyflyte(["run", str(tmp_path / "probe.py"), "probe"], env)
+    assert "up=True dashboard=none" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_package_offline_with_imagespecs(tmp_path):
