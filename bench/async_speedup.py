@@ -356,7 +356,7 @@ class TimedTrainer:
         tail = self.slept[skip:] or self.slept
         return sum(got - asked for asked, got in tail) / len(tail)
 
-    def push_weights(self, step: int) -> dict:
+    def push_weights(self, step: int, wait: bool = True) -> dict:
         """WeightSync.push in time: export (engines generate), pause + load + resume (engines stopped)."""
         time.sleep(self.w.export_seconds)
         end, version = self.clock.pause(self.w.engine_pause_seconds)

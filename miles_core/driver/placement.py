@@ -215,6 +215,7 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
         cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
         consumed_through_step=extras.get("consumed_through_step", start_step - 1)))
     rollout.call("set_version", version_box[0]).result()
+    trainer.call("set_rollout", rollout.actor).result()  # told each version its engines serve from now on
     rollout.call("start").result()
     stack.callback(lambda: rollout.call("stop").result())
     return fleet, trainer, rollout, start_step, version_box

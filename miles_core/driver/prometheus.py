@@ -25,7 +25,7 @@ from typing import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from miles_core.buffer.metrics import ABORTED_GROUPS_FILTERED, UNUSED_RECYCLED
-from miles_core.metrics.names import PUBLISHED_VERSION, WEIGHT_UPDATE_SECONDS
+from miles_core.metrics.names import PUBLISHED_VERSION, WEIGHT_EXPORT_SECONDS
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ PREFIX = "miles_"
 # counter name -> (help, the step metric it sums; None: one per step)
 COUNTERS = {
     "steps": ("Training steps served by this driver.", None),
-    "weight_pushes": ("Weight pushes to the engines.", WEIGHT_UPDATE_SECONDS),
+    "weight_pushes": ("Weight pushes to the engines.", WEIGHT_EXPORT_SECONDS),
     "groups_aborted": ("Groups aborted at put (an engine failure or a pause that aborted them).",
                        ABORTED_GROUPS_FILTERED),
     "groups_recycled": ("Unused groups served again by --async-unused-samples-handler retry.", UNUSED_RECYCLED),
@@ -69,7 +69,7 @@ class PrometheusExporter:
                 self._gauge(name).set(v)
         for name, (_, source) in COUNTERS.items():
             amount = 1.0 if source is None else _finite(metrics.get(source))
-            if source == WEIGHT_UPDATE_SECONDS:  # a push happened this step when its seconds were logged
+            if source == WEIGHT_EXPORT_SECONDS:  # a push happened this step when its export was logged
                 amount = 1.0 if amount is not None and PUBLISHED_VERSION in metrics else None
             if amount:
                 self._counters[name].inc(amount)

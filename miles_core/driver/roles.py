@@ -96,11 +96,16 @@ class WeightPusher:
 
     The step does not wait for the rollout side to take the version: its calls run in the order they
     were made, so whatever the driver asks of it next sees the new version; a failure to take it is
-    raised at the next push (or at once on the last step)."""
+    raised at the next push (or at once on the last step).
 
-    def __init__(self, trainer, rollout, interval: int, version_box: list[int]):
+    With `overlap` (the fully async driver) a push but the last one asks the trainer not to wait for
+    the engines: it returns once the weights are exported, the engines load them while the next step
+    trains, and the trainer publishes the version to the rollout side itself once they serve it
+    ("published" in its answer); a failure of that delivery is raised by the next push."""
+
+    def __init__(self, trainer, rollout, interval: int, version_box: list[int], overlap: bool = False):
         self.trainer, self.rollout = trainer, rollout
-        self.interval, self.version_box = interval, version_box
+        self.interval, self.version_box, self.overlap = interval, version_box, overlap
         self.snapshot: str | None = None  # the run-root URI of the pushed weights, when published there
         self.publishing = None  # the rollout side's set_version call in flight
 
@@ -109,10 +114,11 @@ class WeightPusher:
             return self.version_box[0], {}
         self.published()
         with trace.span("trainer.push_weights", lane="step", step=step):
-            out = self.trainer.call("push_weights", step).result()
+            out = self.trainer.call("push_weights", step, last or not self.overlap).result()
         version = out.pop("version")
         self.snapshot = out.pop("snapshot", None) or self.snapshot
-        self.publishing = self.rollout.call("set_version", version)
+        if not out.pop("published", False):
+            self.publishing = self.rollout.call("set_version", version)
         if last:
             self.published()
         self.version_box[0] = version

@@ -136,7 +136,9 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         stack.callback(progress.close)
         if start_step == 0:
             sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
-        pusher = WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box)
+        # Evals on the rollout engines read the version the step published: they need it delivered.
+        overlap = cfg.driver == "fully-async" and cfg.eval.eval_mode != "shared"
+        pusher = WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box, overlap=overlap)
         pusher.snapshot = trainer.call("published_weights").result()
         feed = feed_publisher(cfg, store, rollout, pusher, segment, lease.check)
         stack.callback(feed.close)

@@ -10,8 +10,11 @@ every rank (collectives need all of them). Roles inside a call:
   NCCL on GPU and gloo on CPU).
 Inputs arrive as URIs and are copied to this node (miles_core.storage.node_local); nothing handed out is a
 local path.
-Methods block until done. Weight pushes talk to the engines over HTTP from a private event loop
-kept for the actor's lifetime (the engine client's connections belong to that loop).
+Methods block until done, but for a push asked not to wait (`push_weights(step, wait=False)`): with the
+store transport its delivery to the engines goes on on a thread of the actor while the next step
+trains. Weight pushes talk to the engines over HTTP from a private event loop kept for the actor's
+lifetime (the engine client's connections belong to that loop); one thread at a time runs it (every
+method that touches the engines waits for the delivery in flight first).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 from miles_core.engines.client import EngineClient
@@ -32,7 +36,7 @@ from miles_core.train.checkpoint import CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
 from miles_core.weights.distributed import DistributedWeightTransport
 from miles_core.weights.snapshot import export_snapshot
-from miles_core.weights.sync import StoreWeightTransport, WeightSync
+from miles_core.weights.sync import Exported, StoreWeightTransport, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,9 @@ class TrainerWorker:
         self.publish = cfg.buffer.allow_rollout_producers  # every version in the run root, for producer jobs
         self.snapshot: str | None = None
         self._superseded: dict[str, float] = {}  # staged weights -> when a newer version replaced them
+        self.publish_version: Callable[[int], None] | None = None  # tells the rollout side (`set_rollout`)
+        self._deliveries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-delivery")
+        self._delivering: Future | None = None  # a push's delivery to the engines, in flight
         if rank == 0 and engine_urls:  # a trainer without engines (tests, export-only) pushes nothing
             self._connect_engines(engine_urls, engine_actors or [])
 
@@ -91,7 +98,7 @@ class TrainerWorker:
         # retried 0.5 s doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
         self.engines = EngineClient(list(engine_urls), control_retries=6)
         self.transport = self._transport(engine_urls, engine_actors)
-        self.sync = WeightSync(engines=[self.engines], transport=self.transport, publish=lambda v: None,
+        self.sync = WeightSync(engines=[self.engines], transport=self.transport, publish=self._publish,
                                pause_mode=self.cfg.rollout.pause_generation_mode)
 
     def _transport(self, engine_urls: list[str], engine_actors: list):
@@ -119,6 +126,10 @@ class TrainerWorker:
         Returns the version of the last push: an engine that holds it is as current as the others."""
         if self.rank != 0:
             return None
+        self._settle()
+        return self._set_engines(engine_urls, engine_actors)
+
+    def _set_engines(self, engine_urls: list[str], engine_actors: list) -> int:
         staged = self.transport if isinstance(self.transport, StoreWeightTransport) else None
         self._disconnect_engines()
         if engine_urls:
@@ -132,6 +143,7 @@ class TrainerWorker:
         """{"uri", "version"} of the last pushed weights when they are in the run root (the store transport's
         staged snapshot, or the weights published for producer jobs): what a joining engine loads before
         it serves. None otherwise (rank 0 only): a joining engine then gets them at the next push."""
+        self._settle()
         staged = self.transport.uri if isinstance(self.transport, StoreWeightTransport) else None
         uri = staged or self.snapshot
         return {"uri": uri, "version": self.version} if self.rank == 0 and uri else None
@@ -144,19 +156,21 @@ class TrainerWorker:
         self.engines = self.sync = self.transport = None
         self.engine_urls, self.engine_actors = [], []
 
-    def _push_surviving(self, step: int):
-        """The push to the engines still there: one whose actor is gone (its node lost, its process killed)
-        is dropped before the push, or after a push that failed, which is then made once more without it
-        (under the same version). None when no engine is left."""
-        with trace.span("engines.check", lane="weights", step=step):
-            self._drop_lost_engines()
+    def _deliver_surviving(self, exported: Exported):
+        """The delivery to the engines still there: one whose actor is gone (its node lost, its process
+        killed) is dropped after a delivery that failed, which is then made once more without it (under
+        the same version). None when no engine is left."""
         try:
-            return None if self.sync is None else self.loop.run_until_complete(self.sync.push(step))
+            return self.loop.run_until_complete(self.sync.deliver(exported))
         except Exception:
             if not self._drop_lost_engines():
                 raise
         log.warning("weights: engines were lost during the push; pushing again to the %d left", len(self.engine_urls))
-        return None if self.sync is None else self.loop.run_until_complete(self.sync.push(step))
+        if self.sync is None:
+            return None
+        if isinstance(self.transport, StoreWeightTransport):  # the new transport holds the same snapshot
+            return self.loop.run_until_complete(self.sync.deliver(exported))
+        return self.loop.run_until_complete(self.sync.push(exported.step))  # gathered again for the new group
 
     def _drop_lost_engines(self) -> bool:
         gone = set(lost_actors(self.engine_actors))
@@ -165,28 +179,59 @@ class TrainerWorker:
         log.warning("engines %s are gone (their actors died): later pushes leave them out",
                     [self.engine_urls[i] for i in sorted(gone)])
         keep = [i for i in range(len(self.engine_urls)) if i not in gone]
-        self.set_engines([self.engine_urls[i] for i in keep], [self.engine_actors[i] for i in keep])
+        self._set_engines([self.engine_urls[i] for i in keep], [self.engine_actors[i] for i in keep])
         return True
 
     def train_step(self, step: int, groups: list) -> dict:
         return self.trainer.train_step(step, groups)
 
-    def push_weights(self, step: int) -> dict:
-        """version += 1, then the engines load it (pause, load, resume: rank 0); with producers allowed
-        the version's weights are in the run root too ("snapshot": their URI), whatever the transport.
-        Without engines (all generation by producer jobs) the push is that export alone."""
+    def push_weights(self, step: int, wait: bool = True) -> dict:
+        """version += 1, then the engines load it (pause, load, resume: rank 0) and the rollout side is
+        told (once the driver gave it: `set_rollout`; "published" then says so); with producers allowed the
+        version's weights are in the run root too ("snapshot": their URI), whatever the transport. Without
+        engines (all generation by producer jobs) the push is that export alone.
+
+        `wait=False` returns once the store transport exported the version: its delivery (stage, pause,
+        load, resume, tell the rollout side) reads only that snapshot and goes on on a thread of this
+        actor while the trainer trains the next step. The next push, and every call that touches the
+        engines, waits for it first and raises its failure; its timings come with the next push's metrics.
+        Other transports read the trainer's tensors while the engines are paused: they always wait."""
         if self.rank != 0:
             for _ in range(self._exports_per_push()):
                 self.trainer.join_export()
             return {}
-        out = self._push_to_engines(step) if self.sync is not None else None
-        pushed = out is not None
+        settled = self._settle()
+        out = self._push_to_engines(step, wait) if self.sync is not None else None
+        exported = out is not None
         out = out or {"version": self.version + 1}
+        staged = out.pop("staged", None)
         self.version = out["version"]
-        published = self._published(step, pushed)
-        self._gather_as_peers_do(int(pushed) + int(published is not None and not self._staged_by_push(pushed)))
+        published = self._published(step, staged)
+        self._gather_as_peers_do(int(exported) + int(published is not None and staged is None))
         self.snapshot = published or self.snapshot
-        return out | ({"snapshot": self.snapshot} if self.snapshot else {})
+        return settled | out | ({"snapshot": self.snapshot} if self.snapshot else {})
+
+    def set_rollout(self, rollout_actor) -> None:
+        """The rollout manager's actor: each delivered version is published to it as soon as the engines
+        serve it (a push that does not wait could not leave that to the driver)."""
+        import ray
+
+        self.publish_version = lambda version: ray.get(rollout_actor.set_version.remote(version))
+
+    def _publish(self, version: int) -> None:
+        if self.publish_version is not None:
+            self.publish_version(version)
+
+    def _settle(self) -> dict:
+        """Wait for the delivery in flight, raising its failure; its metrics, with how long this waited."""
+        pending, self._delivering = self._delivering, None
+        if pending is None:
+            return {}
+        t0 = time.perf_counter()
+        with trace.span("weights.wait", lane="weights"):
+            out = pending.result()
+        return {k: v for k, v in out.items() if k.startswith("perf/")} | {
+            N.WEIGHT_DELIVERY_WAIT_SECONDS: time.perf_counter() - t0}
 
     def _gather_as_peers_do(self, made: int) -> None:
         """Rank 0's TP peers take part in `_exports_per_push()` weight gathers every push; when rank 0
@@ -195,42 +240,58 @@ class TrainerWorker:
             for _ in range(self._exports_per_push() - made):
                 self.trainer.hf_state_dict()
 
-    def _staged_by_push(self, pushed: bool) -> bool:
-        """The store transport's push staged this version's weights in the run root already."""
-        return pushed and isinstance(self.transport, StoreWeightTransport)
-
     def published_weights(self) -> str | None:
         """The run-root URI of the last pushed version's weights when producers may join, else None."""
         return self.snapshot
 
-    def _push_to_engines(self, step: int) -> dict | None:
-        self.sync.version = max(self.sync.version, self.version)
-        result = self._push_surviving(step)
-        if result is None:  # every engine was lost
+    def _push_to_engines(self, step: int, wait: bool) -> dict | None:
+        """Export the next version and deliver it, here or (`wait=False`, the store transport) on the
+        delivery thread. None when no engine is left to push to."""
+        with trace.span("engines.check", lane="weights", step=step):
+            self._drop_lost_engines()
+        if self.sync is None:
             return None
-        if self.transport.key is not None:
-            with trace.span("weights.cleanup", lane="weights", step=step):
+        self.sync.version = max(self.sync.version, self.version)
+        exported = self.loop.run_until_complete(self.sync.export(step))
+        staged = {"staged": exported.snapshot} if isinstance(self.transport, StoreWeightTransport) else {}
+        if wait or not staged:
+            return self._deliver(exported) | staged
+        self._delivering = self._deliveries.submit(self._deliver, exported)
+        return {"version": exported.version, N.WEIGHT_EXPORT_SECONDS: exported.seconds,
+                "published": self.publish_version is not None} | staged
+
+    def _deliver(self, exported: Exported) -> dict:
+        """Deliver `exported`, drop superseded staged weights, and tell the rollout side (also when no
+        engine was left to load it)."""
+        result = self._deliver_surviving(exported)
+        if isinstance(self.transport, StoreWeightTransport) and self.transport.key is not None:
+            with trace.span("weights.cleanup", lane="weights", step=exported.step):
                 self._drop_staged_except(self.transport.key)
-        return {"version": result.version, N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
-                N.WEIGHT_EXPORT_SECONDS: result.export_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+        out = {"version": exported.version, N.WEIGHT_EXPORT_SECONDS: exported.seconds,
+               "published": self.publish_version is not None}
+        if result is None:  # every engine was lost
+            self._publish(exported.version)
+            return out
+        return out | {N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
     def _exports_per_push(self) -> int:
         """Weight gathers rank 0 makes per push (its TP peers take part in each): one, and a second when
         the distributed transport's broadcast is followed by the run-root export for producers."""
         return 2 if self.publish and self.cfg.engine.weight_transport == "distributed" else 1
 
-    def _published(self, step: int, pushed: bool) -> str | None:
+    def _published(self, step: int, staged: str | None) -> str | None:
         """The run-root URI of this version's weights when producers may join (exported here unless the
-        store transport's push just staged them), else None."""
+        store transport's push just staged them: `staged`), else None."""
         if not self.publish:
             return None
-        if self._staged_by_push(pushed):
-            return self.transport.uri
+        if staged is not None:
+            return staged
         key = export_snapshot(self.trainer, self.run_store, step, prefix="weights")
         self._drop_staged_except(key)
         return self.run_store.uri(key)
 
     def set_version(self, version: int) -> None:
+        self._settle()
         self.version = version
         if self.sync is not None:
             self.sync.version = version
@@ -265,6 +326,11 @@ class TrainerWorker:
 
     def close(self) -> None:
         try:
+            try:
+                self._settle()
+            except Exception as e:  # noqa: BLE001 - closing goes on; the driver raised its own error already
+                log.warning("weights: the last delivery to the engines failed: %s", e)
+            self._deliveries.shutdown()
             if self.loop is not None:
                 self._disconnect_engines()
                 self.loop.close()

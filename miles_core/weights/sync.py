@@ -1,6 +1,6 @@
 """Weight sync from the trainer to the rollout engines, keeping in-flight work (DESIGN §5.4).
 
-`WeightSync.push(step)` does, in this order:
+`WeightSync.push(step)` does, in this order (`export` is 1-2, `deliver` the rest):
   1. version += 1;
   2. export the snapshot (store transport) -- before the pause, since it reads only the trainer,
      so engines stay paused for the reload alone;
@@ -90,6 +90,16 @@ class PushResult:
     stage_seconds: float = 0.0  # after the export, before the pause (the transport's `stage`)
 
 
+@dataclass(frozen=True)
+class Exported:
+    """A version exported by `WeightSync.export`, not yet delivered to the engines."""
+    step: int
+    version: int
+    snapshot: str | None  # the store transport's run-root URI
+    started: float  # perf_counter at the export's start
+    seconds: float
+
+
 class StoreWeightTransport:
     """`--weight-transport store`: the snapshot goes to the run root, each engine copies it to its
     own node and loads it (DESIGN §15: nothing local crosses a node).
@@ -172,20 +182,34 @@ class WeightSync:
         `pause_seconds` runs from the pause request to the resume acknowledgement: the longest
         any engine can have been paused.
         """
+        return await self.deliver(await self.export(step))
+
+    async def export(self, step: int) -> Exported:
+        """Steps 1-2: the next version number and the transport's export, the part that reads the
+        trainer. What is left (`deliver`) reads only what this exported: with the store transport it
+        may run while the trainer goes on to its next step."""
         t0 = time.perf_counter()
         self.version += 1
-        version = self.version
+        try:
+            with trace.span("export", lane="weights", version=self.version):
+                snapshot = await asyncio.to_thread(self.transport.prepare, step)
+        except BaseException:
+            self.version -= 1  # no engine saw this version: the next push reuses the number
+            raise
+        return Exported(step, self.version, snapshot, t0, time.perf_counter() - t0)
+
+    async def deliver(self, exported: Exported) -> PushResult:
+        """Steps 3-7 for an exported version: stage, pause, load, resume, publish."""
+        t0, version = exported.started, exported.version
+        t_export = t0 + exported.seconds
         span = functools.partial(trace.span, lane="weights", version=version)
         stage = getattr(self.transport, "stage", None)
         try:
-            with span("export"):
-                snapshot = await asyncio.to_thread(self.transport.prepare, step)
-            t_export = time.perf_counter()
             if stage is not None:  # still before the pause: engines keep generating meanwhile
                 with span("stage"):
                     await stage(self.engines, version)
         except BaseException:
-            self.version -= 1  # no engine saw this version: the next push reuses the number
+            self.version = min(self.version, version - 1)  # no engine saw this version
             raise
         t1 = time.perf_counter()
         try:  # every engine is resumed whatever fails in between, so none stays paused
@@ -204,9 +228,11 @@ class WeightSync:
             res = self.publish(version)
             if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
                 await res
-        result = PushResult(version, snapshot, t_export - t0, t_resume - t1, time.perf_counter() - t0, t1 - t_export)
+        result = PushResult(version, exported.snapshot, exported.seconds, t_resume - t1, time.perf_counter() - t0,
+                            t1 - t_export)
         self.history.append(result)
-        log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version, step,
+        log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version,
+                 exported.step,
                  result.export_seconds, result.stage_seconds, result.pause_seconds)
         return result
 

@@ -222,8 +222,8 @@ def test_every_step_logs_train_batch_push_source_and_step_time_metrics():
 def pusher(interval: int):
     log: list = []
     versions = iter(range(2, 100))
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": next(versions),
-                                                                     "perf/weight_update_seconds": 0.2})
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": next(versions),
+                                                                           "perf/weight_update_seconds": 0.2})
     rollout = FakeHandle(log, "rollout")
     box = [1]
     return WeightPusher(trainer, rollout, interval, box), trainer, rollout, box
@@ -232,7 +232,7 @@ def pusher(interval: int):
 def test_weight_pusher_pushes_every_interval_and_at_the_last_step():
     wp, trainer, rollout, box = pusher(interval=3)
     out = [wp.push(step, last=step == 7) for step in range(8)]
-    assert [c[1] for c in trainer.calls] == [2, 5, 7]  # (step + 1) % 3 == 0, and the last step
+    assert [c[1:] for c in trainer.calls] == [(2, True), (5, True), (7, True)]  # (step + 1) % 3 == 0, the last step
     assert rollout.calls == [("set_version", 2), ("set_version", 3), ("set_version", 4)]
     assert [v for v, _ in out] == [1, 1, 2, 2, 2, 3, 3, 4] and box == [4]
     assert out[0][1] == {} and out[2][1] == {"perf/weight_update_seconds": 0.2, "rollout/published_version": 2}
@@ -242,6 +242,30 @@ def test_weight_pusher_publishes_to_rollout_after_the_trainer_pushed():
     wp, trainer, rollout, _ = pusher(interval=1)
     wp.push(0)
     assert trainer.log == ["trainer.push_weights", "rollout.set_version"]
+
+
+def test_an_overlapping_pusher_waits_only_on_the_last_step_and_leaves_publishing_to_the_trainer():
+    """Under the fully async driver the trainer delivers to the engines while the next step trains and
+    publishes the version itself ("published"): the driver must not publish it before the engines serve it."""
+    log: list = []
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2, "published": True})
+    rollout = FakeHandle(log, "rollout")
+    box = [1]
+    wp = WeightPusher(trainer, rollout, 1, box, overlap=True)
+    out = [wp.push(step, last=step == 2) for step in range(3)]
+    assert [c[1:] for c in trainer.calls] == [(0, False), (1, False), (2, True)]
+    assert rollout.calls == [] and box == [4]
+    assert [o[1] for o in out] == [{"rollout/published_version": v} for v in (2, 3, 4)]
+
+
+def test_an_overlapping_pusher_publishes_what_the_trainer_did_not():
+    """A trainer with no engine left (or no rollout actor yet) answers without "published": the driver
+    publishes, as without overlap."""
+    log: list = []
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
+    rollout = FakeHandle(log, "rollout")
+    WeightPusher(trainer, rollout, 1, [1], overlap=True).push(0)
+    assert rollout.calls == [("set_version", 2)]
 
 
 class PendingHandle(FakeHandle):
@@ -263,7 +287,7 @@ class PendingHandle(FakeHandle):
 
 def test_weight_pusher_does_not_wait_for_the_rollout_side_but_raises_its_failure_at_the_next_push():
     log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": step + 2})
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
     rollout = PendingHandle(log, "rollout", pending={"set_version"})
     wp = WeightPusher(trainer, rollout, 1, [1])
     assert wp.push(0)[0] == 2  # returned with set_version(2) unanswered
@@ -279,7 +303,7 @@ def test_weight_pusher_does_not_wait_for_the_rollout_side_but_raises_its_failure
 
 def test_weight_pusher_waits_for_the_rollout_side_on_the_last_step():
     log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step: {"version": step + 2})
+    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
     rollout = PendingHandle(log, "rollout", pending={"set_version"})
     wp = WeightPusher(trainer, rollout, 1, [1])
     waited = []
