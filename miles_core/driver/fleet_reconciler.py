@@ -14,14 +14,14 @@ miles_core.engines.registry) is the size asked for since. Each call:
    are in the run root (the store transport's staged snapshot, or the weights published for producer
    jobs) and then serves; otherwise (the distributed transport, or a version moved on under its load)
    it is given to the trainer, the next weight push reaches it (the distributed transport forms its
-   group again with it), and it serves after that push. Either way no request reaches an engine before
-   it holds the current version;
+   group again with it), and it serves once that push was delivered (`delivered`: a push's delivery may
+   overlap the next step). Either way no request reaches an engine before it holds the current version;
 4. fewer live (joining or serving) engines than the target: more are started in the background (Ray
    places them when the cluster has room: nothing here waits for it; one still starting after
    `stuck_after_seconds` is logged once); more than the target: joining ones are cancelled first, then
    the newest serving ones drain: the rollout manager sends them no new request, and once their
    requests in flight are done (or after `drain_grace_seconds`) they leave the trainer's set and shut
-   down;
+   down, never under a weight push still delivering to them;
 5. engines/fleet.json records the fleet, the target and the recent changes (with the weight versions
    each engine served) after every change.
 
@@ -173,7 +173,8 @@ class FleetReconciler:
             return self.engines.started(m) and self._load_current(m)
         if m.state == LOADING:
             return self.engines.loaded(m) and self._after_load(m)
-        return self.version > self._joined_at[m.name] and self._serve(m)
+        joined_at = self._joined_at[m.name]
+        return self.version > joined_at and self._delivered() > joined_at and self._serve(m)
 
     def _load_current(self, m: FleetMember) -> bool:
         staged = self.trainer.call("staged_weights").result()
@@ -272,6 +273,8 @@ class FleetReconciler:
 
     def _depart(self, m: FleetMember, event: str, graceful: bool, **extra) -> None:
         served = self._served().get(m.url) if m.url else None
+        if graceful and m.state in IN_TRAINER_SET:
+            self._delivered()  # not shut down under a weight push still delivering to it
         self.engines.remove(m, graceful=graceful)
         self._drain_until.pop(m.name, None)
         self._joined_at.pop(m.name, None)
@@ -298,6 +301,10 @@ class FleetReconciler:
             self._sent["trainer"] = [m.name for m in members]
             self._trainer_version = self._trainer_version if held is None else held
         return self._trainer_version
+
+    def _delivered(self) -> int:
+        """The trainer's last version once its engines hold it (a push's delivery may overlap the next step)."""
+        return self.trainer.call("delivered").result()
 
     def _served(self) -> dict:
         return self.rollout.call("engine_served_versions").result()

@@ -12,8 +12,13 @@ PERF_METRICS: dict[str, str] = {
     "perf/tokens_per_second": "Generated (response) tokens per wall-clock second over the step window, all engines together.",
     "perf/train_wait_seconds": "Seconds the trainer waited for data from the buffer during the step (high: rollout-bound, the trainer is starved).",
     "perf/producer_blocked_seconds": "Seconds the producer was blocked on a full buffer during the step window (high: train-bound, backpressure).",
-    "perf/weight_update_seconds": "Seconds of the weight update: export, stage, pause engines, load, resume, publish. Under the fully async driver the delivery after the export overlaps the next step, and this is logged with the next push's metrics (the last step's push waits and logs its own).",
-    "perf/weight_delivery_wait_seconds": "Seconds a weight push waited for the previous push's delivery to the engines, which overlapped the step in between (fully async driver; about 0 when the delivery finished within the step).",
+    "perf/weight_update_seconds": "Seconds of the weight update: export, stage, pause engines, load, resume, publish. "
+                                  "Under the fully async driver the delivery after the export overlaps the next step, "
+                                  "and this is logged with the next push's metrics (the last step's push waits and "
+                                  "logs its own).",
+    "perf/weight_delivery_wait_seconds": "Seconds a weight push waited for the previous push's delivery to the engines, "
+                                         "which overlapped the step in between (fully async driver; about 0 when the "
+                                         "delivery finished within the step).",
     "perf/step_seconds": "Wall-clock seconds of the whole training step (drain, train, weight update, save).",
     "perf/weight_export_seconds": "Seconds of the weight update spent writing the snapshot the engines load (engines keep generating meanwhile).",
     "perf/engine_pause_seconds": "Seconds the engines were paused during the weight update (flush, load, resume).",

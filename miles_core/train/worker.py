@@ -88,6 +88,7 @@ class TrainerWorker:
         self.publish_version: Callable[[int], None] | None = None  # tells the rollout side (`set_rollout`)
         self._deliveries = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-delivery")
         self._delivering: Future | None = None  # a push's delivery to the engines, in flight
+        self._unreported: dict = {}  # a settled delivery's metrics, for the next push's answer
         if rank == 0 and engine_urls:  # a trainer without engines (tests, export-only) pushes nothing
             self._connect_engines(engine_urls, engine_actors or [])
 
@@ -200,7 +201,8 @@ class TrainerWorker:
             for _ in range(self._exports_per_push()):
                 self.trainer.join_export()
             return {}
-        settled = self._settle()
+        self._settle()
+        settled, self._unreported = self._unreported, {}
         out = self._push_to_engines(step, wait) if self.sync is not None else None
         exported = out is not None
         out = out or {"version": self.version + 1}
@@ -222,15 +224,22 @@ class TrainerWorker:
         if self.publish_version is not None:
             self.publish_version(version)
 
-    def _settle(self) -> dict:
-        """Wait for the delivery in flight, raising its failure; its metrics, with how long this waited."""
+    def delivered(self) -> int:
+        """The version of the last push, once every engine of the trainer's set holds it: waits for the
+        delivery in flight (raising its failure). The fleet asks before an engine serves or leaves."""
+        self._settle()
+        return self.version
+
+    def _settle(self) -> None:
+        """Wait for the delivery in flight, raising its failure; its metrics, with how long this waited,
+        go with the next push's answer."""
         pending, self._delivering = self._delivering, None
         if pending is None:
-            return {}
+            return
         t0 = time.perf_counter()
         with trace.span("weights.wait", lane="weights"):
             out = pending.result()
-        return {k: v for k, v in out.items() if k.startswith("perf/")} | {
+        self._unreported = {k: v for k, v in out.items() if k.startswith("perf/")} | {
             N.WEIGHT_DELIVERY_WAIT_SECONDS: time.perf_counter() - t0}
 
     def _gather_as_peers_do(self, made: int) -> None:

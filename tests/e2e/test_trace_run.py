@@ -100,16 +100,29 @@ def test_every_role_traces_on_one_clock(traced_run):
     assert {"driver", "rollout", "trainer-rank0"} <= set(by_process), set(by_process)
     assert sorted(trace.step_windows(events)) == list(range(STEPS))
 
-    def inside(inner: str, outer: str, process: str, slack_us: int = 5_000) -> None:
-        outers = [(e["ts"], e["ts"] + e["dur"]) for e in by_process["driver"] if e["name"] == outer]
-        first_step = min(a for a, _ in trace.step_windows(events).values())
-        inners = [e for e in by_process[process] if e["name"] == inner and e["ts"] >= first_step]  # not start-up's
-        assert inners and outers
-        for e in inners:
-            assert any(a - slack_us <= e["ts"] and e["ts"] + e["dur"] <= b + slack_us for a, b in outers), (inner, e)
+    first_step = min(a for a, _ in trace.step_windows(events).values())
 
-    inside("forward+backward", "trainer.train_step", "trainer-rank0")
-    inside("load", "weights.push", "trainer-rank0")
+    def spans(name: str, process: str) -> list[tuple[int, int]]:
+        return sorted((e["ts"], e["ts"] + e["dur"]) for e in by_process[process]
+                      if e["name"] == name and e["ts"] >= first_step)  # not start-up's
+
+    def inside(inner: str, outers: list[tuple[int, int]], process: str, slack_us: int = 5_000) -> None:
+        inners = spans(inner, process)
+        assert inners and outers
+        for s, e in inners:
+            assert any(a - slack_us <= s and e <= b + slack_us for a, b in outers), (inner, s, e)
+
+    inside("forward+backward", spans("trainer.train_step", "driver"), "trainer-rank0")
+    pushes = spans("weights.push", "driver")
+    inside("export", pushes, "trainer-rank0")
+    # A push's delivery (pause, load, resume) overlaps the next step: it lies between its push's start and
+    # the end of the next push, which waits for it; the last push waits for its own.
+    deliveries = [(a, d) for (a, _), (_, d) in zip(pushes, pushes[1:])] + pushes[-1:]
+    for name in ("pause", "load", "resume"):
+        inside(name, deliveries, "trainer-rank0")
+    resumes = spans("resume", "trainer-rank0")
+    outlived = [p for p in pushes[:-1] if any(p[0] <= s and e > p[1] for s, e in resumes)]
+    assert outlived, "no push returned before the engines resumed: the deliveries did not overlap the steps"
 
     groups = defaultdict(set)
     for e in by_process["rollout"]:

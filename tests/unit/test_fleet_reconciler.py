@@ -85,7 +85,8 @@ class Side:
     def call(self, method, *args):
         if method in ("set_engines", "set_engine_urls"):
             self.log.append((self.name, list(args[0])))
-        return Done(self.answers.get(method))
+        answer = self.answers.get(method)
+        return Done(answer(*args) if callable(answer) else answer)
 
 
 class Clock:
@@ -100,7 +101,8 @@ class Clock:
 def rig(tmp_path):
     log: list = []
     fleet = FakeFleet(1)
-    trainer = Side("trainer", log, {"staged_weights": {"uri": "file:///w/v5", "version": 5}, "set_engines": 5})
+    trainer = Side("trainer", log, {"staged_weights": {"uri": "file:///w/v5", "version": 5}, "set_engines": 5,
+                                    "delivered": 5})
     rollout = Side("rollout", log, {"engine_in_flight": {}, "engine_served_versions": {}})
     store, clock = Store(f"file://{tmp_path}/run"), Clock()
     rec = FleetReconciler(fleet, trainer, rollout, store, target=1, version=5, clock=clock, drain_grace_seconds=30)
@@ -142,7 +144,10 @@ def test_an_engine_whose_load_fell_behind_joins_at_the_next_push(rig):
     assert log == [("trainer", urls("engine-0", "engine-1"))]  # pushed to from now on, no request yet
     rec.reconcile(3, 6)
     assert log[-1][0] == "trainer" and len(log) == 1
-    assert rec.reconcile(4, 7) == {ENGINES: 2.0}  # the push of version 7 reached it
+    trainer.answers["delivered"] = 6  # the push of version 7 still delivering (it overlaps the next step)
+    assert rec.reconcile(4, 7) == {ENGINES: 1.0} and len(log) == 1
+    trainer.answers["delivered"] = 7
+    assert rec.reconcile(5, 7) == {ENGINES: 2.0}  # the push of version 7 reached it
     assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
 
 
@@ -154,6 +159,7 @@ def test_without_weights_in_the_run_root_an_engine_joins_through_a_push(rig):
     fleet.start_ok.add("engine-1")
     rec.reconcile(1, 5)
     assert fleet.loads == [] and log == [("trainer", urls("engine-0", "engine-1"))]
+    trainer.answers["delivered"] = 6
     rec.reconcile(2, 6)
     assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
 
@@ -185,6 +191,19 @@ def test_shrinking_drains_the_newest_then_removes_it(rig):
     assert fleet.removed == [("engine-1", True)] and log[-1] == ("trainer", urls("engine-0"))
     removed = [e for e in read_fleet(store)["events"] if e["event"] == "removed"]
     assert removed[0]["name"] == "engine-1" and removed[0]["served"]["min_version"] == 5
+
+
+def test_a_drained_engine_shuts_down_only_once_the_trainer_delivered_its_last_push(rig):
+    """A push's delivery may still be reaching a draining engine (it overlaps the next step): the engine
+    leaves the fleet after the trainer says its engines hold its last version."""
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    grow_to_two(rig)
+    removed_when_asked: list = []
+    trainer.answers["delivered"] = lambda: removed_when_asked.append(list(fleet.removed)) or 6
+    write_target(store, 1)
+    clock.now += 2
+    rec.reconcile(3, 6)  # drains, and nothing in flight: removed in the same round
+    assert removed_when_asked == [[]] and fleet.removed == [("engine-1", True)]
 
 
 def test_a_drain_ends_after_its_grace(rig):

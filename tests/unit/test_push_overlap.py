@@ -106,16 +106,22 @@ def test_a_push_that_does_not_wait_returns_before_the_engines_load_and_the_next_
     assert [e for e, _ in engine.events] == ["pause", "load", "resume", "pause", "load", "resume"]
 
 
-def test_calls_that_touch_the_engines_wait_for_the_delivery_in_flight(worker):
+@pytest.mark.parametrize("call", ["delivered", "staged_weights", "set_version"])
+def test_calls_that_touch_the_engines_wait_for_the_delivery_in_flight(worker, call):
     engine = held(worker)
     worker.push_weights(0, wait=False)
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (worker.staged_weights(), done.set()))
+    done, answers = threading.Event(), []
+    args = {"set_version": (1,)}.get(call, ())
+    t = threading.Thread(target=lambda: (answers.append(getattr(worker, call)(*args)), done.set()))
     t.start()
     assert not done.wait(0.5)  # held behind the delivery
     engine.gate.set()
     assert done.wait(30) and engine.loaded() == [1]
     t.join()
+    if call == "delivered":
+        assert answers == [1]  # the version its engines hold now
+    out = worker.push_weights(1, wait=True)  # the settled delivery's timings come with the next push
+    assert out[N.WEIGHT_DELIVERY_WAIT_SECONDS] > 0.3
 
 
 def test_a_failed_delivery_is_raised_by_the_next_push_and_leaves_the_engines_resumed(worker):
