@@ -156,13 +156,17 @@ class _Stream:
 
 
 class _Batch:
-    """The items of one batched /generate request: their streams, and each result once it finished
-    (handed to `on_result` at once)."""
+    """The items of one /generate request: their streams, and each result once it finished (handed to
+    `on_result` at once). A single request (`rid` a string: one flat `input_ids`, one answer object) is
+    a batch of one."""
 
-    def __init__(self, payload: dict, t0: float, note: Callable, on_result: Callable | None, abort_rest: bool):
+    def __init__(self, payload: dict, t0: float, note: Callable, on_result: Callable | None = None,
+                 abort_rest: bool = False):
         self.payload, self.t0, self._note, self._on_result, self._abort_rest = payload, t0, note, on_result, abort_rest
-        self.rids: list[str] = payload["rid"]
-        self.streams = [_Stream(prompt_tokens=len(ids)) for ids in payload["input_ids"]]
+        self.single = not isinstance(payload["rid"], list)
+        self.rids: list[str] = [payload["rid"]] if self.single else payload["rid"]
+        inputs = [payload["input_ids"]] if self.single else payload["input_ids"]
+        self.streams = [_Stream(prompt_tokens=len(ids)) for ids in inputs]
         self._results: list[GenerateResult | None] = [None] * len(self.rids)
 
     def absorb(self, i: int, chunk: dict, url: str) -> bool:
@@ -288,14 +292,9 @@ class EngineClient:
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *, rid: str | None = None,
                        return_logprob: bool = True, stream: bool = True, url: str | None = None) -> GenerateResult:
         """Generate on the least-loaded engine (or `url`). Never raises for engine failures: see module doc."""
-        rid = rid or uuid.uuid4().hex
-        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}), "rid": rid,
-                   "return_logprob": return_logprob, "stream": stream}
-        t0 = time.monotonic()
-        out = await self._on_an_engine(url, 1, lambda eng: self._generate_on(eng, payload, t0), t0)
-        if isinstance(out, str):
-            return self._aborted(rid, _Stream(), "", out, t0, len(input_ids))
-        return self._note_served(out)
+        payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
+                   "rid": rid or uuid.uuid4().hex, "return_logprob": return_logprob, "stream": stream}
+        return (await self._generate(url, _Batch(payload, time.monotonic(), self._note_served)))[0]
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, *,
                              rids: list[str] | None = None, return_logprob: bool = True, stream: bool = True,
@@ -314,8 +313,11 @@ class EngineClient:
         params = [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params or {})
         payload = {"input_ids": [list(ids) for ids in input_ids], "sampling_params": params, "rid": rids,
                    "return_logprob": return_logprob, "stream": stream}
-        batch = _Batch(payload, time.monotonic(), self._note_served, on_result, abort_rest)
-        out = await self._on_an_engine(url, len(rids), lambda eng: self._generate_batch_on(eng, batch), batch.t0)
+        return await self._generate(url, _Batch(payload, time.monotonic(), self._note_served, on_result, abort_rest))
+
+    async def _generate(self, url: str | None, batch: "_Batch") -> list[GenerateResult]:
+        """`batch` on an engine (another when one refuses the connection); its results, in order."""
+        out = await self._on_an_engine(url, len(batch.rids), lambda eng: self._generate_on(eng, batch), batch.t0)
         if isinstance(out, str):
             batch.end_rest(self, "", out)
         return batch.results()
@@ -364,34 +366,7 @@ class EngineClient:
         self._rr += 1
         return best[self._rr % len(best)]
 
-    async def _generate_on(self, eng: _Engine, payload: dict, t0: float) -> GenerateResult:
-        st = _Stream(prompt_tokens=len(payload["input_ids"]))
-        rid = payload["rid"]
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_seconds, sock_connect=self.connect_timeout_seconds)
-        try:
-            async with self._sess().post(eng.url + "/generate", json=payload, timeout=timeout) as resp:
-                if 400 <= resp.status < 500:
-                    raise EngineRequestError(f"{eng.url}/generate answered {resp.status}: {await resp.text()}")
-                if resp.status >= 500:
-                    return self._aborted(rid, st, eng.url, f"HTTP {resp.status}: {await resp.text()}", t0)
-                if payload["stream"]:
-                    async for data in _sse_data(resp.content):
-                        if data == b"[DONE]":
-                            break
-                        st.absorb(json.loads(data))
-                else:
-                    st.absorb(await resp.json())
-        except aiohttp.ClientConnectorError:
-            raise
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, json.JSONDecodeError) as e:
-            if isinstance(e, asyncio.TimeoutError):  # the engine may still be working on it
-                asyncio.get_running_loop().create_task(self._abort_quietly(eng.url, rid))
-            return self._aborted(rid, st, eng.url, f"{type(e).__name__}: {e}", t0)
-        if st.finish is None:
-            return self._aborted(rid, st, eng.url, "the stream ended without a finish_reason", t0)
-        return st.result(rid, eng.url, t0)
-
-    async def _generate_batch_on(self, eng: _Engine, batch: "_Batch") -> None:
+    async def _generate_on(self, eng: _Engine, batch: "_Batch") -> None:
         timeout = aiohttp.ClientTimeout(total=self.request_timeout_seconds, sock_connect=self.connect_timeout_seconds)
         try:
             async with self._sess().post(eng.url + "/generate", json=batch.payload, timeout=timeout) as resp:
@@ -401,6 +376,7 @@ class EngineClient:
                     return batch.end_rest(self, eng.url, f"HTTP {resp.status}: {await resp.text()}")
                 if not batch.payload["stream"]:
                     answers = await resp.json()
+                    answers = [answers] if batch.single else answers
                     for i, answer in enumerate(answers if isinstance(answers, list) else []):
                         batch.absorb(i, answer, eng.url)
                     return batch.end_rest(self, eng.url, "the answer had no finish_reason for it")
@@ -420,11 +396,10 @@ class EngineClient:
             return batch.end_rest(self, eng.url, f"{type(e).__name__}: {e}")
         batch.end_rest(self, eng.url, "the stream ended without a finish_reason")
 
-    def _aborted(self, rid: str, st: _Stream, url: str, message: str, t0: float, prompt_tokens: int | None = None):
+    def _aborted(self, rid: str, st: _Stream, url: str, message: str, t0: float):
         log.info("request %s on %s aborted: %s", rid, url or "-", message)
-        return GenerateResult(st.output_ids, st.logprobs, st.versions, "abort", st.version,
-                              prompt_tokens if prompt_tokens is not None else st.prompt_tokens, len(st.output_ids),
-                              rid, url, message, time.monotonic() - t0)
+        return GenerateResult(st.output_ids, st.logprobs, st.versions, "abort", st.version, st.prompt_tokens,
+                              len(st.output_ids), rid, url, message, time.monotonic() - t0)
 
     async def _abort_quietly(self, url: str, rid: str) -> None:
         try:
