@@ -343,6 +343,7 @@ class TrainerWorker:
             if self.loop is not None:
                 self._disconnect_engines()
                 self.loop.close()
+                self.loop = None  # freed now, not in the teardown Ray interrupts when it ends the actor
         finally:
             self.trainer.close()
             trace.shutdown()
