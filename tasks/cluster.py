@@ -10,7 +10,8 @@ it, before the Ray cluster is even requested.
 Both clusters are `RayJob` configs: Flyte's Ray plugin, except that a local execution (`pyflyte run`
 without --remote, RAY_ADDRESS unset) starts its Ray instance without the dashboard, as the driver's own
 local instance does (miles_core.driver.placement.ensure_ray): nothing reads it, and it costs a few CPU
-seconds per run.
+seconds per run. Both start it with `miles_core.driver.local_ray.start_local_ray`, which tries again when
+Ray's node takes longer than its fixed 30 s to register on a loaded machine.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flytekit.core.task import TaskPlugins
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
+from miles_core.driver.local_ray import start_local_ray
 from miles_core.prepare.resources import ClusterShape, Node
 
 GPU_WORKERS = int(os.environ.get("MILES_RAY_GPU_WORKERS", "1"))
@@ -38,9 +40,7 @@ class RayJobTask(RayFunctionTask):
 
     def pre_execute(self, user_params):
         if _new_local_ray(self.task_config):
-            import ray
-
-            ray.init(include_dashboard=False)
+            start_local_ray(include_dashboard=False)
         return super().pre_execute(user_params)  # the plugin's ray.init: a no-op on an instance started here
 
 

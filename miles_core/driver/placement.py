@@ -9,7 +9,7 @@ GPUs) in one placement group. Rank 0 is created first and gives MASTER_ADDR/MAST
 rank then initialises torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's parallel state.
 The driver holds handles; every `call(...)` returns a future whose `result()` blocks (the loop
 reads sequentially). This module never calls `ray.init` except in `ensure_ray` (local runs and
-tests; the Flyte Ray task connects its own).
+tests, through `local_ray.start_local_ray`; the Flyte Ray task connects its own).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import os
 
 from miles_core.config.rules import raise_problems
 from miles_core.driver.handles import RayActorHandle
+from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, port_taken
 from miles_core.prepare.checks import check_device_memory
@@ -38,8 +39,8 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(log_to_driver=True, configure_logging=False, namespace="miles")
         return
-    ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
-             configure_logging=False, namespace="miles")
+    start_local_ray(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                    configure_logging=False, namespace="miles")
 
 
 def ray_resources(bundle: Bundle) -> dict[str, float]:
