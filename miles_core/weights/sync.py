@@ -201,7 +201,7 @@ class WeightSync:
     async def deliver(self, exported: Exported) -> PushResult:
         """Steps 3-7 for an exported version: stage, pause, load, resume, publish."""
         t0, version = exported.started, exported.version
-        t_export = t0 + exported.seconds
+        t_stage = time.perf_counter()  # a delivery on another thread may start a little after the export
         span = functools.partial(trace.span, lane="weights", version=version)
         stage = getattr(self.transport, "stage", None)
         try:
@@ -229,7 +229,7 @@ class WeightSync:
             if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
                 await res
         result = PushResult(version, exported.snapshot, exported.seconds, t_resume - t1, time.perf_counter() - t0,
-                            t1 - t_export)
+                            t1 - t_stage)
         self.history.append(result)
         log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version,
                  exported.step,
