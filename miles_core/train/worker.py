@@ -266,8 +266,7 @@ class TrainerWorker:
         if wait or not staged:
             return self._deliver(exported) | staged
         self._delivering = self._deliveries.submit(self._deliver, exported)
-        return {"version": exported.version, N.WEIGHT_EXPORT_SECONDS: exported.seconds,
-                "published": self.publish_version is not None} | staged
+        return self._pushed(exported) | staged
 
     def _deliver(self, exported: Exported) -> dict:
         """Deliver `exported`, drop superseded staged weights, and tell the rollout side (also when no
@@ -276,12 +275,17 @@ class TrainerWorker:
         if isinstance(self.transport, StoreWeightTransport) and self.transport.key is not None:
             with trace.span("weights.cleanup", lane="weights", step=exported.step):
                 self._drop_staged_except(self.transport.key)
-        out = {"version": exported.version, N.WEIGHT_EXPORT_SECONDS: exported.seconds,
-               "published": self.publish_version is not None}
         if result is None:  # every engine was lost
             self._publish(exported.version)
-            return out
-        return out | {N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+            return self._pushed(exported)
+        return self._pushed(exported) | {N.WEIGHT_UPDATE_SECONDS: result.total_seconds,
+                                         N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+
+    def _pushed(self, exported: Exported) -> dict:
+        """A push's answer once `exported`: its version, the export's seconds, whether this trainer tells the
+        rollout side (else the driver does)."""
+        return {"version": exported.version, N.WEIGHT_EXPORT_SECONDS: exported.seconds,
+                "published": self.publish_version is not None}
 
     def _exports_per_push(self) -> int:
         """Weight gathers rank 0 makes per push (its TP peers take part in each): one, and a second when
