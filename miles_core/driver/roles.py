@@ -24,6 +24,8 @@ from miles_core.metrics import trace
 
 log = logging.getLogger(__name__)
 
+WATCH_SECONDS = 5.0  # how often a driver waiting for a batch checks that what it waits for can still come
+
 
 def _as_batch(step: int, drained) -> Batch:
     return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics))
@@ -57,14 +59,16 @@ class PrefetchedBatches:
     batch k+1 will be trained under: one more than now when step k ends with a weight push.
     """
 
-    def __init__(self, rollout, version_box: list[int], update_interval: int = 1):
+    def __init__(self, rollout, version_box: list[int], update_interval: int = 1,
+                 watch: Callable[[], None] = lambda: None):
         self.rollout, self.version_box, self.update_interval = rollout, version_box, update_interval
+        self.watch = watch
         self.pending = None
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
         future = self.pending if self.pending is not None else self.rollout.call("next_batch", self.version_box[0])
-        drained = future.result()
+        drained = self._wait(future)
         pushes_after_step = (step + 1) % self.update_interval == 0
         self.pending = self.rollout.call("next_batch", self.version_box[0] + int(pushes_after_step))
         batch = _as_batch(step, drained)
@@ -75,7 +79,16 @@ class PrefetchedBatches:
         # After the last step no batch is trained: don't wait for it (its groups stay unconsumed
         # in the buffer and are served first when the run resumes).
         if self.pending is not None and not last:
-            self.pending.result()
+            self._wait(self.pending)
+
+    def _wait(self, drain):
+        """The drain's batch; every WATCH_SECONDS without it, `watch()`, which raises when the groups it
+        waits for can no longer come (the trainer that was to deliver their version is gone)."""
+        while True:
+            try:
+                return drain.result(timeout=WATCH_SECONDS)
+            except TimeoutError:
+                self.watch()
 
     def metrics(self) -> dict:
         return {}
@@ -123,6 +136,12 @@ class WeightPusher:
             self.published()
         self.version_box[0] = version
         return version, out | {N.PUBLISHED_VERSION: version}
+
+    def watch(self) -> None:
+        """Raise when the version pushed last can no longer reach the rollout side: with `overlap` only the
+        trainer tells it, once delivered, and a rank gone or a failed delivery would never tell it."""
+        if self.overlap:
+            self.trainer.call("check_delivery").result()
 
     def published(self) -> None:
         """Wait for the version published last (raising its failure)."""
@@ -237,7 +256,8 @@ class Roles:
     timeline: Any = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
 
 
-def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1):
+def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1,
+                 watch: Callable[[], None] = lambda: None):
     if driver == "sync":
         return OnDemandBatches(rollout, version_box)
-    return PrefetchedBatches(rollout, version_box, update_interval)
+    return PrefetchedBatches(rollout, version_box, update_interval, watch)

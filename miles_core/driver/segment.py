@@ -145,7 +145,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         feed.publish(start_step - 1, version_box[0])  # producers may start before the first step ends
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
-            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
+            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval, pusher.watch),
             trainer=TrainerRole(trainer),
             weights=Fenced(pusher, lease.check, "push"),
             checkpoints=Fenced(Checkpointer(

@@ -230,6 +230,12 @@ class TrainerWorker:
         self._settle()
         return self.version
 
+    def check_delivery(self) -> None:
+        """Raise the failure of a delivery that ended in one; one still in flight is not waited for. The
+        driver asks while it waits for a batch: the groups of a version come only once it was delivered."""
+        if self._delivering is not None and self._delivering.done():
+            self._settle()
+
     def _settle(self) -> None:
         """Wait for the delivery in flight, raising its failure; its metrics, with how long this waited,
         go with the next push's answer."""

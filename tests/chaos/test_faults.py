@@ -8,9 +8,11 @@ server), injects one fault, and lets tests/chaos/checker.py (no project code) au
 - Engine SIGKILLed mid-generation: its requests come back aborted, their groups are rejected and go
   to the unused-samples handler (retry: counted as recycled), the actor restarts the engine (requests
   sent meanwhile wait for it rather than abort), the run finishes, exactly once.
-- A trainer rank SIGKILLed in a 2-rank run: the segment fails as recoverable (exit 75:
+- Trainer rank 0 SIGKILLed in a 2-rank run: the segment fails as recoverable (exit 75:
   miles_core.failures.is_infrastructure), and the retried segment resumes and finishes (two
-  segments of a 2-rank run, ~2 min).
+  segments of a 2-rank run, ~2 min). Rank 0 is killed inside a push that did not wait for its
+  delivery, the engines paused: the driver, waiting for a batch that can no longer come, learns it
+  only from its watch of the trainer (miles_core.driver.roles.PrefetchedBatches).
 Timings are printed (`FAULT ...` lines; `pytest -s` shows them).
 """
 
@@ -45,6 +47,7 @@ def _flags(storage: str, run_id: str, *extra: str) -> list[str]:
 def _manifests(run: Path) -> int:
     d = run / "buffer" / "consumed"
     return len(list(d.glob("*.json"))) if d.exists() else 0
+
 
 
 def test_s3_outage_of_10_seconds_is_waited_out(tmp_path):
@@ -121,17 +124,23 @@ def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_pat
     assert not left, left
 
 
-def test_trainer_rank_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
+def test_trainer_rank_0_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
     run = tmp_path / "runs" / "rankfault"
     flags = _flags(str(tmp_path), "rankfault", "--actor-num-gpus-per-node", "2", "--num-cpus-trainer", "0.5",
-                   "--num-cpus-per-engine", "0.5", "--lease-ttl-seconds", "10")
-    seg = Segment(flags, tmp_path / "segment1.log")
+                   "--num-cpus-per-engine", "0.5", "--lease-ttl-seconds", "10", "--max-weight-staleness", "1")
+    # Rank 0 stops inside the 5th push (after step 3) on its delivery thread, the engines paused
+    # (miles_core/failures/chaos.py writes its process id). With a staleness of 1 the rollout side starts
+    # at most one batch beyond the version it was told: the driver trains step 4 and then waits for
+    # step 5's batch, which only that delivery would let start.
+    marker = tmp_path / "reached-weights.push"
+    env = dict(os.environ, MILES_CHAOS_POINT="weights.push:5", MILES_CHAOS_DIR=str(tmp_path))
+    seg = Segment(flags, tmp_path / "segment1.log", env=env)
     try:
-        seg.wait_for(lambda: _manifests(run) >= 4, 400, "4 trained steps")
-        ranks = seg.descendants("TrainerWorker")
-        assert len(ranks) >= 2, [p.cmdline() for p in ranks]
+        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 400, "rank 0 inside its 5th push")
+        rank0 = int(marker.read_text())
+        assert rank0 in {p.pid for p in seg.descendants("TrainerWorker")}, rank0
         t0 = time.monotonic()
-        ranks[-1].send_signal(signal.SIGKILL)
+        os.kill(rank0, signal.SIGKILL)
         rc = seg.finish(180)
         failed_after = time.monotonic() - t0
     finally:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import pytest
+
 from miles_core.driver.loop import Batch, run_loop
 from miles_core.driver.roles import (
     Checkpointer,
@@ -433,3 +435,48 @@ def test_on_demand_batches_ask_for_one_batch_at_the_current_version():
     assert src.next_batch(0).group_ids == ["v3"]
     src.before_weight_update()
     assert rollout.calls == [("next_batch", 3)]
+
+
+@pytest.mark.parametrize("wait", ["next_batch", "before_weight_update"])
+def test_a_driver_waiting_for_a_batch_that_cannot_come_raises_what_its_watch_found(monkeypatch, wait):
+    """Under the fully async driver the groups of a version come only once the trainer delivered it and told
+    the rollout side: a drain waiting for them watches the trainer, and raises what the watch raises (a rank
+    gone, a delivery failed) instead of waiting for ever."""
+    import miles_core.driver.roles as roles_module
+
+    monkeypatch.setattr(roles_module, "WATCH_SECONDS", 0.05)
+    log: list = []
+    rollout = PendingHandle(log, "rollout", pending={"next_batch"} if wait == "next_batch" else set(),
+                            next_batch=lambda v: drained(["g"]))
+    watched: list = []
+
+    def watch():
+        watched.append(1)
+        if len(watched) == 3:
+            raise RuntimeError("trainer rank 0 is gone")
+
+    src = PrefetchedBatches(rollout, [1], watch=watch)
+    if wait == "before_weight_update":
+        src.next_batch(0)
+        rollout.pending = {"next_batch"}
+        src.pending = rollout.call("next_batch", 2)  # the prefetch of the next batch, never answered
+    with pytest.raises(RuntimeError, match="rank 0 is gone"):
+        src.next_batch(0) if wait == "next_batch" else src.before_weight_update()
+    assert len(watched) == 3
+
+
+def test_a_prefetched_batch_that_comes_is_returned_without_raising_what_the_watch_saw():
+    log: list = []
+    rollout = FakeHandle(log, "rollout", next_batch=lambda v: drained(["g"]))
+    watched: list = []
+    src = PrefetchedBatches(rollout, [1], watch=lambda: watched.append(1))
+    assert src.next_batch(0).group_ids == ["g"] and watched == []
+
+
+def test_only_an_overlapping_pusher_asks_the_trainer_about_its_delivery():
+    log: list = []
+    trainer = FakeHandle(log, "trainer")
+    WeightPusher(trainer, FakeHandle(log, "rollout"), 1, [1]).watch()
+    assert trainer.calls == []
+    WeightPusher(trainer, FakeHandle(log, "rollout"), 1, [1], overlap=True).watch()
+    assert trainer.calls == [("check_delivery",)]

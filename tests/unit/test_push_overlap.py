@@ -133,6 +133,23 @@ def test_a_failed_delivery_is_raised_by_the_next_push_and_leaves_the_engines_res
     assert engine.events[-1] == ("resume", None) and worker.told == []
 
 
+def test_check_delivery_raises_a_failed_delivery_and_does_not_wait_for_one_in_flight(worker):
+    """The driver asks while it waits for a batch of the pushed version (only a delivered version is told to
+    the rollout side): a delivery in flight answers at once, a failed one raises."""
+    engine = held(worker, fail_version=1)
+    worker.push_weights(0, wait=False)
+    t0 = time.monotonic()
+    worker.check_delivery()
+    assert time.monotonic() - t0 < 0.5 and engine.loaded() == []
+    engine.gate.set()
+    deadline = time.monotonic() + 30
+    while not worker._delivering.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="engine refused v1"):
+        worker.check_delivery()
+    worker.check_delivery()  # raised once; nothing in flight now
+
+
 def test_an_engine_lost_during_a_delivery_is_dropped_on_the_delivery_thread(worker, monkeypatch):
     """The lost-engine path (drop it, deliver again to the rest) runs on the delivery thread itself: with no
     engine left the version is still told to the rollout side, and the next push, with no engine, leaves the
