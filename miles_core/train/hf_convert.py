@@ -1,15 +1,11 @@
-"""HF <-> Megatron-core state-dict conversion for the llama, qwen2 and gpt2 families.
+"""HF <-> Megatron-core state-dict conversion, for every family the adapters describe.
 
-Megatron ships no HF converter, so this is ours. The mappings (per layer i):
-- llama/qwen2: q/k/v_proj -> linear_qkv packed per query group as [q heads of the group; k; v]
-  (weights and Qwen2 biases); o_proj -> linear_proj; gate_proj/up_proj -> linear_fc1 = [gate; up]
-  (Megatron's GLU applies the activation to the first half); down_proj -> linear_fc2;
-  input_layernorm -> input_layernorm; post_attention_layernorm -> pre_mlp_layernorm.
-- gpt2: HF Conv1D weights are stored [in, out], so every linear is transposed; c_attn's
-  [q; k; v] columns are packed per head (each head is its own query group); ln_1/ln_2/ln_f,
-  wte/wpe -> word/position embeddings.
-Conversion is pure reshaping (no arithmetic), so HF -> Megatron -> HF is bit-exact. Tied
-embeddings: Megatron has no output_layer.weight and HF writes no lm_head.weight.
+Megatron ships no HF converter, so this is ours. What goes where is each family's tensor map
+(miles_core.models.families: `Family.tensors(spec)`, one `Entry` per Megatron tensor); this module
+only applies an entry's kind both ways (packing q/k/v per query group, [gate; up], GPT-2's
+transposed Conv1D weights) and shards and gathers under tensor parallelism. Conversion is pure
+reshaping (no arithmetic), so HF -> Megatron -> HF is bit-exact. Tied embeddings: Megatron has no
+output_layer.weight and HF writes no lm_head.weight.
 """
 
 from __future__ import annotations
@@ -21,7 +17,8 @@ import torch
 
 from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 from miles_core.train import collectives
-from miles_core.train.megatron_model import ModelSpec
+from miles_core.models.families import ADAPTERS, Entry, ModelSpec
+from miles_core.models.families.tensors import tp_dim as _tp_dim
 
 Tensor = torch.Tensor
 
@@ -68,114 +65,62 @@ def _unpack_qkv(spec: ModelSpec, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             v.reshape(-1, *tail).contiguous())
 
 
-# ---------------------------------------------------------------------------- llama / qwen2
-
-def _llama_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(spec.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = pack_qkv(
-            spec, hf[h + "self_attn.q_proj.weight"], hf[h + "self_attn.k_proj.weight"], hf[h + "self_attn.v_proj.weight"])
-        if spec.qkv_bias:
-            out[m + "self_attention.linear_qkv.bias"] = pack_qkv(
-                spec, hf[h + "self_attn.q_proj.bias"], hf[h + "self_attn.k_proj.bias"], hf[h + "self_attn.v_proj.bias"])
-        out[m + "self_attention.linear_proj.weight"] = hf[h + "self_attn.o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat([hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]], 0)
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
-    return out
-
-
-def _mcore_to_llama(spec: ModelSpec, mc: dict[str, Tensor]) -> dict[str, Tensor]:
-    out = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"],
-           "model.norm.weight": mc["decoder.final_layernorm.weight"]}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = mc["output_layer.weight"]
-    for i in range(spec.num_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[h + "input_layernorm.weight"] = mc[m + "input_layernorm.weight"]
-        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.weight"])
-        out[h + "self_attn.q_proj.weight"], out[h + "self_attn.k_proj.weight"], out[h + "self_attn.v_proj.weight"] = q, k, v
-        if spec.qkv_bias:
-            q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.bias"])
-            out[h + "self_attn.q_proj.bias"], out[h + "self_attn.k_proj.bias"], out[h + "self_attn.v_proj.bias"] = q, k, v
-        out[h + "self_attn.o_proj.weight"] = mc[m + "self_attention.linear_proj.weight"]
-        out[h + "post_attention_layernorm.weight"] = mc[m + "pre_mlp_layernorm.weight"]
-        gate, up = torch.chunk(mc[m + "mlp.linear_fc1.weight"], 2, dim=0)
-        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate.contiguous(), up.contiguous()
-        out[h + "mlp.down_proj.weight"] = mc[m + "mlp.linear_fc2.weight"]
-    return out
-
-
-# ---------------------------------------------------------------------------- gpt2
-
-def _gpt2_to_mcore(spec: ModelSpec, hf: dict[str, Tensor]) -> dict[str, Tensor]:
-    hf = {k.removeprefix("transformer."): v for k, v in hf.items()}
-    out = {"embedding.word_embeddings.weight": hf["wte.weight"],
-           "embedding.position_embeddings.weight": hf["wpe.weight"],
-           "decoder.final_layernorm.weight": hf["ln_f.weight"],
-           "decoder.final_layernorm.bias": hf["ln_f.bias"]}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    for i in range(spec.num_layers):
-        h, m = f"h.{i}.", f"decoder.layers.{i}."
-        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            out[m + b + ".weight"], out[m + b + ".bias"] = hf[h + a + ".weight"], hf[h + a + ".bias"]
-        q, k, v = torch.chunk(hf[h + "attn.c_attn.weight"].t(), 3, dim=0)
-        out[m + "self_attention.linear_qkv.weight"] = pack_qkv(spec, q, k, v)
-        q, k, v = torch.chunk(hf[h + "attn.c_attn.bias"], 3, dim=0)
-        out[m + "self_attention.linear_qkv.bias"] = pack_qkv(spec, q, k, v)
-        for a, b in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
-                     ("mlp.c_proj", "mlp.linear_fc2")):
-            out[m + b + ".weight"] = hf[h + a + ".weight"].t().contiguous()
-            out[m + b + ".bias"] = hf[h + a + ".bias"]
-    return out
-
-
-def _mcore_to_gpt2(spec: ModelSpec, mc: dict[str, Tensor]) -> dict[str, Tensor]:
-    t = "transformer."
-    out = {t + "wte.weight": mc["embedding.word_embeddings.weight"],
-           t + "wpe.weight": mc["embedding.position_embeddings.weight"],
-           t + "ln_f.weight": mc["decoder.final_layernorm.weight"],
-           t + "ln_f.bias": mc["decoder.final_layernorm.bias"]}
-    if not spec.tied_embeddings:
-        out["lm_head.weight"] = mc["output_layer.weight"]
-    for i in range(spec.num_layers):
-        h, m = f"{t}h.{i}.", f"decoder.layers.{i}."
-        for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-            out[h + a + ".weight"], out[h + a + ".bias"] = mc[m + b + ".weight"], mc[m + b + ".bias"]
-        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.weight"])
-        out[h + "attn.c_attn.weight"] = torch.cat([q, k, v], 0).t().contiguous()
-        q, k, v = _unpack_qkv(spec, mc[m + "self_attention.linear_qkv.bias"])
-        out[h + "attn.c_attn.bias"] = torch.cat([q, k, v], 0)
-        for a, b in (("attn.c_proj", "self_attention.linear_proj"), ("mlp.c_fc", "mlp.linear_fc1"),
-                     ("mlp.c_proj", "mlp.linear_fc2")):
-            out[h + a + ".weight"] = mc[m + b + ".weight"].t().contiguous()
-            out[h + a + ".bias"] = mc[m + b + ".bias"]
-    return out
-
-
 # ---------------------------------------------------------------------------- entry points
 
+def _parts_to_mcore(spec: ModelSpec, e: Entry, parts: list[Tensor]) -> Tensor:
+    """One Megatron tensor from its HF tensors (`Entry.kind`; miles_core.models.families.tensors)."""
+    if e.kind == "same":
+        return parts[0]
+    if e.kind == "qkv":
+        return pack_qkv(spec, *parts)
+    if e.kind == "gate_up":
+        return torch.cat(parts, 0)
+    if e.kind == "t":
+        return parts[0].t().contiguous()
+    q, k, v = torch.chunk(parts[0].t() if parts[0].dim() == 2 else parts[0], 3, dim=0)  # c_attn
+    return pack_qkv(spec, q, k, v)
+
+
+def _mcore_to_parts(spec: ModelSpec, e: Entry, t: Tensor) -> list[Tensor]:
+    """The HF tensors of one Megatron tensor (inverse of `_parts_to_mcore`)."""
+    if e.kind == "same":
+        return [t]
+    if e.kind == "qkv":
+        return list(_unpack_qkv(spec, t))
+    if e.kind == "gate_up":
+        return [c.contiguous() for c in torch.chunk(t, 2, dim=0)]
+    if e.kind == "t":
+        return [t.t().contiguous()]
+    cat = torch.cat(_unpack_qkv(spec, t), 0)  # c_attn
+    return [cat.t().contiguous() if cat.dim() == 2 else cat]
+
+
+def tensor_map(spec: ModelSpec) -> list[Entry]:
+    """The family adapter's entries for `spec` (every Megatron tensor of the unsharded model)."""
+    return ADAPTERS[spec.family].tensors(spec)
+
+
 def hf_to_megatron(spec: ModelSpec, hf_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """HF tensors -> Megatron GPTModel tensors (names without `_extra_state`)."""
-    try:
-        return _gpt2_to_mcore(spec, hf_state) if spec.family == "gpt2" else _llama_to_mcore(spec, hf_state)
-    except KeyError as e:
-        raise ConversionError(f"{spec.family} checkpoint is missing tensor {e.args[0]!r}") from e
+    """HF tensors -> Megatron GPTModel tensors (canonical names, without `_extra_state`)."""
+    out = {}
+    for e in tensor_map(spec):
+        try:
+            parts = [hf_state[n] for n in e.hf]
+        except KeyError as err:
+            raise ConversionError(f"{spec.family} checkpoint is missing tensor {err.args[0]!r}") from err
+        out[e.mcore] = _parts_to_mcore(spec, e, parts)
+    return out
 
 
 def megatron_to_hf(spec: ModelSpec, mcore_state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Megatron GPTModel tensors -> HF tensors, as `save_pretrained` would name them."""
-    mc = {k: v for k, v in mcore_state.items() if not k.endswith("_extra_state")}
-    try:
-        return _mcore_to_gpt2(spec, mc) if spec.family == "gpt2" else _mcore_to_llama(spec, mc)
-    except KeyError as e:
-        raise ConversionError(f"Megatron state is missing tensor {e.args[0]!r} for {spec.family}") from e
+    """Megatron GPTModel tensors -> HF tensors, as `save_pretrained` would name them (routed experts
+    one by one: `mlp.experts.{e}.gate_proj.weight`, the layout of the published checkpoints)."""
+    out = {}
+    for e in tensor_map(spec):
+        if e.mcore not in mcore_state:
+            raise ConversionError(f"Megatron state is missing tensor {e.mcore!r} for {spec.family}")
+        out.update(zip(e.hf, _mcore_to_parts(spec, e, mcore_state[e.mcore])))
+    return out
 
 
 def load_into_megatron(model, spec: ModelSpec, hf_state: dict[str, Tensor]) -> None:
@@ -239,20 +184,14 @@ def megatron_state(model) -> dict[str, Tensor]:
 
 # ---------------------------------------------------------------------------- tensor parallelism
 
-def _tp_dim(name: str) -> int | None:
-    """Which dim Megatron shards `name` on under tensor parallelism (None: replicated)."""
-    if name.endswith(("linear_qkv.weight", "linear_qkv.bias", "linear_fc1.weight", "linear_fc1.bias",
-                      "word_embeddings.weight", "output_layer.weight")):
-        return 0
-    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
-        return 1
-    return None
-
-
 def check_tp(spec: ModelSpec, tp: int) -> None:
-    problems = [f"{what}={n}" for what, n in (("num_key_value_heads", spec.num_kv_heads),
-                                              ("vocab_size", spec.vocab_size),
-                                              ("intermediate_size", spec.ffn_hidden_size)) if n % tp]
+    sizes = [("num_key_value_heads", spec.num_kv_heads), ("vocab_size", spec.vocab_size),
+             ("intermediate_size", spec.ffn_hidden_size)]
+    if spec.moe:
+        sizes.append(("moe_intermediate_size", spec.moe_ffn_hidden_size))
+    if spec.shared_expert_ffn_hidden_size:
+        sizes.append(("the shared experts' width", spec.shared_expert_ffn_hidden_size))
+    problems = [f"{what}={n}" for what, n in sizes if n % tp]
     if problems:
         raise ConversionError(f"--tensor-model-parallel-size={tp} must divide {', '.join(problems)}")
 
@@ -262,7 +201,7 @@ def shard_tensor(spec: ModelSpec, name: str, full: Tensor, rank: int, size: int)
     dim = _tp_dim(name)
     if size == 1 or dim is None:
         return full
-    if spec.family != "gpt2" and name.endswith("linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
+    if spec.gated and name.endswith("linear_fc1.weight"):  # [gate; up] -> [gate_r; up_r]
         gate, up = torch.chunk(full, 2, dim=0)
         return torch.cat([torch.chunk(gate, size, 0)[rank], torch.chunk(up, size, 0)[rank]], 0).contiguous()
     # qkv is packed per query group, so contiguous chunks are whole groups
@@ -274,7 +213,7 @@ def unshard_tensor(spec: ModelSpec, name: str, parts: list[Tensor]) -> Tensor:
     dim = _tp_dim(name)
     if len(parts) == 1 or dim is None:
         return parts[0]
-    if spec.family != "gpt2" and name.endswith("linear_fc1.weight"):
+    if spec.gated and name.endswith("linear_fc1.weight"):
         halves = [torch.chunk(p, 2, dim=0) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
     return torch.cat(parts, dim=dim)

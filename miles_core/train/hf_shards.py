@@ -25,8 +25,10 @@ from typing import Callable
 import torch
 
 from miles_core.models.safetensors_dir import MissingWeights, SafetensorsReader
-from miles_core.train.hf_convert import ConversionError, check_names, check_tp, copy_checked, model_tensors, pack_qkv
-from miles_core.train.megatron_model import ModelSpec
+from miles_core.models.families import Entry, ModelSpec
+from miles_core.models.families.tensors import expert_of, expert_owner, tp_dim, with_expert
+from miles_core.train.hf_convert import (ConversionError, check_names, check_tp, copy_checked, model_tensors, pack_qkv,
+                                         tensor_map)
 
 Tensor = torch.Tensor
 Read = Callable[[], Tensor]
@@ -59,12 +61,40 @@ def open_checkpoint(hf_dir: str) -> SafetensorsReader:
         raise ConversionError(str(e)) from e
 
 
-def rank_tensors(spec: ModelSpec, reader: SafetensorsReader, rank: int, size: int) -> dict[str, Read]:
-    """Megatron name -> a read of TP rank `rank`'s shard of it (of `size` ranks); a read raises
-    ConversionError naming an HF tensor the checkpoint lacks."""
+def rank_tensors(spec: ModelSpec, reader: SafetensorsReader, rank: int, size: int, *,
+                 ep_rank: int = 0, ep_size: int = 1) -> dict[str, Read]:
+    """Megatron name (this rank's: its routed experts numbered from 0) -> a read of TP rank `rank`'s
+    shard of it (of `size` ranks); under expert parallelism only EP rank `ep_rank`'s experts. A read
+    raises ConversionError naming an HF tensor the checkpoint lacks."""
     s = _RankSlices(reader, rank, size)
-    recipes = _gpt2(spec, s) if spec.family == "gpt2" else _llama(spec, s)
-    return {name: partial(_named_read, spec, read) for name, read in recipes.items()}
+    out = {}
+    for e in tensor_map(spec):
+        name = e.mcore
+        expert = expert_of(name)
+        if expert is not None:
+            owner, local = expert_owner(expert, spec.num_experts, ep_size)
+            if owner != ep_rank:
+                continue
+            name = with_expert(name, local)
+        out[name] = partial(_named_read, spec, partial(_read_entry, spec, s, e))
+    return out
+
+
+def _read_entry(spec: ModelSpec, s: "_RankSlices", e: Entry) -> Tensor:
+    """This rank's shard of the Megatron tensor of entry `e`, read from its HF tensors' slices."""
+    dim = tp_dim(e.mcore)
+    if e.kind == "c_attn":
+        return _gpt2_qkv(spec, s, e.hf[0])
+    if e.kind == "t":  # HF stores it transposed: Megatron's dim d is the HF tensor's 1 - d
+        read = s.whole if dim is None else (s.cols if dim == 0 else s.rows)
+        return read(e.hf[0]).t().contiguous()
+    read = s.whole if dim is None else (s.rows if dim == 0 else s.cols)
+    parts = [read(n) for n in e.hf]
+    if e.kind == "qkv":  # this rank's query groups: equal chunks of q, k and v are whole groups
+        return pack_qkv(spec, *parts)
+    if e.kind == "gate_up":
+        return torch.cat(parts, 0)
+    return parts[0]
 
 
 def _named_read(spec: ModelSpec, read: Read) -> Tensor:
@@ -103,72 +133,7 @@ class _RankSlices:
         return self.reader.read(name, dim, start + a, start + b)
 
 
-# ---------------------------------------------------------------------------- llama / qwen2
-
-def _llama(spec: ModelSpec, s: _RankSlices) -> dict[str, Read]:
-    out = {"embedding.word_embeddings.weight": partial(s.rows, "model.embed_tokens.weight"),
-           "decoder.final_layernorm.weight": partial(s.whole, "model.norm.weight")}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = partial(s.rows, "lm_head.weight")
-    for i in range(spec.num_layers):
-        out.update(_llama_layer(spec, s, f"model.layers.{i}.", f"decoder.layers.{i}."))
-    return out
-
-
-def _llama_layer(spec: ModelSpec, s: _RankSlices, h: str, m: str) -> dict[str, Read]:
-    out = {m + "input_layernorm.weight": partial(s.whole, h + "input_layernorm.weight"),
-           m + "self_attention.linear_qkv.weight": partial(_llama_qkv, spec, s, h, "weight"),
-           m + "self_attention.linear_proj.weight": partial(s.cols, h + "self_attn.o_proj.weight"),
-           m + "pre_mlp_layernorm.weight": partial(s.whole, h + "post_attention_layernorm.weight"),
-           m + "mlp.linear_fc1.weight": partial(_gate_up, s, h + "mlp."),
-           m + "mlp.linear_fc2.weight": partial(s.cols, h + "mlp.down_proj.weight")}
-    if spec.qkv_bias:
-        out[m + "self_attention.linear_qkv.bias"] = partial(_llama_qkv, spec, s, h, "bias")
-    return out
-
-
-def _llama_qkv(spec: ModelSpec, s: _RankSlices, h: str, kind: str) -> Tensor:
-    """This rank's query groups: its rows of q, k and v (equal chunks: whole groups)."""
-    q, k, v = (s.rows(f"{h}self_attn.{x}_proj.{kind}") for x in "qkv")
-    return pack_qkv(spec, q, k, v)
-
-
-def _gate_up(s: _RankSlices, mlp: str) -> Tensor:
-    return torch.cat([s.rows(mlp + "gate_proj.weight"), s.rows(mlp + "up_proj.weight")], 0)
-
-
 # ---------------------------------------------------------------------------- gpt2
-
-def _gpt2(spec: ModelSpec, s: _RankSlices) -> dict[str, Read]:
-    p = "transformer." if "transformer.wte.weight" in s.reader.names() else ""
-    out = {"embedding.word_embeddings.weight": partial(s.rows, p + "wte.weight"),
-           "embedding.position_embeddings.weight": partial(s.whole, p + "wpe.weight"),
-           "decoder.final_layernorm.weight": partial(s.whole, p + "ln_f.weight"),
-           "decoder.final_layernorm.bias": partial(s.whole, p + "ln_f.bias")}
-    if not spec.tied_embeddings:
-        out["output_layer.weight"] = partial(s.rows, "lm_head.weight")
-    for i in range(spec.num_layers):
-        out.update(_gpt2_layer(spec, s, f"{p}h.{i}.", f"decoder.layers.{i}."))
-    return out
-
-
-def _gpt2_layer(spec: ModelSpec, s: _RankSlices, h: str, m: str) -> dict[str, Read]:
-    out = {}
-    for a, b in (("ln_1", "input_layernorm"), ("ln_2", "pre_mlp_layernorm")):
-        for x in ("weight", "bias"):
-            out[f"{m}{b}.{x}"] = partial(s.whole, f"{h}{a}.{x}")
-    attn, mlp = h + "attn.", h + "mlp."
-    out[m + "self_attention.linear_qkv.weight"] = partial(_gpt2_qkv, spec, s, attn + "c_attn.weight")
-    out[m + "self_attention.linear_qkv.bias"] = partial(_gpt2_qkv, spec, s, attn + "c_attn.bias")
-    # Conv1D weights are [in, out]: column-parallel reads columns, row-parallel reads rows
-    out[m + "self_attention.linear_proj.weight"] = partial(_transposed, s.rows, attn + "c_proj.weight")
-    out[m + "self_attention.linear_proj.bias"] = partial(s.whole, attn + "c_proj.bias")
-    out[m + "mlp.linear_fc1.weight"] = partial(_transposed, s.cols, mlp + "c_fc.weight")
-    out[m + "mlp.linear_fc1.bias"] = partial(s.rows, mlp + "c_fc.bias")
-    out[m + "mlp.linear_fc2.weight"] = partial(_transposed, s.rows, mlp + "c_proj.weight")
-    out[m + "mlp.linear_fc2.bias"] = partial(s.whole, mlp + "c_proj.bias")
-    return out
-
 
 def _gpt2_qkv(spec: ModelSpec, s: _RankSlices, name: str) -> Tensor:
     """This rank's heads from c_attn = [q | k | v] along its last dim (columns of the weight)."""
@@ -178,7 +143,3 @@ def _gpt2_qkv(spec: ModelSpec, s: _RankSlices, name: str) -> Tensor:
     if dim:
         q, k, v = q.t(), k.t(), v.t()
     return pack_qkv(spec, q, k, v)
-
-
-def _transposed(read: Callable[[str], Tensor], name: str) -> Tensor:
-    return read(name).t().contiguous()

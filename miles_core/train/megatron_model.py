@@ -25,73 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from miles_core.config.rules import recompute_layers_problem
+from miles_core.models.families import FAMILIES, ModelSpec, UnsupportedModel  # noqa: F401 - re-exported
 from miles_core.train.cpu_shim import install_cpu_shim, megatron_on_cpu, seed_model_parallel_rng
 from miles_core.train.process_groups import ensure_process_groups
 from miles_core.train.token_logprobs import token_logprobs
 
-FAMILIES = ("llama", "qwen2", "gpt2")
-
-
-class UnsupportedModel(ValueError):
-    def __init__(self, message: str):
-        super().__init__(message)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    family: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    ffn_hidden_size: int
-    max_positions: int
-    norm_eps: float
-    tied_embeddings: bool
-    qkv_bias: bool = False
-    rope_theta: float = 10000.0
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelSpec":
-        model_type = cfg.get("model_type", "")
-        if model_type == "gpt2":
-            n_embd = cfg["n_embd"]
-            if cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-                raise UnsupportedModel(f"gpt2 activation {cfg.get('activation_function')!r}: only gelu_new is supported")
-            return cls("gpt2", cfg["vocab_size"], n_embd, cfg["n_layer"], cfg["n_head"], cfg["n_head"],
-                       cfg.get("n_inner") or 4 * n_embd, cfg["n_positions"], cfg.get("layer_norm_epsilon", 1e-5),
-                       bool(cfg.get("tie_word_embeddings", True)), qkv_bias=True)
-        if model_type in ("llama", "qwen2"):
-            if cfg.get("hidden_act", "silu") != "silu":
-                raise UnsupportedModel(f"{model_type} hidden_act {cfg.get('hidden_act')!r}: only silu is supported")
-            if cfg.get("mlp_bias"):
-                raise UnsupportedModel("llama mlp_bias=True is not supported")
-            for field in ("rope_parameters", "rope_scaling"):  # transformers 5 form, then the legacy one
-                rope = cfg.get(field) or {}
-                for key in ("rope_type", "type"):  # `type`: the legacy spelling of rope_type
-                    if rope.get(key, "default") != "default":
-                        raise UnsupportedModel(f"{model_type} {field}.{key}={rope[key]!r} is not supported: "
-                                               "only default RoPE is supported")
-            theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0))
-            heads = cfg["num_attention_heads"]
-            head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-            if head_dim * heads != cfg["hidden_size"]:
-                raise UnsupportedModel(f"{model_type} head_dim {head_dim} x heads {heads} != hidden_size")
-            qkv_bias = model_type == "qwen2" or bool(cfg.get("attention_bias"))
-            if model_type == "llama" and cfg.get("attention_bias"):
-                raise UnsupportedModel("llama attention_bias=True (o_proj bias) is not supported")
-            return cls(model_type, cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"], heads,
-                       cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"],
-                       cfg.get("max_position_embeddings", 4096), cfg.get("rms_norm_eps", 1e-6),
-                       bool(cfg.get("tie_word_embeddings", False)), qkv_bias=qkv_bias, rope_theta=float(theta))
-        raise UnsupportedModel(
-            f"model_type {model_type!r} is not supported by the Megatron trainer; supported: {', '.join(FAMILIES)}"
-        )
+FAMILIES = ("gpt2",) + FAMILIES  # the builtin tiny default's and every one a user may bring
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:

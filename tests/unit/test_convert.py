@@ -110,8 +110,8 @@ def test_missing_tensor_and_unknown_family_are_named():
     state.pop("model.layers.1.mlp.up_proj.weight")
     with pytest.raises(hf_convert.ConversionError, match="up_proj"):
         hf_convert.hf_to_megatron(spec, state)
-    with pytest.raises(UnsupportedModel, match="llama, qwen2, gpt2"):
-        ModelSpec.from_hf_config({"model_type": "mistral"})
+    with pytest.raises(UnsupportedModel, match="llama, qwen2, qwen3, qwen3_moe, glm4_moe"):
+        ModelSpec.from_hf_config({"model_type": "phi3"})
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])

@@ -30,7 +30,7 @@ ACCEPTED = [
 REFUSED = [
     ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type='linear'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type='llama3'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 5e5}}, "rope_parameters.rope_type='longrope'"),
     ({"rope_parameters": {"type": "yarn"}}, "rope_parameters.type='yarn'"),
     # a default rope_parameters does not hide a legacy scaling next to it
     ({"rope_parameters": {"rope_type": "default"}, "rope_scaling": {"type": "linear"}}, "rope_scaling.type='linear'"),
