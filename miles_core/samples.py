@@ -15,7 +15,7 @@ from typing import Iterable
 
 import pyarrow as pa
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"  # 1.1 added routed_experts
 SCHEMA_VERSION_KEY = b"miles.schema_version"
 SUPPORTED_MAJORS = {1}
 
@@ -50,6 +50,9 @@ class Sample:
     metadata: str = "{}"  # JSON
     created_at: float = field(default_factory=time.time)
     generation_seconds: float = 0.0
+    # A MoE model's routing as the engine ran it (--use-rollout-routing-replay): the expert ids of
+    # each token position it ran, [positions, MoE layers, top-k] flattened (int32); [] otherwise
+    routed_experts: list[int] = field(default_factory=list)
 
     @property
     def oldest_version(self) -> int | None:
@@ -105,10 +108,13 @@ SAMPLE_SCHEMA = pa.schema(
         pa.field("metadata", pa.string(), nullable=False),
         pa.field("created_at", pa.float64(), nullable=False),
         pa.field("generation_seconds", pa.float32(), nullable=False),
+        pa.field("routed_experts", pa.list_(pa.int32()), nullable=False),
     ],
     metadata={SCHEMA_VERSION_KEY: SCHEMA_VERSION.encode()},
 )
 COLUMNS = [f.name for f in SAMPLE_SCHEMA]
+# Columns a minor version added: a batch of an older minor lacks them and reads them as their default
+ADDED_COLUMNS = {"routed_experts": list}
 
 
 def groups_to_batch(groups: Iterable[Group]) -> pa.RecordBatch:
@@ -137,22 +143,23 @@ def check_schema(schema: pa.Schema, source: str = "record batch") -> None:
     if major not in SUPPORTED_MAJORS:
         raise SchemaError(f"{source}: schema version {version} has unknown major {major}; this reader "
                           f"supports {sorted(SUPPORTED_MAJORS)} (upgrade miles-flyte to read it)")
-    missing = [c for c in COLUMNS if c not in schema.names]
+    missing = [c for c in COLUMNS if c not in schema.names and c not in ADDED_COLUMNS]
     if missing:
         raise SchemaError(f"{source}: missing column(s) {missing} (schema version {version})")
     # A minor version may add columns, never retype one: a retyped column would decode into wrong Samples.
     wrong = [f"{f.name}: {schema.field(f.name).type} (expected {f.type})" for f in SAMPLE_SCHEMA
-             if not schema.field(f.name).type.equals(f.type)]
+             if f.name in schema.names and not schema.field(f.name).type.equals(f.type)]
     if wrong:
         raise SchemaError(f"{source}: wrong column type(s) {'; '.join(wrong)} (schema version {version})")
 
 
 def batch_to_groups(batch: pa.RecordBatch | pa.Table, source: str = "record batch") -> list[Group]:
     check_schema(batch.schema, source)
-    data = {name: batch.column(name).to_pylist() for name in COLUMNS}
+    present = [name for name in COLUMNS if name in batch.schema.names]
+    data = {name: batch.column(name).to_pylist() for name in present}
     groups: dict[str, Group] = {}
     for i in range(batch.num_rows):
-        row = {name: data[name][i] for name in COLUMNS}
+        row = {name: data[name][i] for name in present}
         try:
             row["status"] = SampleStatus(row["status"])
         except ValueError as e:

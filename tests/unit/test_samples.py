@@ -239,3 +239,15 @@ def test_no_pickle_in_data_path():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert not imported & {"pickle", "cloudpickle", "dill", "joblib"}
+
+
+def test_routed_experts_round_trip_and_older_minor_reads_empty():
+    """Pins: a MoE sample's routed experts (flattened int32) are stored and read back unchanged; a 1.0
+    batch, written before the column existed, reads with none. Guards: routing replay training on
+    routes lost in the buffer, or old run roots becoming unreadable."""
+    s = _sample(routed_experts=[3, 1, 0, 2, 7, 5])
+    [g] = ipc_to_groups(groups_to_ipc([Group("g0", 5, [s])]))
+    assert g.samples[0].routed_experts == [3, 1, 0, 2, 7, 5]
+    table = _stored_table().drop_columns(["routed_experts"])
+    [g] = ipc_to_groups(_ipc_of(_with_version(table, "1.0")))
+    assert g.samples[0].routed_experts == []
