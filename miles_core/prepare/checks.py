@@ -3,7 +3,8 @@
 The config's own rules (`miles_core.config.rules`) plus the checks that need what lives above the
 config: every `--*-path` plug-in is imported and checked against its slot's contract (the reward's
 signature, and that the local datasets' rows are ones it can score: `scoring`), a packaged
-`--hf-checkpoint` is one this install knows, and engines bound beyond loopback have their API
+`--hf-checkpoint` is one this install knows, a local one of a family the project handles
+(docs/models.md) whose experts the expert-parallel size divides, and engines bound beyond loopback have their API
 token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
 (`miles_core.prepare.resources`) and, on more than one node, that `--engine-bind-host auto` has its
 token too. Raises one ConfigError listing every problem, each naming its flags
@@ -21,9 +22,11 @@ from miles_core.config.plugins import PluginError, load_plugin
 from miles_core.config.rules import raise_problems, recompute_layers_problem, rule_problems, type_problems
 from miles_core.engines.auth import bind_problem
 from miles_core.models.builtin import builtin_config
+from miles_core.models.families import ModelSpec, UnsupportedModel, spec_of
 from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare import memory
-from miles_core.prepare.memory import GIB, Shape, budget_fit, memory_fit
+from miles_core.prepare.memory import GIB, budget_fit, memory_fit
+from miles_core.prepare.model_import import check_supported
 from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.prepare.scoring import reward_problems
 from miles_core.rollout.episodes import load_generate_function
@@ -60,10 +63,19 @@ def _packaged_model(cfg: RunConfig) -> list[str]:
 
 
 def _memory(cfg: RunConfig) -> list[str]:
-    """The model checks of `model_problems` when the model's config is readable here (a builtin model
-    or a local HF directory; a remote model is checked when the run starts, after it is present)."""
+    """The model checks when the model's config is readable here (a builtin model or a local HF
+    directory; a remote model is checked when the run starts, after it is present): a local model's
+    family and options are ones the project handles (the importer's `check_supported`: refused now,
+    not when the import or the run reads it), then `model_problems`."""
     hf_config = local_hf_config(cfg)
-    return model_problems(hf_config, cfg) if hf_config else []
+    if not hf_config:
+        return []
+    if not is_builtin(cfg.model.hf_checkpoint):
+        try:
+            check_supported(hf_config, f"--hf-checkpoint={cfg.model.hf_checkpoint!r}")
+        except UnsupportedModel as e:
+            return [str(e)]
+    return model_problems(hf_config, cfg)
 
 
 def model_problems(hf_config: dict, cfg: RunConfig) -> list[str]:
@@ -75,10 +87,28 @@ def model_problems(hf_config: dict, cfg: RunConfig) -> list[str]:
 def model_fit(hf_config: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
     """(`model_problems`, the warnings of a trainer that may not fit --gpu-memory-gb)."""
     t = cfg.train
-    layers = Shape.from_hf_config(hf_config).layers
-    problem = recompute_layers_problem(layers, t.recompute_method, t.recompute_num_layers)
+    try:
+        spec = spec_of(hf_config)
+    except (UnsupportedModel, KeyError) as e:
+        return [f"--hf-checkpoint={cfg.model.hf_checkpoint!r}: {e}"], []
+    problem = recompute_layers_problem(spec.num_layers, t.recompute_method, t.recompute_num_layers)
+    problems = ([problem] if problem else []) + expert_problems(spec, cfg)
+    if problems:
+        return problems, []
     problems, warnings = budget_fit(hf_config, cfg, t.gpu_memory_gb) if t.gpu_memory_gb else ([], [])
-    return ([problem] if problem else []) + problems, warnings
+    return problems, warnings
+
+
+def expert_problems(spec: ModelSpec, cfg: RunConfig) -> list[str]:
+    """--expert-model-parallel-size divides the model's routed experts (Megatron gives each EP rank a
+    contiguous block of them) and is 1 for a dense model."""
+    ep = getattr(cfg.train, "expert_model_parallel_size", 1) or 1
+    if ep > 1 and not spec.moe:
+        return [f"--expert-model-parallel-size={ep}: the model ({spec.family}) has no experts; "
+                "expert parallelism needs a MoE model (docs/models.md)."]
+    if spec.moe and spec.num_experts % ep:
+        return [f"--expert-model-parallel-size={ep} does not divide the model's {spec.num_experts} routed experts."]
+    return []
 
 
 def check_memory(cfg: RunConfig, model_uri: str) -> None:

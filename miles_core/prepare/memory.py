@@ -6,13 +6,20 @@ anything starts.
     memory_problems(hf_config, cfg, 80) # [] or one problem naming the flags that would make it fit
     memory_fit(hf_config, cfg, 80, "--gpu-memory-gb is 80")  # (problems, warnings): see LOWER_BOUND
 
-What a rank holds (TP size t, DP size d, P parameters, P/t of them on each rank, w the weights'
-width: 2 bytes in bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
+The model is read through its family's ModelSpec (miles_core.models.families: the counts every role
+agrees on). What a rank holds (TP size t, DP size d, P parameters, w the weights' width: 2 bytes in
+bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
+- which parameters: the dense ones (attention, norms, dense and shared-expert MLPs, embeddings) over
+  the t TP ranks, a MoE layer's router whole on every rank, and the routed experts over the EP x ETP
+  ranks (--expert-model-parallel-size e; the expert TP size is Megatron's default, t): each rank
+  holds num_experts / e of them, each cut in t. Megatron's expert data-parallel group, over which the
+  experts' gradients are reduced and their optimizer state sharded, has world / (t x e) ranks;
 - weights: w B/param;
 - gradients: fp32, 4 B/param (Megatron's main-grad buffer; `param.grad` on the CPU default);
 - optimizer: Adam's m and v in fp32 (8 B/param) plus, with bf16 weights, an fp32 master copy (4):
-  12 B/param in bf16, 8 in fp32. --use-distributed-optimizer shards all of it over the d DP ranks
-  (Megatron's ZeRO-1): 12/d. Without it every DP rank keeps all of it: 2 + 4 + 12 = 18 B/param;
+  12 B/param in bf16, 8 in fp32. --use-distributed-optimizer shards it (Megatron's ZeRO-1) over the d
+  DP ranks for dense parameters, over the expert-DP ranks for the routed experts. Without it every
+  DP rank keeps all of it: 2 + 4 + 12 = 18 B/param;
 - a reference copy of the weights with --use-kl-loss (w B/param);
 - activations of one micro-batch of n tokens: b samples padded to s tokens (n = b·s), or with
   --use-dynamic-batch-size one row of n = --max-tokens-per-gpu tokens (b = 1, s = n: the local
@@ -20,9 +27,14 @@ width: 2 bytes in bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
   layer of the local (unfused) layer spec keeps for backward, at the weights' width (counted from
   the autograd graph of megatron-core 0.16.1's local spec): the two norm inputs and outputs (4·n·h,
   divided by t under --sequence-parallel), Q after RoPE, K and V repeated to every head and the
-  context (4·n·h/t), the MLP's fc1 output, its activation and fc2's input (4·n·f/t for a gated MLP,
-  3f/t otherwise) and the attention probabilities plus, at the peak, the scores being turned into
-  them (2·b·(a/t)·s²). Backward holds one more layer's worth of activation gradients at a time, and
+  context (4·n·q/t, q = heads x head_dim: Qwen3's head_dim is its own), with q/k norms their inputs
+  (n·(q + kv)/t), the MLP's fc1 output, its activation and fc2's input (4·n·f/t for a gated MLP, 3f/t
+  otherwise) and the attention probabilities plus, at the peak, the scores being turned into them
+  (2·b·(a/t)·s²). A MoE layer keeps instead of the dense MLP's: the router's logits and scores
+  (2·n·E), the n·k token copies dispatched to the experts and their outputs before the combine
+  (2·n·k·h), the experts' fc1/activation/fc2 input for those n·k copies at width moe_ffn / t (with
+  balanced routing a rank's experts receive n·k copies whatever e is) and a shared expert's MLP.
+  Backward holds one more layer's worth of activation gradients at a time, and
   the embedding output, final norm and its output add 3·n·h once. Recomputation keeps less:
   --recompute-granularity full keeps each recomputed layer's input (n·h, /t with sequence parallel)
   and holds one chunk's full activations while it is recomputed (uniform: L/k inputs + k layers;
@@ -35,7 +47,8 @@ width: 2 bytes in bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
 - 1 GiB for the CUDA context, NCCL buffers and the allocator's slack (0 on CPU).
 The padded length s is --max-seq-len when set, else the model's maximum positions (an upper bound:
 responses are capped by --rollout-max-response-len, prompts only by the dataset). Host memory is not
-in the estimate: each rank reads only its TP shard of the HF checkpoint (miles_core.train.hf_shards).
+in the estimate: each rank reads only its TP (and EP) shard of the HF checkpoint
+(miles_core.train.hf_shards). docs/models.md gives the estimate of Qwen3-8B and Qwen3-30B-A3B.
 """
 
 from __future__ import annotations
@@ -43,49 +56,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from miles_core.config import RunConfig, replace_fields
+from miles_core.models.families import ModelSpec, spec_of
 
 GIB = 1024 ** 3
 CUDA_OVERHEAD_BYTES = 1 * GIB
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs of a model, read from its HF config.json."""
-
-    vocab: int
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    ffn: int
-    positions: int
-    tied: bool
-    gated: bool  # a gated (SwiGLU) MLP: llama, qwen2
-
-    @classmethod
-    def from_hf_config(cls, c: dict) -> "Shape":
-        if c.get("model_type") == "gpt2":
-            h = c["n_embd"]
-            return cls(c["vocab_size"], h, c["n_layer"], c["n_head"], c["n_head"], c.get("n_inner") or 4 * h,
-                       c["n_positions"], bool(c.get("tie_word_embeddings", True)), gated=False)
-        heads = c["num_attention_heads"]
-        return cls(c["vocab_size"], c["hidden_size"], c["num_hidden_layers"], heads,
-                   c.get("num_key_value_heads") or heads, c["intermediate_size"],
-                   c.get("max_position_embeddings", 4096), bool(c.get("tie_word_embeddings", False)), gated=True)
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * (self.hidden // self.heads)
-
-    def parameters(self) -> int:
-        """Every parameter of the model (embeddings and norms included)."""
-        h, f = self.hidden, self.ffn
-        attention = h * h + 2 * h * self.kv_dim + h * h
-        mlp = (3 if self.gated else 2) * h * f
-        per_layer = attention + mlp + 2 * h
-        embeddings = self.vocab * h * (1 if self.tied else 2)
-        positions = 0 if self.gated else self.positions * h  # gpt2's learned positions; llama/qwen2 use RoPE
-        return self.layers * per_layer + embeddings + positions + h
 
 
 @dataclass(frozen=True)
@@ -114,61 +88,111 @@ def _sizes(cfg: RunConfig) -> tuple[int, int]:
     return tp, max(1, t.actor_num_nodes * t.actor_num_gpus_per_node // tp)
 
 
+def expert_sizes(cfg: RunConfig) -> tuple[int, int, int]:
+    """(expert TP, EP, expert DP) of the trainer: Megatron's expert tensor-parallel size defaults to
+    the TP size, and its expert data-parallel group is what is left of the ranks, world / (ETP x EP)."""
+    tp, dp = _sizes(cfg)
+    ep = max(1, getattr(cfg.train, "expert_model_parallel_size", 1) or 1)
+    etp = max(1, getattr(cfg.train, "expert_tensor_parallel_size", None) or tp)
+    return etp, ep, max(1, tp * dp // (etp * ep))
+
+
+def router_parameters(spec: ModelSpec) -> int:
+    """The routers' weights and expert biases: whole on every rank."""
+    return len(spec.moe_layers) * (spec.num_experts * spec.hidden_size + (spec.num_experts if spec.expert_bias else 0))
+
+
+def rank_parameters(spec: ModelSpec, cfg: RunConfig) -> tuple[float, float]:
+    """(dense, routed-expert) parameters one trainer rank holds."""
+    tp, _ = _sizes(cfg)
+    etp, ep, _ = expert_sizes(cfg)
+    experts, routers = spec.expert_parameters(), router_parameters(spec)
+    return (spec.parameters() - experts - routers) / tp + routers, experts / (ep * etp)
+
+
 def micro_batch_samples(cfg: RunConfig) -> int:
     """Samples in one micro-batch of one DP rank: --micro-batch-size, at most the rank's share of a step."""
     per_step = cfg.train.global_batch_size or cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
     return max(1, min(cfg.train.micro_batch_size, -(-per_step // _sizes(cfg)[1])))
 
 
-def padded_length(shape: Shape, cfg: RunConfig) -> int:
-    return min(cfg.data.max_seq_len or shape.positions, shape.positions)
+def padded_length(spec: ModelSpec, cfg: RunConfig) -> int:
+    return min(cfg.data.max_seq_len or spec.max_positions, spec.max_positions)
 
 
-def micro_batch_layout(shape: Shape, cfg: RunConfig) -> tuple[int, int]:
+def micro_batch_layout(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:
     """(b, s) of one micro-batch: b samples of s tokens, or one packed row of the token budget
     (at least one padded sample: a longer sample gets a micro-batch of its own)."""
     if cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu:
-        return 1, max(cfg.train.max_tokens_per_gpu, padded_length(shape, cfg))
-    return micro_batch_samples(cfg), padded_length(shape, cfg)
+        return 1, max(cfg.train.max_tokens_per_gpu, padded_length(spec, cfg))
+    return micro_batch_samples(cfg), padded_length(spec, cfg)
 
 
 def estimate(hf_config: dict, cfg: RunConfig, *, gpu: bool = True) -> MemoryEstimate:
     """Bytes per trainer rank (see the module docstring); `gpu=False`: the trainer on a CPU."""
-    shape = Shape.from_hf_config(hf_config)
+    spec = spec_of(hf_config)
     t = cfg.train
-    tp, dp = _sizes(cfg)
-    params = shape.parameters() / tp
+    _, dp = _sizes(cfg)
+    _, _, edp = expert_sizes(cfg)
+    dense, experts = rank_parameters(spec, cfg)
+    params = dense + experts
     bf16 = gpu or t.bf16
     width = 2 if bf16 else 4
-    optimizer = (12 if bf16 else 8) * params / (dp if t.use_distributed_optimizer else 1)
-    b, s = micro_batch_layout(shape, cfg)
+    shards = (dp, edp) if t.use_distributed_optimizer else (1, 1)
+    optimizer = (12 if bf16 else 8) * (dense / shards[0] + experts / shards[1])
+    b, s = micro_batch_layout(spec, cfg)
     return MemoryEstimate(
         weights=width * params, grads=4 * params, optimizer=optimizer,
         reference=width * params if t.use_kl_loss else 0.0,
-        activations=_activations(shape, cfg, b, s, tp, width),
-        logits=_logits(shape, b * s, tp), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
+        activations=_activations(spec, cfg, b, s, width),
+        logits=_logits(spec, b * s, _sizes(cfg)[0]), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
 
 
-def _activations(shape: Shape, cfg: RunConfig, b: int, s: int, tp: int, width: int) -> float:
-    """Activation bytes one micro-batch keeps for backward, under the recompute flags (module doc)."""
+def _mlp_per_token(spec: ModelSpec, width: int, tp: int) -> float:
+    """Elements one token's pass through an MLP of `width` keeps (fc1 output, activation, fc2 input)."""
+    return (4 if spec.gated else 3) * width / tp
+
+
+def _layer_per_token(spec: ModelSpec, cfg: RunConfig, moe: bool) -> float:
+    """Elements one token keeps in a layer (norms, attention, the dense or MoE MLP; module doc)."""
+    tp, _ = _sizes(cfg)
+    etp, _, _ = expert_sizes(cfg)
+    sp = tp if cfg.train.sequence_parallel else 1
+    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    out = 4 * h / sp + 4 * q / tp + ((q + kv) / tp if spec.qk_norm else 0)
+    if not moe:
+        return out + _mlp_per_token(spec, spec.ffn_hidden_size, tp)
+    k = spec.moe_topk
+    out += 2 * spec.num_experts + 2 * k * h + k * _mlp_per_token(spec, spec.moe_ffn_hidden_size, etp)
+    if spec.shared_expert_ffn_hidden_size:
+        out += _mlp_per_token(spec, spec.shared_expert_ffn_hidden_size, tp)
+    return out
+
+
+def _activations(spec: ModelSpec, cfg: RunConfig, b: int, s: int, width: int) -> float:
+    """Activation bytes one micro-batch keeps for backward, under the recompute flags (module doc).
+    Dense and MoE layers differ: a chunk being recomputed or the layer whose gradients backward holds
+    is counted as the larger of the two, the not recomputed layers at their mean."""
     t = cfg.train
+    tp, _ = _sizes(cfg)
     sp = tp if t.sequence_parallel else 1
-    h = shape.hidden
-    per_token = 4 * h / sp + 4 * h / tp + (4 if shape.gated else 3) * shape.ffn / tp
-    layer_tokens = width * b * s * per_token
-    scores = width * 2 * b * (shape.heads / tp) * s * s
+    h, layers, moe = spec.hidden_size, spec.num_layers, len(spec.moe_layers)
+    scores = width * 2 * b * (spec.num_heads / tp) * s * s
+    tokens = [width * b * s * _layer_per_token(spec, cfg, m) for m in (False, True)]
+    layer_tokens = (layers - moe) * tokens[0] + moe * tokens[1]  # every layer's
+    biggest = max(tokens[0] if moe < layers else 0.0, tokens[1] if moe else 0.0) + scores
+    mean = layer_tokens / layers + scores
     once = width * b * s * 3 * h / sp + (s * s if t.use_dynamic_batch_size else 0)  # + the packed row's bool mask
-    layer, layers = layer_tokens + scores, shape.layers
-    working = layer  # backward: the gradients of one layer's activations
+    working = biggest  # backward: the gradients of one layer's activations
     if t.recompute_granularity == "selective":
-        return layers * layer_tokens + scores + working + once
+        return layer_tokens + scores + working + once
     if t.recompute_granularity == "full":
         saved = width * b * s * h / sp  # a recomputed layer's input
         k = min(t.recompute_num_layers or layers, layers)
         if t.recompute_method == "block":
-            return (layers - k) * layer + k * saved + layer + working + once
-        return -(-layers // k) * saved + k * layer + working + once
-    return layers * layer + working + once
+            return (layers - k) * mean + k * saved + biggest + working + once
+        return -(-layers // k) * saved + k * biggest + working + once
+    return layers * mean + working + once
 
 
 LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in backward
@@ -177,9 +201,9 @@ LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in
 CHUNK_BYTES = 64 * 2**20
 
 
-def _logits(shape: Shape, tokens: int, tp: int) -> float:
+def _logits(spec: ModelSpec, tokens: int, tp: int) -> float:
     """Bytes of the chunked log-prob computation's logits (miles_core.train.token_logprobs)."""
-    vocab_rows = shape.vocab / tp
+    vocab_rows = spec.vocab_size / tp
     rows = min(tokens, max(1, CHUNK_BYTES // (4 * vocab_rows)))
     return LOGIT_COPIES * 4.0 * rows * vocab_rows
 
@@ -229,7 +253,7 @@ def device_memory_bytes() -> int | None:
 def _advice(hf_config: dict, cfg: RunConfig, budget_gb: float) -> str:
     """Each single change of the flags that would make the run fit (the smallest such value of each)."""
     fixes = []
-    for flags in _changes(cfg):
+    for flags in _changes(cfg, spec_of(hf_config)):
         fits = _fits(hf_config, replace_fields(cfg, **_fields(flags)), budget_gb)
         if fits and not any(f.split()[0] == flags[0] for f in fixes):  # a flag's first fitting value only
             fixes.append(" ".join(flags))
@@ -238,7 +262,7 @@ def _advice(hf_config: dict, cfg: RunConfig, budget_gb: float) -> str:
     return f"Would fit: {' or '.join(fixes)}."
 
 
-def _changes(cfg: RunConfig) -> list[tuple[str, ...]]:
+def _changes(cfg: RunConfig, spec: ModelSpec) -> list[tuple[str, ...]]:
     """Candidate single changes, most preferred first (a flag's first fitting value wins)."""
     t = cfg.train
     tp, dp = _sizes(cfg)
@@ -255,6 +279,10 @@ def _changes(cfg: RunConfig) -> list[tuple[str, ...]]:
     else:
         out += [("--micro-batch-size", str(m)) for m in (64, 32, 16, 8, 4, 2, 1) if m < t.micro_batch_size]
     out += [("--tensor-model-parallel-size", str(n)) for n in (2, 4, 8) if tp < n <= ranks and ranks % n == 0]
+    if spec.moe and hasattr(t, "expert_model_parallel_size"):  # the routed experts over more ranks
+        etp, ep, _ = expert_sizes(cfg)
+        out += [("--expert-model-parallel-size", str(n)) for n in (2, 4, 8, 16, 32, 64)
+                if ep < n and ranks % (etp * n) == 0 and spec.num_experts % n == 0]
     return out
 
 

@@ -1,18 +1,22 @@
-"""Importing a model source into the HF safetensors directory every role loads (DESIGN §18).
+"""Importing a model source into the HF safetensors directory every role loads.
 
 Why: the engines and the trainer read one format only (config.json + safetensors + tokenizer
-files) and only the llama/qwen2 layouts with default RoPE. A source in another shape is turned
-into that format once, here, and checked against both readers, so a run never starts on a model
-that one role would read differently from the other (a silently ignored RoPE scaling, say).
+files) and only the families of miles_core.models.families (docs/models.md). A source in another
+shape is turned into that format once, here, and checked against the family's adapter and both
+readers, so a run never starts on a model that one role would read differently from the other (a
+silently ignored RoPE scaling, say).
 
 Sources:
-- a GGUF file (a local path, or a file:// / s3:// URI; remote files are copied to a temp file):
-  its tensors are dequantized to float32 by transformers, its tokenizer and chat template kept;
+- a GGUF file (a local path, or a file:// / s3:// URI; remote files are copied to a temp file) of
+  an architecture both GGUF and transformers' GGUF loader know among ours (GGUF_ARCHITECTURES):
+  its tensors are dequantized to float32 by transformers, its tokenizer and chat template kept. A
+  GGUF with RoPE scaling (Llama 3.1's `rope_freqs` tensor, `*.rope.scaling.*` keys) is refused:
+  transformers' loader drops the scaling and the model would be read with plain RoPE;
 - a local HF directory with safetensors weights: the weights are copied byte for byte, the
   config normalised.
 Config normalisation: `quantization_config` is dropped (the weights are plain tensors now); a
-legacy `rope_scaling={"type": ...}` becomes `{"rope_type": ...}`; any RoPE type but `default`,
-and any architecture but llama/qwen2, is refused by name.
+legacy `rope_scaling={"type": ...}` becomes `{"rope_type": ...}`; a model_type outside FAMILIES, or
+a RoPE type or option its family's adapter does not handle, is refused naming what is handled.
 
 The destination gets every file, then `miles_import.json` (source, its sha, what was converted,
 when), then the `.complete` marker last: a directory with the marker is whole, and importing into
@@ -29,13 +33,18 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
+from miles_core.models.families import ADAPTERS, FAMILIES, UnsupportedModel, spec_of
 from miles_core.models.safetensors_dir import MissingWeights, safetensors_files
 from miles_core.models.source import IMPORT_FORMAT_VERSION, MARKER, ModelSourceError, source_fingerprint
 from miles_core.storage import Store, normalize_uri
 
 RECORD = "miles_import.json"
-ARCHITECTURES = ("llama", "qwen2")
-HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = FAMILIES  # the model_types a user may bring: one adapter each
+HF_CLASSES = {mtype: ADAPTERS[mtype].hf_class for mtype in ARCHITECTURES}
+# GGUF's general.architecture -> model_type, for the families transformers' GGUF loader reads
+# (transformers.integrations.ggml.GGUF_CONFIG_MAPPING; GGUF spells qwen3_moe "qwen3moe"; glm4_moe has
+# no loader there). tests/unit/test_model_import.py checks it against the installed transformers.
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
 OTHER_WEIGHTS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".gguf")
 
 
@@ -141,7 +150,8 @@ def _read_config(src: str) -> dict:
 
 
 def gguf_info(path: str) -> tuple[str, list[str]]:
-    """The GGUF file's architecture and the types of its tensors (without loading them)."""
+    """The GGUF file's architecture and the types of its tensors (without loading them); a GGUF
+    transformers would misread (RoPE scaling it drops) is refused here."""
     from gguf import GGUFReader
 
     try:
@@ -152,14 +162,20 @@ def gguf_info(path: str) -> tuple[str, list[str]]:
     if field is None:
         raise ModelImportError(f"import {path!r}: the GGUF file has no general.architecture.")
     arch = bytes(field.parts[field.data[0]]).decode()
+    scaling = sorted(k for k in reader.fields if k.startswith(f"{arch}.rope.scaling."))
+    scaling += ["rope_freqs.weight"] if any(t.name == "rope_freqs.weight" for t in reader.tensors) else []
+    if scaling:
+        raise ModelImportError(f"import {path!r}: the GGUF file scales RoPE ({', '.join(scaling)}), which "
+                               "transformers' GGUF loader drops (the model would run with plain RoPE); import "
+                               "the model's HF safetensors directory instead.")
     return arch, sorted({t.tensor_type.name for t in reader.tensors})
 
 
 def _from_gguf(path: str, out: str) -> tuple[dict[str, str], dict]:
     arch, types = gguf_info(path)
-    if arch not in ARCHITECTURES:
+    if arch not in GGUF_ARCHITECTURES:
         raise ModelImportError(f"import {path!r}: GGUF architecture {arch!r} is not supported; "
-                               f"supported: {', '.join(ARCHITECTURES)}.")
+                               f"supported: {', '.join(GGUF_ARCHITECTURES)} (glm4_moe: import its HF directory).")
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -192,36 +208,41 @@ def normalize_config(cfg: dict, source: str) -> tuple[dict, list[str]]:
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         if cfg.pop(key, None) is not None and key == "quantization_config":
             changes.append("dropped quantization_config")
-    mtype = cfg.get("model_type")
-    if mtype not in ARCHITECTURES:
-        raise ModelImportError(f"import {source!r}: model_type={mtype!r} is not supported; "
-                               f"supported: {', '.join(ARCHITECTURES)}.")
+    check_supported(cfg, f"import {source!r}", ModelImportError)
     for field in ("rope_parameters", "rope_scaling"):
         rope = cfg.get(field)
-        if not isinstance(rope, dict):
-            continue
-        for key in ("rope_type", "type"):
-            if key in rope and rope[key] != "default":
-                raise ModelImportError(f"import {source!r}: {field}.{key}={rope[key]!r} is not supported "
-                                       "(only default RoPE).")
-        if "type" in rope:
+        if isinstance(rope, dict) and "type" in rope:
             cfg[field] = {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": rope["type"]}
             changes.append(f"{field}.type -> {field}.rope_type")
     _check_readers(cfg, source)
     return cfg, changes
 
 
+def check_supported(cfg: dict, where: str, error: type[Exception] = UnsupportedModel):
+    """The ModelSpec of a config.json dict a user brings, else `error` saying `where` and what is not
+    handled: a model_type outside FAMILIES (naming them), a RoPE type or option its family's adapter
+    refuses (naming what it handles), a missing field. Plain data: `miles validate` calls it too."""
+    mtype = cfg.get("model_type")
+    if mtype not in FAMILIES:
+        raise error(f"{where}: model_type={mtype!r} is not supported; supported: {', '.join(FAMILIES)} "
+                    "(docs/models.md).")
+    try:
+        return spec_of(cfg)
+    except KeyError as e:
+        raise error(f"{where}: config.json lacks {e} (model_type={mtype!r}).") from e
+    except UnsupportedModel as e:
+        raise error(f"{where}: {e} (docs/models.md).") from e
+
+
 def _check_readers(cfg: dict, source: str) -> None:
-    """Both the CPU engine and the trainer must read the config; their refusal, named."""
-    # torch and Megatron: only an import pays for them (the driver and tasks import this module)
+    """The CPU engine must read the config too (the trainer reads the family's spec, checked above);
+    its refusal, named."""
+    # torch: only an import pays for it (the driver and tasks import this module)
     from miles_core.engines.model import ModelLoadError
     from miles_core.engines.model import ModelSpec as EngineSpec
-    from miles_core.train.megatron_model import ModelSpec as TrainSpec
-    from miles_core.train.megatron_model import UnsupportedModel
 
     try:
         EngineSpec.from_config(cfg, source)
-        TrainSpec.from_hf_config(cfg)
     except KeyError as e:
         raise ModelImportError(f"import {source!r}: config.json lacks {e} (model_type={cfg['model_type']!r}).") from e
     except (ModelLoadError, UnsupportedModel) as e:

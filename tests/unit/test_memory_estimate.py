@@ -10,7 +10,8 @@ import pytest
 
 from miles_core.config import ConfigError, parse_flags
 from miles_core.prepare.checks import validate
-from miles_core.prepare.memory import GIB, Shape, estimate, memory_problems
+from miles_core.models.families import spec_of
+from miles_core.prepare.memory import GIB, estimate, memory_problems
 
 SMOLLM2_135M = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30,
                 "num_attention_heads": 9, "num_key_value_heads": 3, "intermediate_size": 1536,
@@ -26,8 +27,8 @@ def cfg(*flags):
 
 
 def test_parameter_counts_are_the_real_models():
-    assert Shape.from_hf_config(SMOLLM2_135M).parameters() == 134_515_008
-    assert Shape.from_hf_config(LLAMA_7B).parameters() == 6_738_415_616
+    assert spec_of(SMOLLM2_135M).parameters() == 134_515_008
+    assert spec_of(LLAMA_7B).parameters() == 6_738_415_616
 
 
 def test_seven_b_states_are_eighteen_bytes_per_parameter_per_tp_rank():
@@ -112,7 +113,7 @@ def test_the_distributed_optimizer_shards_the_adam_state_over_dp():
 
 def test_cpu_trainer_widths_follow_bf16():
     """On CPU: fp32 weights and Adam m, v (4 + 4 + 8); --bf16: the GPU's 2 + 4 + 12."""
-    params = Shape.from_hf_config(SMOLLM2_135M).parameters()
+    params = spec_of(SMOLLM2_135M).parameters()
     fp32 = estimate(SMOLLM2_135M, cfg("--max-seq-len", "64"), gpu=False)
     bf16 = estimate(SMOLLM2_135M, cfg("--max-seq-len", "64", "--bf16"), gpu=False)
     assert fp32.weights + fp32.grads + fp32.optimizer == pytest.approx(16 * params)
@@ -288,7 +289,7 @@ def test_a_builtin_models_config_before_the_run_is_the_one_it_is_built_from(name
     light = builtin_config(name, 3, 64, 4)
     assert {k: built[k] for k in light if k in built} == {k: v for k, v in light.items() if k in built}
     assert len(set(light) & set(built)) >= len(light) - 1  # transformers 5 keeps rope_theta in rope_parameters
-    assert Shape.from_hf_config(light) == Shape.from_hf_config(built)
+    assert spec_of(light) == spec_of(built)
 
 
 def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
