@@ -53,7 +53,7 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI (Llama/Qwen2/GPT-2 family); a .gguf file or import:smollm2-135m-instruct (imported once); or builtin:tiny-gpt / builtin:tiny-llama / builtin:tiny-qwen2 (random init from --seed).")
+    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI of a supported family (llama incl. Llama 3.x RoPE scaling, qwen2, qwen3, qwen3_moe, glm4_moe: docs/models.md); a .gguf file or import:smollm2-135m-instruct (imported once); or a builtin tiny model, random init from --seed: builtin:tiny-gpt / builtin:tiny-llama / builtin:tiny-llama3 / builtin:tiny-qwen2 / builtin:tiny-qwen3 / builtin:tiny-qwen3-moe / builtin:tiny-glm4-moe.")
     tiny_num_layers: int = opt(2, "Layers of a builtin tiny model.")
     tiny_hidden_size: int = opt(128, "Hidden size of a builtin tiny model.")
     tiny_num_heads: int = opt(4, "Attention heads of a builtin tiny model.")

@@ -25,6 +25,12 @@ the block, on a machine without CUDA, those name the CPU; with CUDA it does noth
 wraps only its calls into Megatron's DDP and optimizer (build, zero, finalize, step, state) in it,
 so the CPU trainer with `--use-distributed-optimizer` or `--bf16` runs the GPU trainer's code path.
 
+`define_missing_te_names()` (called by `build_model`, on CPU and GPU alike): megatron-core 0.16.1's
+moe_utils imports its Transformer Engine kernels in a try block whose `except ImportError` leaves
+the names undefined, yet its router's gating (`RouterGatingLinearFunction`) tests
+`te_general_gemm is not None`: without TE every MoE forward raises NameError. Defining the
+missing names as None takes the torch path that test was written for.
+
 `quiet_fallback_warnings()` (called by `miles_core.train` on import, before any Megatron module
 loads) filters, on a machine without CUDA only, the UserWarnings Megatron emits at import because
 Transformer Engine and Apex are absent ("Transformer Engine and Apex are not installed. Falling
@@ -119,6 +125,20 @@ def install_cpu_shim() -> bool:
     mcore_random._set_cuda_rng_state = _set_no_cuda_rng_state
     _INSTALLED = True
     return True
+
+
+TE_NAMES = ("te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss", "fused_permute",
+            "fused_permute_with_probs", "fused_sort_chunks_by_index", "fused_sort_chunks_by_index_with_probs",
+            "fused_topk_with_score_function", "fused_unpermute")
+
+
+def define_missing_te_names() -> None:
+    """moe_utils' Transformer Engine names as None where TE failed to import (module doc)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    for name in TE_NAMES:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def seed_model_parallel_rng(seed: int) -> None:

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from miles_core.config.rules import recompute_layers_problem
 from miles_core.models.families import FAMILIES, ModelSpec, UnsupportedModel  # noqa: F401 - re-exported
-from miles_core.train.cpu_shim import install_cpu_shim, megatron_on_cpu, seed_model_parallel_rng
+from miles_core.train.cpu_shim import (define_missing_te_names, install_cpu_shim, megatron_on_cpu,
+                                      seed_model_parallel_rng)
 from miles_core.train.process_groups import ensure_process_groups
 from miles_core.train.token_logprobs import token_logprobs
 
@@ -48,9 +49,12 @@ def activation_options(train) -> dict[str, Any]:
 
 def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False,
                        sequence_parallel: bool = False, recompute_granularity: str | None = None,
-                       recompute_method: str | None = None, recompute_num_layers: int | None = None):
+                       recompute_method: str | None = None, recompute_num_layers: int | None = None,
+                       expert_model_parallel_size: int = 1, moe_aux_loss_coeff: float | None = None):
     """Megatron's TransformerConfig for `spec`: its own checks refuse an inconsistent --recompute-*
-    combination or --sequence-parallel without TP (config.rules refuses them earlier, by flag)."""
+    combination or --sequence-parallel without TP (config.rules refuses them earlier, by flag).
+    `moe_aux_loss_coeff`: Megatron's own coefficient (per MoE layer, summed), overriding the one
+    derived from the checkpoint (`moe_options`)."""
     from megatron.core.transformer import TransformerConfig
 
     problem = recompute_layers_problem(spec.num_layers, recompute_method, recompute_num_layers)
@@ -61,7 +65,7 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
     return TransformerConfig(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_heads,
         num_query_groups=spec.num_kv_heads, ffn_hidden_size=spec.ffn_hidden_size,
-        kv_channels=spec.head_dim, layernorm_epsilon=spec.norm_eps,
+        kv_channels=spec.head_dim, layernorm_epsilon=spec.norm_eps, qk_layernorm=spec.qk_norm,
         normalization="LayerNorm" if gpt2 else "RMSNorm",
         activation_func=_gelu_tanh if gpt2 else F.silu, gated_linear_unit=not gpt2,
         add_bias_linear=gpt2, add_qkv_bias=spec.qkv_bias,
@@ -76,42 +80,165 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
         # Fusions need CUDA kernels (or Apex/TE); the local spec runs the unfused paths.
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        **moe_options(spec, expert_model_parallel_size, moe_aux_loss_coeff),
+    )
+
+
+def moe_options(spec: ModelSpec, expert_model_parallel_size: int = 1,
+                aux_loss_coeff: float | None = None) -> dict[str, Any]:
+    """TransformerConfig's MoE keywords for `spec` (none for a dense model), each chosen so Megatron's
+    router computes what transformers' does:
+
+    - softmax router (qwen3_moe): Megatron's default takes the top-k of the logits and softmaxes
+      those k, i.e. the chosen weights renormalised (HF's norm_topk_prob=true); with
+      `moe_router_pre_softmax` it softmaxes over every expert first and keeps the k unnormalised
+      weights (norm_topk_prob=false);
+    - sigmoid router (glm4_moe): sigmoid scores, the expert bias (GLM's e_score_correction_bias, a
+      checkpoint weight: update rate 0, so training leaves it as loaded and exports it back) added
+      for the choice only, grouped top-k, the chosen weights renormalised (Megatron always does for
+      k > 1, so norm_topk_prob=false is refused) and scaled by routed_scaling_factor;
+    - the load-balancing aux loss (qwen3_moe's router_aux_loss_coef): Megatron's per-layer loss is
+      transformers' `load_balancing_loss_func` of that layer's router logits divided by top-k, and
+      Megatron sums it over the MoE layers; the coefficient router_aux_loss_coef * topk / MoE layers
+      makes the term added to the loss router_aux_loss_coef x the mean over MoE layers of
+      transformers' per-layer value (for one MoE layer: exactly transformers' aux loss term).
+      `aux_loss_coeff` (--moe-aux-loss-coeff) is Megatron's coefficient as given.
+    Routing runs in fp32 (as GLM's HF router does; a bf16 router flips near-ties); the experts are
+    SequentialMLP (`moe_grouped_gemm=False`: one local MLP per expert, the canonical names)."""
+    if not spec.moe:
+        return {}
+    softmax = spec.router_score == "softmax"
+    if not softmax and not spec.norm_topk_prob and spec.moe_topk > 1:
+        raise UnsupportedModel(f"{spec.family} norm_topk_prob=false with a sigmoid router is not supported: "
+                               "Megatron renormalises the chosen experts' sigmoid scores")
+    if softmax and spec.norm_topk_prob and spec.moe_topk == 1:
+        raise UnsupportedModel(f"{spec.family} num_experts_per_tok=1 with norm_topk_prob=true is not supported "
+                               "(every token's weight would be 1; Megatron needs the softmax before top-1)")
+    if aux_loss_coeff is None:
+        aux_loss_coeff = spec.aux_loss_coef * spec.moe_topk / len(spec.moe_layers) if spec.moe_layers else 0.0
+    return dict(
+        num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_topk, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=spec.shared_expert_ffn_hidden_size or None,
+        moe_layer_freq=[int(spec.is_moe_layer(i)) for i in range(spec.num_layers)],
+        moe_router_score_function=spec.router_score,
+        moe_router_pre_softmax=softmax and not spec.norm_topk_prob,
+        moe_router_enable_expert_bias=spec.expert_bias, moe_router_bias_update_rate=0.0,
+        moe_router_topk_scaling_factor=spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else None,
+        moe_router_num_groups=spec.router_groups or None, moe_router_group_topk=spec.router_group_topk or None,
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none", moe_aux_loss_coeff=aux_loss_coeff,
+        moe_router_dtype="fp32", moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        expert_model_parallel_size=expert_model_parallel_size,
     )
 
 
 def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: bool = False, seed: int = 1,
-                train=None):
+                train=None, expert_model_parallel_size: int = 1, moe_aux_loss_coeff: float | None = None):
     """A `GPTModel` for `spec` (weights random until the converter loads a checkpoint); `train`: the
-    TrainSection whose --sequence-parallel and --recompute-* apply (`activation_options`)."""
+    TrainSection whose --sequence-parallel and --recompute-* apply (`activation_options`).
+    `expert_model_parallel_size`: the EP size the process groups and the MoE layers are built for."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     install_cpu_shim()
-    ensure_process_groups(tensor_model_parallel_size)
+    define_missing_te_names()
+    _ensure_groups(tensor_model_parallel_size, expert_model_parallel_size)
     seed_model_parallel_rng(seed)
     cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16,
-                             **activation_options(train))
+                             expert_model_parallel_size=expert_model_parallel_size,
+                             moe_aux_loss_coeff=moe_aux_loss_coeff, **activation_options(train))
     impl = transformer_impl(getattr(train, "transformer_impl", "auto"))
-    if impl == "transformer_engine":
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        layer_spec = get_gpt_layer_with_transformer_engine_spec()
-    else:
-        layer_spec = sequence_parallel_norms(get_gpt_layer_local_spec(normalization=cfg.normalization), cfg)
     gpt2 = spec.family == "gpt2"
     model = GPTModel(
-        cfg, layer_spec, vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
+        cfg, layer_specs(cfg, impl), vocab_size=spec.vocab_size, max_sequence_length=spec.max_positions,
         position_embedding_type="learned_absolute" if gpt2 else "rope",
         rotary_base=int(spec.rope_theta) if float(spec.rope_theta).is_integer() else spec.rope_theta,
+        rotary_percent=spec.rotary_fraction,
         share_embeddings_and_output_weights=spec.tied_embeddings,
         parallel_output=False,  # full-vocab logits on every TP rank: the loss needs log-softmax over all of it
     )
+    if spec.positions == "rope":
+        model.rotary_pos_emb.inv_freq = rope_inv_freq(spec)
     model.miles_transformer_impl = impl  # forward_hidden passes packed rows to TE as THD
+    for router in routers(model):  # the aux loss is weighted per micro-batch by `scale_moe_aux_loss`
+        router.calculate_per_token_loss = False
     if bf16:  # as Megatron's Float16Module does: the torch norms (no Apex/TE) are built in fp32
         model = model.bfloat16()
+        for router in routers(model):
+            router._maintain_float32_expert_bias()  # GLM's bias stays fp32, as Megatron keeps it
     if torch.cuda.is_available():
         model = model.cuda()
     return model
+
+
+def _ensure_groups(tp: int, ep: int) -> None:
+    """The process groups for TP (and EP, once `ensure_process_groups` takes an EP size)."""
+    import inspect
+
+    if "expert_model_parallel_size" in inspect.signature(ensure_process_groups).parameters:
+        ensure_process_groups(tp, expert_model_parallel_size=ep)
+        return
+    if ep != 1:
+        raise UnsupportedModel(f"--expert-model-parallel-size={ep} is not supported by this trainer's process groups")
+    ensure_process_groups(tp)
+
+
+def layer_specs(cfg, impl: str):
+    """The decoder's spec: one layer spec for every layer of a dense model (its norms
+    `SequenceParallelTorchNorm` under sequence parallelism), or a block spec with a MoE layer
+    (`moe_layer_freq`) or a dense one per layer."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if impl == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
+                                                              get_gpt_layer_with_transformer_engine_spec)
+
+        if cfg.num_moe_experts:
+            return get_gpt_decoder_block_spec(cfg, use_transformer_engine=True)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm)
+
+    def local(experts):
+        return sequence_parallel_layer(get_gpt_layer_local_spec(
+            num_experts=experts, moe_grouped_gemm=False, qk_layernorm=cfg.qk_layernorm,
+            normalization=cfg.normalization), cfg)
+
+    dense = local(None)
+    norm = dense.submodules.input_layernorm  # SequenceParallelTorchNorm under sequence parallelism
+    if not cfg.num_moe_experts and norm is not SequenceParallelTorchNorm:
+        return dense
+    moe = local(cfg.num_moe_experts) if cfg.num_moe_experts else dense
+    pattern = cfg.moe_layer_freq if cfg.num_moe_experts else [0] * cfg.num_layers
+    return TransformerBlockSubmodules(layer_specs=[moe if m else dense for m in pattern], layer_norm=norm)
+
+
+def routers(model) -> list:
+    """The MoE routers of a model (empty for a dense one), in layer order."""
+    from megatron.core.transformer.moe.router import Router
+
+    return [m for m in unwrap(model).modules() if isinstance(m, Router)]
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """RoPE's inverse frequencies [rotary_dim / 2] (fp32) as transformers computes them: the default
+    ones over the rotated dims (partial rotary: the first `rotary_dim` of each head), and under
+    `llama3` scaling Llama 3.1's rescaled ones with the checkpoint's factor, low/high frequency
+    factors and original context length (transformers' `_compute_llama3_parameters`; Megatron's own
+    `rope_scaling` fixes all but the factor). Set on the model's rotary embedding, which rotates
+    the first `rotary_dim` dims by halves, as transformers' `rotate_half` does."""
+    import math
+
+    dim = spec.rotary_dim
+    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+    if spec.rope_type != "llama3":
+        return inv_freq
+    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
+    old = spec.rope_original_max_positions
+    low_wavelen, high_wavelen = old / low, old / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
 
 
 def transformer_engine_available() -> bool:
@@ -145,17 +272,15 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def sequence_parallel_norms(layer_spec, cfg):
-    """`layer_spec` as is, or under sequence parallelism with torch norms (no Apex) a block spec whose
-    layer and final norms are `SequenceParallelTorchNorm` (state-dict keys unchanged)."""
+def sequence_parallel_layer(layer_spec, cfg):
+    """`layer_spec` as is, or under sequence parallelism with torch norms (no Apex) with its layer
+    norms `SequenceParallelTorchNorm` (state-dict keys unchanged; `layer_specs` builds the block)."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     if not cfg.sequence_parallel or layer_spec.submodules.input_layernorm is not WrappedTorchNorm:
         return layer_spec
     norms = dict(input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm)
-    layer = dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
-    return TransformerBlockSubmodules(layer_specs=[layer] * cfg.num_layers, layer_norm=SequenceParallelTorchNorm)
+    return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
 
 
 def causal_mask(seq_len: int, device=None) -> torch.Tensor:
