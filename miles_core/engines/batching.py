@@ -16,6 +16,12 @@ launcher sets).
 Pause modes (as SGLang's /pause_generation): `in_place` keeps requests and their cache, `retract`
 moves running requests back to the waiting queue (their cache is recomputed from prompt + output when
 they are admitted again), `abort` finishes every request with finish_reason abort.
+
+Routed experts (SGLang's `--enable-return-routed-experts` with a request's `return_routed_experts`):
+with `capture_routes`, a request that asks for them collects, for every position the model ran
+(prefill and decode; a retracted request's are recomputed), the top-k expert ids of each MoE layer,
+and its finish event carries those of positions `routed_experts_start_len` .. (prompt + output - 1):
+the last output token never went through the model. SGLang's range and its check of the start.
 """
 
 from __future__ import annotations
@@ -132,6 +138,9 @@ class Request:
     finish: dict | None = None
     created: float = field(default_factory=time.monotonic)
     gen: torch.Generator | None = None  # its own generator when it carries a sampling_seed
+    return_routed_experts: bool = False  # SGLang's request field (recorded when the engine captures routes)
+    routed_experts_start_len: int = 0  # the first position whose routed experts are returned
+    routes: list[torch.Tensor] = field(default_factory=list)  # [positions, MoE layers, k] pieces, in order
 
 
 @dataclass
@@ -143,13 +152,21 @@ class TokenEvent:
     logprob: float | None
     version: int
     finish: dict | None
+    routed_experts: torch.Tensor | None = None  # on a finish: [positions, MoE layers, k] int32 (see the module doc)
 
 
 class BatchEngine:
     def __init__(self, model: CausalLM, weight_version: int = 0, max_running: int = 512,
-                 max_total_tokens: int = 4096, seed: int = 0, eos_token_ids=None, decode=None):
+                 max_total_tokens: int = 4096, seed: int = 0, eos_token_ids=None, decode=None,
+                 capture_routes: bool = False):
         """`eos_token_ids`: the model's EOS ids (config.json and generation_config.json; default the
-        spec's). `decode(ids) -> str`: the tokenizer, needed for `stop` strings."""
+        model's). `decode(ids) -> str`: the tokenizer, needed for `stop` strings. `capture_routes`:
+        record routed experts for the requests that ask (SGLang's --enable-return-routed-experts; a
+        MoE model only, as SGLang's capturer needs num_experts_per_tok)."""
+        if capture_routes and not model.spec.moe:
+            raise ValueError(f"--enable-return-routed-experts needs a mixture-of-experts model; this "
+                             f"{model.spec.family} model is dense and routes no token to experts")
+        self.capture_routes = capture_routes
         self.model = model
         self.version = weight_version
         self.max_running = max_running
@@ -160,7 +177,7 @@ class BatchEngine:
         self.paused = False
         self.gen = torch.Generator().manual_seed(seed)
         self.cache = model.new_cache(min(max_running, 64), min(self.max_len, 64))
-        self._eos = set(model.spec.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self._eos = set(model.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.decode = decode
 
     # ---- requests -----------------------------------------------------------------------------
@@ -181,6 +198,8 @@ class BatchEngine:
         if req.rid in self.requests:
             raise ValueError(f"rid {req.rid!r} is already in flight on this engine")
         self.check(req)
+        if req.return_routed_experts and not 0 <= req.routed_experts_start_len <= len(req.input_ids):
+            return [TokenEvent(req.rid, None, None, self.version, {"type": "abort", "message": _start_len_error(req)})]
         if req.params.max_new_tokens == 0:
             return [TokenEvent(req.rid, None, None, self.version, {"type": "length", "length": 0})]
         if req.params.sampling_seed is not None and req.gen is None:
@@ -242,8 +261,10 @@ class BatchEngine:
             tokens = torch.tensor([r.output_ids[-1] for r in decoding])
             positions = torch.tensor([r.cached for r in decoding])
             logits = self.model.decode(self.cache, tokens, positions)
-            for r in decoding:
+            for i, r in enumerate(decoding):
                 r.cached += 1
+                if self._records(r):
+                    r.routes.append(self.model.last_routes[i:i + 1].clone())
             events += self._sample(decoding, logits)
         if admitted:
             first = len(self.running) - len(admitted)
@@ -252,8 +273,10 @@ class BatchEngine:
             width = int(lengths.max())
             tokens = torch.tensor([s + [0] * (width - len(s)) for s in seqs])  # right-padded
             logits = self.model.prefill(self.cache, first, tokens, lengths)
-            for r, n in zip(admitted, lengths.tolist()):
+            for i, (r, n) in enumerate(zip(admitted, lengths.tolist())):
                 r.cached = n
+                if self._records(r):  # every position again (a retracted request's too)
+                    r.routes = [self.model.last_routes[i, :n].clone()]
             events += self._sample(admitted, logits)
         events += self._reap([r for r in self.running if r.finish is not None])
         return events
@@ -353,8 +376,19 @@ class BatchEngine:
         events = []
         for r in finished:
             self.requests.pop(r.rid, None)
-            events.append(TokenEvent(r.rid, None, None, self.version, r.finish))
+            events.append(TokenEvent(r.rid, None, None, self.version, r.finish, self._routes(r)))
         return events
+
+    def _records(self, r: Request) -> bool:
+        return self.capture_routes and r.return_routed_experts
+
+    def _routes(self, r: Request) -> torch.Tensor | None:
+        """A finished request's routed experts: positions start .. cached-1 (SGLang's [start, seqlen - 1))."""
+        if not self._records(r):
+            return None
+        spec = self.model.spec
+        ran = torch.cat(r.routes) if r.routes else torch.zeros(0, len(spec.moe_layers), spec.moe_topk, dtype=torch.int32)
+        return ran[min(r.routed_experts_start_len, len(ran)):]
 
     def _ensure_capacity(self, slots: int, length: int) -> None:
         _, _, s, _, l, _ = self.cache.shape
@@ -365,6 +399,16 @@ class BatchEngine:
         grown = self.model.new_cache(new_s, new_l)
         grown[:, :, :s, :, :l] = self.cache
         self.cache = grown
+
+
+def _start_len_error(req: Request) -> str:
+    """SGLang 0.5.23's abort message for a routed_experts_start_len outside [0, prompt tokens]."""
+    start = req.routed_experts_start_len
+    if start < 0:
+        return (f"recv_req.routed_experts_start_len={start} is lower than 0. "
+                "Please use a non-negative routed_experts_start_len.")
+    return (f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+            f"len(req.origin_input_ids)={len(req.input_ids)}. Please use a smaller routed_experts_start_len.")
 
 
 def _pow2(n: int) -> int:

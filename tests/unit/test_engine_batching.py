@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_core.engines.batching import BatchEngine, Request, SamplingParams
-from miles_core.engines.model import CausalLM, ModelLoadError, read_spec
+from miles_core.engines.model import CausalLM, ModelLoadError, read_eos_token_ids, read_spec
 from miles_core.models.builtin import EOS_ID, materialize_checkpoint
 
 torch.set_num_threads(1)
@@ -182,7 +182,7 @@ def test_stop_tokens_eos_and_position_limit(ckpts):
     assert res["stop"]["finish"]["type"] == "stop" and len(res["stop"]["ids"]) == 1
     assert res["stop"]["finish"]["matched"] == res["stop"]["ids"][0]
     assert res["limit"]["finish"] == {"type": "length", "length": 3}  # 32 positions - 29 prompt tokens
-    assert EOS_ID in read_spec(ckpts["builtin:tiny-gpt"]).eos_token_ids
+    assert EOS_ID in read_eos_token_ids(ckpts["builtin:tiny-gpt"])
 
 
 def test_top_k_1_and_tiny_top_p_are_greedy(ckpts):

@@ -482,7 +482,7 @@ def test_min_new_tokens_ignore_eos_and_generation_config_eos(ckpt, tmp_path):
     """min_new_tokens masks EOS and the stop tokens until that many tokens exist; EOS ids come from
     generation_config.json as well as config.json; ignore_eos keeps going past EOS."""
     spec = read_spec(ckpt)
-    vocab = spec.vocab_size
+    vocab, config_eos = spec.vocab_size, read_eos_token_ids(ckpt)[0]  # config.json's comes first
     (masked,) = _gen(ckpt, [{"max_new_tokens": 6, "temperature": 0, "min_new_tokens": 5,
                              "stop_token_ids": list(range(1, vocab))}])
     assert masked["output_ids"][:5] == [0] * 5 and len(masked["output_ids"]) == 6  # only token 0 was allowed
@@ -498,9 +498,9 @@ def test_min_new_tokens_ignore_eos_and_generation_config_eos(ckpt, tmp_path):
     probe.add(Request("g", PROMPT, SamplingParams(max_new_tokens=1, temperature=0)))
     first = [ev.token for ev in probe.step() if ev.token is not None][0]
     with open(os.path.join(other, "generation_config.json"), "w") as f:
-        json.dump({**gen_cfg, "eos_token_id": [spec.eos_token_ids[0], first]}, f)
+        json.dump({**gen_cfg, "eos_token_id": [config_eos, first]}, f)
     eos = read_eos_token_ids(other)
-    assert eos == (spec.eos_token_ids[0], first)
+    assert eos == (config_eos, first)
     engine = BatchEngine(model, eos_token_ids=eos)
     engine.add(Request("stop", PROMPT, SamplingParams(max_new_tokens=5, temperature=0)))
     engine.add(Request("go", PROMPT, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)))
