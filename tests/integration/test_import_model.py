@@ -114,7 +114,7 @@ def test_legacy_default_rope_scaling_is_rewritten(tiny_llama, tmp_path):
 @pytest.mark.parametrize("case,message", [
     ("missing", "no such file or directory"),
     ("no-safetensors", r"no model.safetensors .*found pytorch_model.bin: convert them to safetensors"),
-    ("gpt2", "model_type='gpt2' is not supported; supported: llama, qwen2"),
+    ("gpt2", "model_type='gpt2' is not supported; supported: llama, qwen2, qwen3, qwen3_moe, glm4_moe"),
     ("linear-rope", "rope_scaling.type='linear' is not supported"),
     ("not-gguf", "not a readable GGUF file"),
     ("gemma-gguf", "GGUF architecture 'gemma' is not supported"),
