@@ -44,11 +44,19 @@ present once a request straddled an update) when the chunk has it; otherwise the
 just before an update but streamed after it would be credited to the new version; the spans are exact).
 Without streaming the spans (or the final version) apply. Versions are integers; an engine that
 reports a non-integer version (SGLang's "default" before the first update) is read as version 0.
+
+Routed experts (rollout routing replay): `return_routed_experts=True` sends SGLang's request field; the
+finished answer's `meta_info.routed_experts` (base64 int32, [positions, num_hidden_layers, top-k]: every
+position but the last, dense layers zeros) becomes `GenerateResult.routed_experts`, the flat id list in
+that layout (`moe_layer_routes` keeps the MoE layers). An engine launched without
+`--enable-return-routed-experts` omits the field (SGLang does so silently): a finished, not aborted
+answer without it raises `EngineRequestError` naming the option, rather than a sample without routes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import logging
 import time
@@ -95,6 +103,7 @@ class GenerateResult:
     abort_message: str = ""
     seconds: float = 0.0
     first_token_seconds: float | None = None  # from the request to its first streamed token
+    routed_experts: list[int] | None = None  # asked for: SGLang's [positions, num_hidden_layers, top-k], flat
 
     @property
     def aborted(self) -> bool:
@@ -119,13 +128,20 @@ class _Stream:
     version: int | None = None
     prompt_tokens: int = 0
     first_token_at: float | None = None  # time.monotonic() of the first chunk with a token
+    want_routes: bool = False  # the request asked for routed experts
+    routed_experts: list[int] | None = None
 
     def result(self, rid: str, url: str, t0: float) -> "GenerateResult":
         """The finished answer (`finish` set)."""
         kind = self.finish.get("type", "abort")
+        if self.want_routes and self.routed_experts is None and kind != "abort":
+            raise EngineRequestError(f"{url}/generate: request {rid} asked for return_routed_experts but the answer "
+                                     "has no meta_info.routed_experts; launch the engine with "
+                                     "--enable-return-routed-experts (a mixture-of-experts model)")
         return GenerateResult(self.output_ids, self.logprobs, self.versions, kind, self.version, self.prompt_tokens,
                               len(self.output_ids), rid, url, self.finish.get("message", "") if kind == "abort" else "",
-                              time.monotonic() - t0, None if self.first_token_at is None else self.first_token_at - t0)
+                              time.monotonic() - t0, None if self.first_token_at is None else self.first_token_at - t0,
+                              self.routed_experts)
 
     def absorb(self, chunk: dict) -> None:
         meta = chunk.get("meta_info") or {}
@@ -143,6 +159,8 @@ class _Stream:
         self.versions.extend([self.version if self.version is not None else 0] * len(new_ids))
         self._apply_spans(meta.get("weight_versions"))
         self.prompt_tokens = int(meta.get("prompt_tokens", self.prompt_tokens))
+        if meta.get("routed_experts") is not None:
+            self.routed_experts = decode_routed_experts(meta["routed_experts"])
         if meta.get("finish_reason") is not None:
             self.finish = meta["finish_reason"]
 
@@ -166,7 +184,8 @@ class _Batch:
         self.single = not isinstance(payload["rid"], list)
         self.rids: list[str] = [payload["rid"]] if self.single else payload["rid"]
         inputs = [payload["input_ids"]] if self.single else payload["input_ids"]
-        self.streams = [_Stream(prompt_tokens=len(ids)) for ids in inputs]
+        routes = bool(payload.get("return_routed_experts"))
+        self.streams = [_Stream(prompt_tokens=len(ids), want_routes=routes) for ids in inputs]
         self._results: list[GenerateResult | None] = [None] * len(self.rids)
 
     def absorb(self, i: int, chunk: dict, url: str) -> bool:
@@ -211,6 +230,29 @@ async def _sse_data(content: aiohttp.StreamReader):
                 yield line[5:].strip()
     if buf.strip().startswith(b"data:"):
         yield buf.strip()[5:].strip()
+
+
+def _routes_field(wanted: bool) -> dict:
+    return {"return_routed_experts": True} if wanted else {}
+
+
+def decode_routed_experts(b64: str) -> list[int]:
+    """SGLang's `meta_info.routed_experts` (base64 of int32, native little-endian) as a flat list of ids."""
+    raw = base64.b64decode(b64)
+    if len(raw) % 4:
+        raise EngineRequestError(f"meta_info.routed_experts holds {len(raw)} bytes, not whole int32s")
+    return memoryview(raw).cast("i").tolist()
+
+
+def moe_layer_routes(ids: list[int], num_layers: int, moe_layers: tuple[int, ...], topk: int) -> list[int]:
+    """SGLang's flat [positions, num_hidden_layers, top-k] routed experts restricted to the MoE layers
+    (in `moe_layers` order): the flat [positions, MoE layers, top-k] a sample keeps."""
+    per = num_layers * topk
+    if per == 0 or len(ids) % per:
+        raise EngineRequestError(f"{len(ids)} routed expert ids are not a whole number of positions x "
+                                 f"{num_layers} layers x top-{topk}")
+    return [ids[p * per + layer * topk + j] for p in range(len(ids) // per) for layer in moe_layers
+            for j in range(topk)]
 
 
 def parse_version(v: Any) -> int | None:
@@ -290,16 +332,18 @@ class EngineClient:
 
     # ---- generation ---------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None, *, rid: str | None = None,
-                       return_logprob: bool = True, stream: bool = True, url: str | None = None) -> GenerateResult:
+                       return_logprob: bool = True, stream: bool = True, url: str | None = None,
+                       return_routed_experts: bool = False) -> GenerateResult:
         """Generate on the least-loaded engine (or `url`). Never raises for engine failures: see module doc."""
         payload = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
-                   "rid": rid or uuid.uuid4().hex, "return_logprob": return_logprob, "stream": stream}
+                   "rid": rid or uuid.uuid4().hex, "return_logprob": return_logprob, "stream": stream,
+                   **_routes_field(return_routed_experts)}
         return (await self._generate(url, _Batch(payload, time.monotonic(), self._note_served)))[0]
 
     async def generate_batch(self, input_ids: list[list[int]], sampling_params: dict | list[dict] | None = None, *,
                              rids: list[str] | None = None, return_logprob: bool = True, stream: bool = True,
                              url: str | None = None, on_result: Callable[[int, GenerateResult], None] | None = None,
-                             abort_rest: bool = True) -> list[GenerateResult]:
+                             abort_rest: bool = True, return_routed_experts: bool = False) -> list[GenerateResult]:
         """Generate several inputs in one request to one engine (SGLang's batched `/generate`: lists of
         `input_ids` and `rid`; each streamed chunk carries its item's `index`). `sampling_params`: one
         dict for every item, or one per item. `on_result(i, result)` runs as soon as item i finished.
@@ -312,7 +356,7 @@ class EngineClient:
                              f"({len(input_ids)} inputs, {len(rids)} rids)")
         params = [dict(p) for p in sampling_params] if isinstance(sampling_params, list) else dict(sampling_params or {})
         payload = {"input_ids": [list(ids) for ids in input_ids], "sampling_params": params, "rid": rids,
-                   "return_logprob": return_logprob, "stream": stream}
+                   "return_logprob": return_logprob, "stream": stream, **_routes_field(return_routed_experts)}
         return await self._generate(url, _Batch(payload, time.monotonic(), self._note_served, on_result, abort_rest))
 
     async def _generate(self, url: str | None, batch: "_Batch") -> list[GenerateResult]:

@@ -41,6 +41,18 @@ the new `output_ids`, `text` and `meta_info.output_token_logprobs`; `completion_
 A request whose tokens span weight versions carries SGLang 0.5.23's `meta_info.weight_versions`
 ([{version, start, end}] over the output tokens).
 
+Routed experts (rollout routing replay), as SGLang 0.5.23 returns them: launched with
+`--enable-return-routed-experts` (SGLang's ServerArgs.enable_return_routed_experts; refused at start for
+a dense model, which SGLang's capturer cannot size either), a `/generate` with `"return_routed_experts":
+true` gets, in its finished answer (the last chunk when streamed), `meta_info.routed_experts`: base64 of
+the int32 array [positions, num_hidden_layers, num_experts_per_tok] (C order) of the experts each
+position was routed to, over positions `routed_experts_start_len` (default 0; above the prompt length
+the request ends aborted with SGLang's message) .. prompt + output - 1 (the last output token never ran);
+a dense layer's row is zeros. Without the launch option the field is absent, as in SGLang
+(state_capturer/routed_experts.py, managers/scheduler_components/batch_result_processor.py
+_maybe_collect_routed_experts, managers/tokenizer_manager.py). `return_routed_experts` and
+`routed_experts_start_len` are one value for every item of a batch (GenerateReqInput.__getitem__).
+
 Batches (SGLang's GenerateReqInput): `input_ids` a list of lists (or `text` a list of strings) makes each
 item a request of its own, with its rid (`rid` a list, one string that item i suffixes with `_i`, or
 none), and `sampling_params` / `return_logprob` either one value for all or a list of one per item; the
@@ -132,7 +144,7 @@ class _Progress:
     """What a /generate handler has accumulated for one of its requests (item `index` of a batch)."""
 
     __slots__ = ("req", "index", "logprob", "queue", "output_ids", "logprobs", "versions", "finish", "version",
-                 "sent", "text", "sent_text", "detok")
+                 "sent", "text", "sent_text", "detok", "routes")
 
     def __init__(self, req: Request, index: int | None, logprob: bool, queue: asyncio.Queue, version: int,
                  detok=None):
@@ -147,13 +159,15 @@ class _Progress:
         self.text = ""  # decoded output so far (incremental detokenization)
         self.sent_text = 0  # characters of `text` already streamed
         self.detok = detok  # tokenizers.decoders.DecodeStream, or None without a tokenizer
+        self.routes = None  # the finish event's routed experts (torch [positions, MoE layers, k]), when captured
 
 
 class CpuEngineServer:
     def __init__(self, model_path: str, weight_version: int = 0, max_running_requests: int = 512,
                  max_total_tokens: int = 4096, seed: int = 0, stream_interval: int = 8,
                  dist_timeout_seconds: float = 120.0, incremental_streaming_output: bool = True,
-                 health_check_timeout: float = 20.0, api_token: str | None = None):
+                 health_check_timeout: float = 20.0, api_token: str | None = None,
+                 enable_return_routed_experts: bool = False):
         self.model_path = model_path
         self.api_token = api_token  # every endpoint needs it when set (miles_core.engines.auth)
         self.stream_interval = stream_interval
@@ -163,7 +177,8 @@ class CpuEngineServer:
         self.tokenizer = _load_tokenizer(model_path)
         decode = (lambda ids: self.tokenizer.decode(ids)) if self.tokenizer is not None else None
         self.engine = BatchEngine(model, weight_version, max_running_requests, max_total_tokens, seed,
-                                  eos_token_ids=read_eos_token_ids(model_path), decode=decode)
+                                  eos_token_ids=read_eos_token_ids(model_path), decode=decode,
+                                  capture_routes=enable_return_routed_experts)
         self.dead: str | None = None  # why the batching loop died (then /health answers 503)
         self.update_session = False  # SGLang 0.5.23's weight-update session (begin/end_weight_update)
         self.on_fatal = None  # called once when the loop dies (main() exits the process, as SGLang does)
@@ -419,6 +434,7 @@ class CpuEngineServer:
                 prog.text += prog.detok.step(self.tokenizer, ev.token) or ""
         if ev.finish is not None:
             prog.finish = ev.finish
+            prog.routes = ev.routed_experts
         prog.version = ev.version
 
     def _parse_generate(self, body: dict) -> _Generate:
@@ -428,7 +444,10 @@ class CpuEngineServer:
         prompts, single = self._prompts(body)
         n = len(prompts)
         params = [SamplingParams.from_json(p) for p in _each(body, "sampling_params", n, single)]
-        reqs = [Request(rid, ids, p) for rid, ids, p in zip(_rids(body.get("rid"), n, single), prompts, params)]
+        routed = _typed("return_routed_experts", body.get("return_routed_experts", False), bool)
+        start = _typed("routed_experts_start_len", body.get("routed_experts_start_len", 0), int)
+        reqs = [Request(rid, ids, p, return_routed_experts=routed, routed_experts_start_len=start)
+                for rid, ids, p in zip(_rids(body.get("rid"), n, single), prompts, params)]
         wants = [bool(w) for w in _each(body, "return_logprob", n, single)]
         return _Generate(reqs, wants, bool(body.get("stream", False)), single)
 
@@ -478,6 +497,8 @@ class CpuEngineServer:
             meta["weight_version"] = spans[-1]["version"]
         if prog.logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(prog.logprobs[start:], ids)]
+        if prog.finish is not None and prog.routes is not None:
+            meta["routed_experts"] = encode_routed_experts(prog.routes, self.engine.model.spec)
         out_text = text[prog.sent_text:] if delta else text
         prog.sent, prog.sent_text = len(prog.output_ids), max(prog.sent_text, len(text))
         return {"text": out_text, "output_ids": list(ids), "meta_info": meta}
@@ -832,7 +853,7 @@ class CpuEngineServer:
             "is_generation": True, "preferred_sampling_params": None, "weight_version": str(self.engine.version),
             "load_format": "safetensors", "reasoning_parser": None, "tool_call_parser": None,
             "disaggregation_mode": "null", "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": "gpt2" if spec.family == "gpt2" else "llama", "architectures": None,
+            "model_type": spec.family, "architectures": None,
         })
 
     async def abort_request(self, request: web.Request) -> web.Response:
@@ -940,6 +961,19 @@ def _final_text(prog: _Progress, params: SamplingParams) -> str:
         if at >= 0:
             return prog.text[:at]
     return prog.text
+
+
+def encode_routed_experts(routes, spec) -> str:
+    """SGLang's `meta_info.routed_experts`: base64 of int32 [positions, num_hidden_layers, top-k] (C order),
+    from `routes` [positions, MoE layers, k] (the MoE layers in `spec.moe_layers` order); a dense
+    layer's row stays zeros, as in SGLang's capture buffer (only MoE layers write to it)."""
+    import base64
+
+    import torch
+
+    full = torch.zeros(routes.shape[0], spec.num_layers, spec.moe_topk, dtype=torch.int32)
+    full[:, list(spec.moe_layers)] = routes.to(torch.int32)
+    return base64.b64encode(full.numpy().tobytes()).decode("ascii")
 
 
 def _version_spans(versions: list[int]) -> list[dict]:
@@ -1254,6 +1288,9 @@ def main(argv: list[str] | None = None) -> None:
                     default=float(os.environ.get("MILES_CPU_ENGINE_EXIT_AFTER_FAULT_SECONDS", 1.0)),
                     help="When the batching loop dies, exit (code 1) this long after aborting the requests "
                          "in flight, as SGLang's server exits when its scheduler dies.")
+    ap.add_argument("--enable-return-routed-experts", action="store_true",
+                    help="Return each position's routed experts when a /generate asks (return_routed_experts; "
+                         "SGLang's flag). A mixture-of-experts model only.")
     args = ap.parse_args(argv)
 
     import torch
@@ -1262,9 +1299,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     async def run() -> tuple[int, bool]:
-        server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
-                                 args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds,
-                                 args.incremental_streaming_output, args.health_check_timeout, engine_token())
+        try:
+            server = CpuEngineServer(args.model_path, args.weight_version, args.max_running_requests,
+                                     args.max_total_tokens, args.seed, args.stream_interval, args.dist_timeout_seconds,
+                                     args.incremental_streaming_output, args.health_check_timeout, engine_token(),
+                                     args.enable_return_routed_experts)
+        except (ModelLoadError, ValueError) as e:
+            ap.error(str(e))
         runner = await serve(server, args.host, args.port)
         log.info("CPU engine serving %s on http://%s:%d (weight version %d; API token %s)", args.model_path,
                  args.host, args.port, args.weight_version, "required" if server.api_token else "not set")

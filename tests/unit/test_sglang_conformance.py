@@ -17,24 +17,32 @@ check both sides against it:
   the batched `/generate` (`BATCH`): `input_ids` a list of lists, the items entering the engine together,
   `rid` a list / one string (item i gets "{rid}_{i}") / none, per-item or shared `sampling_params` and
   `return_logprob`; not streamed, a list of the items' answers in order; streamed, every chunk carries the
-  item's `index`, then one [DONE].
+  item's `index`, then one [DONE];
+- routed experts (`ROUTED`): `return_routed_experts` / `routed_experts_start_len` are GenerateReqInput
+  fields, the launch option is `--enable-return-routed-experts`, and the finished answer's
+  `meta_info.routed_experts` is base64 int32 [positions, num_hidden_layers, top-k] over positions
+  start .. prompt + output - 1 (dense layers zeros), absent without the launch option; a start above the
+  prompt ends the request aborted; a dense model is refused the option.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import socket
 
 import aiohttp
+import numpy as np
 import pytest
 import torch
 from aiohttp import web
 
 from miles_core.engines.batching import DEFAULT_MAX_NEW_TOKENS, BatchEngine, Request, SamplingParams
-from miles_core.engines.client import EngineClient
+from miles_core.engines.client import EngineClient, EngineRequestError, decode_routed_experts, moe_layer_routes
 from miles_core.engines.cpu_server import CpuEngineServer, serve
+from miles_core.engines.cpu_server import main as cpu_server_main
 from miles_core.engines.model import CausalLM, read_eos_token_ids, read_safetensors, read_spec
 from miles_core.models.builtin import materialize_checkpoint
 
@@ -51,7 +59,8 @@ SGLANG = {
         "methods": {"POST", "PUT"}, "required": set(),
         "request": {"rid", "text", "input_ids", "sampling_params", "return_logprob", "logprob_start_len",
                     "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "lora_path",
-                    "custom_logit_processor", "return_hidden_states", "priority", "extra_key", "no_logs"},
+                    "custom_logit_processor", "return_hidden_states", "priority", "extra_key", "no_logs",
+                    "return_routed_experts", "routed_experts_start_len"},
         "response": {"text", "output_ids", "meta_info"},
         "source": f"{IO} GenerateReqInput; {HTTP} generate_request; {TM} _handle_batch_output",
     },
@@ -139,7 +148,16 @@ SAMPLING_DEFAULTS = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "t
                      "frequency_penalty": 0.0, "presence_penalty": 0.0, "sampling_seed": None,
                      "no_stop_trim": False, "skip_special_tokens": True}
 META_FIELDS = {"id", "finish_reason", "prompt_tokens", "weight_version", "completion_tokens", "cached_tokens",
-               "e2e_latency", "output_token_logprobs", "weight_versions", "num_retractions", "reasoning_tokens"}
+               "e2e_latency", "output_token_logprobs", "weight_versions", "num_retractions", "reasoning_tokens",
+               "routed_experts"}
+# SGLang 0.5.23's routed-expert capture: the server option (python/sglang/srt/arg_groups/fields/exec_.py
+# enable_return_routed_experts; the flag string in python/sglang/kernels/plugin_kernels/nvidia/spec.py), the
+# request fields (IO GenerateReqInput), the response field and its layout
+# (python/sglang/srt/state_capturer/routed_experts.py RoutedExpertsCapturer: [tokens, num_hidden_layers,
+# num_experts_per_tok] int32; state_capturer/base.py get_topk: positions [start_len, seqlen - 1);
+# {TM} _handle_batch_output: meta_info["routed_experts"] = base64 of the int32 bytes).
+ROUTED = {"option": "--enable-return-routed-experts", "request": ("return_routed_experts", "routed_experts_start_len"),
+          "meta": "routed_experts", "dtype": "int32"}
 PROMPT = [1, 2, 3, 4, 10]
 
 
@@ -182,6 +200,8 @@ class Recorder:
             meta = {"id": "r", "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 5,
                     "completion_tokens": 1, "weight_version": "3", "output_token_logprobs": [[-0.5, 7, None]]}
             chunk = {"text": "x", "output_ids": [7], "meta_info": meta}
+            if body.get("return_routed_experts"):  # one position x 1 layer x top-2
+                meta["routed_experts"] = base64.b64encode(np.array([[[3, 1]]], dtype=np.int32).tobytes()).decode()
             if body.get("stream"):
                 resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
                 await resp.prepare(request)
@@ -219,6 +239,8 @@ def test_client_requests_match_sglang():
                 await c.generate(PROMPT, params, stream=False)
                 await c.generate_batch([PROMPT, PROMPT], params)  # a group: SGLang's batch, one rid per item
                 await c.generate_batch([PROMPT, PROMPT], [params, params], stream=False)
+                routed = await c.generate(PROMPT, params, return_routed_experts=True)
+                assert routed.routed_experts == [3, 1]
                 assert await c.health(url) and await c.health_generate(url)
                 assert await c.get_weight_version() == {url: 3}
                 await c.model_info(url)
@@ -257,6 +279,7 @@ def test_client_requests_match_sglang():
         seen.add(path)
     assert "/get_weight_version" not in seen and {"/model_info", "/health", "/generate"} <= seen
     assert sum(p == "/generate" and isinstance(b["input_ids"][0], list) for _, p, b in rec.calls) == 2
+    assert sum(bool(b.get(ROUTED["request"][0])) for _, p, b in rec.calls if p == "/generate") == 1
     # the liveness probe does not generate: health() asked /model_info; only health_generate() asked /health
     assert [p for _, p, _ in rec.calls].count("/health") == 1
     disk = [b for _, p, b in rec.calls if p == "/update_weights_from_disk"][0]
@@ -542,3 +565,88 @@ def test_sampling_seed_is_per_request(ckpt):
     assert crowd[0]["output_ids"] == crowd[3]["output_ids"] == alone
     (long,) = _gen(ckpt, [{"ignore_eos": True}])  # default max_new_tokens 128, capped by 32 positions
     assert long["meta_info"]["finish_reason"]["type"] == "length" and len(long["output_ids"]) == 32 - len(PROMPT)
+
+
+# ---- routed experts ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def moe_ckpt(tmp_path_factory):
+    """A tiny GLM-4.5-style model (transformers' own classes): layer 0 dense, layers 1-2 MoE, top-4 of 8."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Glm4MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=24, moe_intermediate_size=8,
+                                     num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                     n_routed_experts=8, num_experts_per_tok=4, n_group=1, topk_group=1,
+                                     n_shared_experts=1, first_k_dense_replace=1, max_position_embeddings=64,
+                                     initializer_range=0.2, eos_token_id=None)
+    path = str(tmp_path_factory.mktemp("conformance") / "glm4moe")
+    transformers.Glm4MoeForCausalLM(cfg).save_pretrained(path)
+    return path
+
+
+def _routes(b64: str, rows: int) -> torch.Tensor:
+    return torch.tensor(decode_routed_experts(b64), dtype=torch.int32).view(rows, 3, 4)
+
+
+def test_routed_experts_as_sglang_returns_them(moe_ckpt):
+    """With the launch option, the finished answer (and only the last chunk of a stream) carries
+    base64 int32 [prompt + output - 1 - start, num_hidden_layers, top-k]: the dense layer's rows zeros,
+    the MoE layers' the experts the model routed each position to; batches carry them per item."""
+    new = 5
+    req = {"input_ids": PROMPT, "return_routed_experts": True,
+           "sampling_params": {"max_new_tokens": new, "temperature": 0, "ignore_eos": True}}
+
+    async def body(url, server):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/generate", json=req) as r:
+                out = await r.json()
+            async with s.post(url + "/generate", json={**req, "stream": True}) as r:
+                chunks = [json.loads(line[6:]) for line in (await r.text()).split("\n\n")
+                          if line.startswith("data: {")]
+            async with s.post(url + "/generate", json={**req, "routed_experts_start_len": 2,
+                                                       "input_ids": [PROMPT, PROMPT[:3]]}) as r:
+                batch = await r.json()
+            async with s.post(url + "/generate", json={**req, "routed_experts_start_len": len(PROMPT) + 1}) as r:
+                beyond = await r.json()
+            async with EngineClient([url]) as c:
+                res = await c.generate(PROMPT, req["sampling_params"], return_routed_experts=True)
+        return out, chunks, batch, beyond, res
+
+    out, chunks, batch, beyond, res = with_engine(moe_ckpt, body, enable_return_routed_experts=True)
+    assert set(out["meta_info"]) <= META_FIELDS and ROUTED["meta"] in out["meta_info"]
+    seq = PROMPT + out["output_ids"]
+    got = _routes(out["meta_info"]["routed_experts"], len(seq) - 1)
+    lm = CausalLM.load(moe_ckpt)
+    lm.prefill(lm.new_cache(1, 16), 0, torch.tensor([seq]), torch.tensor([len(seq)]))
+    assert torch.equal(got[:, 0], torch.zeros(len(seq) - 1, 4, dtype=torch.int32))  # layer 0 is dense
+    assert torch.equal(got[:, 1:], lm.last_routes[0, :-1])
+    assert [ROUTED["meta"] in c["meta_info"] for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert torch.equal(_routes(chunks[-1]["meta_info"]["routed_experts"], len(seq) - 1), got)
+    assert torch.equal(_routes(batch[0]["meta_info"]["routed_experts"], len(seq) - 3), got[2:])
+    assert _routes(batch[1]["meta_info"]["routed_experts"], 3 + new - 1 - 2).shape[0] == 5  # 3-token prompt
+    assert beyond["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "is higher than the number of input tokens" in beyond["meta_info"]["finish_reason"]["message"]
+    assert res.routed_experts == decode_routed_experts(out["meta_info"]["routed_experts"])
+    moe_only = torch.tensor(moe_layer_routes(res.routed_experts, 3, (1, 2), 4)).view(len(seq) - 1, 2, 4)
+    assert torch.equal(moe_only.int(), got[:, 1:])
+
+
+def test_routed_experts_need_the_launch_option_and_a_moe_model(moe_ckpt, ckpt):
+    """Without --enable-return-routed-experts the field is absent (as in SGLang) and the client, which
+    asked, raises naming the option; a dense model is refused the option at start."""
+    req = {"input_ids": PROMPT, "return_routed_experts": True, "sampling_params": {"max_new_tokens": 2}}
+
+    async def body(url, server):
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url + "/generate", json=req) as r:
+                out = await r.json()
+        async with EngineClient([url]) as c:
+            with pytest.raises(EngineRequestError, match=ROUTED["option"]):
+                await c.generate(PROMPT, {"max_new_tokens": 2}, return_routed_experts=True)
+        return out
+
+    assert ROUTED["meta"] not in with_engine(moe_ckpt, body)["meta_info"]
+    with pytest.raises(ValueError, match=f"{ROUTED['option']} needs a mixture-of-experts model"):
+        CpuEngineServer(ckpt, enable_return_routed_experts=True)
+    with pytest.raises(SystemExit) as exit_:  # the command line: a usage error before serving
+        cpu_server_main(["--model-path", ckpt, "--port", str(_free_port()), ROUTED["option"]])
+    assert exit_.value.code == 2
