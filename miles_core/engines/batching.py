@@ -387,7 +387,8 @@ class BatchEngine:
         if not self._records(r):
             return None
         spec = self.model.spec
-        ran = torch.cat(r.routes) if r.routes else torch.zeros(0, len(spec.moe_layers), spec.moe_topk, dtype=torch.int32)
+        none = torch.zeros(0, len(spec.moe_layers), spec.moe_topk, dtype=torch.int32)
+        ran = torch.cat(r.routes) if r.routes else none
         return ran[min(r.routed_experts_start_len, len(ran)):]
 
     def _ensure_capacity(self, slots: int, length: int) -> None:

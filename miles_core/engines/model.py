@@ -390,7 +390,8 @@ def _hf_shape(spec: ModelSpec, name: str) -> tuple[int, ...]:
     else:
         f = spec.ffn_hidden_size
     by_suffix = {  # GPT-2's Conv1D weights are [in, out]
-        "wte.weight": (v, h), "embed_tokens.weight": (v, h), "lm_head.weight": (v, h), "wpe.weight": (spec.max_positions, h),
+        "wte.weight": (v, h), "embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
+        "wpe.weight": (spec.max_positions, h),
         "attn.c_attn.weight": (h, 3 * h), "attn.c_attn.bias": (3 * h,), "attn.c_proj.weight": (h, h),
         "mlp.c_fc.weight": (h, f), "mlp.c_fc.bias": (f,), "mlp.c_proj.weight": (f, h),
         "q_proj.weight": (q, h), "k_proj.weight": (kv, h), "v_proj.weight": (kv, h), "o_proj.weight": (h, q),
