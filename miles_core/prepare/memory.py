@@ -278,9 +278,9 @@ def _changes(cfg: RunConfig, spec: ModelSpec) -> list[tuple[str, ...]]:
         out += [("--max-tokens-per-gpu", str(n)) for n in (32768, 16384, 8192, 4096, 2048) if n < t.max_tokens_per_gpu]
     else:
         out += [("--micro-batch-size", str(m)) for m in (64, 32, 16, 8, 4, 2, 1) if m < t.micro_batch_size]
-    out += [("--tensor-model-parallel-size", str(n)) for n in (2, 4, 8) if tp < n <= ranks and ranks % n == 0]
+    etp, ep, _ = expert_sizes(cfg)  # a TP size must leave room for the expert-parallel groups (ETP = TP)
+    out += [("--tensor-model-parallel-size", str(n)) for n in (2, 4, 8) if tp < n <= ranks and ranks % (n * ep) == 0]
     if spec.moe and hasattr(t, "expert_model_parallel_size"):  # the routed experts over more ranks
-        etp, ep, _ = expert_sizes(cfg)
         out += [("--expert-model-parallel-size", str(n)) for n in (2, 4, 8, 16, 32, 64)
                 if ep < n and ranks % (etp * n) == 0 and spec.num_experts % n == 0]
     return out
