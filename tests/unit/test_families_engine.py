@@ -188,3 +188,25 @@ def test_a_tensor_of_the_wrong_shape_is_named(family, tmp_path):
     stripped = bad.removeprefix("model.")
     with pytest.raises(ModelLoadError, match=f"tensor '{stripped}' has shape"):
         CausalLM.load(str(snap))
+
+
+def test_weights_received_into_the_fused_layout_are_served_without_copies(family):
+    """A weight update receives into `fused_layout` buffers: q/k/v and every MLP's gate/up (dense, each
+    routed expert, the shared experts) lie there as the forward concatenates them, so the model built
+    from them views the buffers (no copy) and computes the same logits."""
+    from miles_core.engines.model import fused_layout, read_safetensors
+
+    name, _, path = family
+    tensors = read_safetensors(path)
+    received = {k: t.copy_(tensors[k]) for k, t in fused_layout(tensors).items()}
+    lm, ref = CausalLM(read_spec(path), received, path), CausalLM.load(path)
+    for w in lm.layers:
+        shared = [w["shared"]] if "shared" in w else []
+        mlps = [(w["gate_up_w"], None)] if "gate_up_w" in w else [*w["experts"], *shared]
+        fused = [w["qkv_w"], *(gate_up for gate_up, _ in mlps)]
+        assert all(any(t.untyped_storage().data_ptr() == r.untyped_storage().data_ptr() for r in received.values())
+                   for t in fused)
+    tokens = torch.tensor([PROMPTS[0]])
+    length = torch.tensor([len(PROMPTS[0])])
+    torch.testing.assert_close(lm.prefill(lm.new_cache(1, 16), 0, tokens, length),  # kernels see other strides
+                               ref.prefill(ref.new_cache(1, 16), 0, tokens, length), rtol=1e-6, atol=1e-6)
