@@ -60,6 +60,10 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
     problem = recompute_layers_problem(spec.num_layers, recompute_method, recompute_num_layers)
     if problem:
         raise ValueError(problem)
+    if spec.moe and tensor_model_parallel_size > 1 and not sequence_parallel:
+        raise UnsupportedModel(f"a mixture-of-experts model ({spec.family}) with --tensor-model-parallel-size="
+                               f"{tensor_model_parallel_size} needs --sequence-parallel: Megatron's MoE layer does "
+                               "not train tensor-parallel without it")
     gpt2 = spec.family == "gpt2"
     cpu = not torch.cuda.is_available()
     return TransformerConfig(
@@ -215,6 +219,52 @@ def routers(model) -> list:
     from megatron.core.transformer.moe.router import Router
 
     return [m for m in unwrap(model).modules() if isinstance(m, Router)]
+
+
+LOAD_BALANCING = "load_balancing_loss"  # Megatron's aux-loss tracker entry (moe_utils.save_to_aux_losses_tracker)
+
+
+def has_moe_aux_loss(model) -> bool:
+    """Whether the model's MoE routers add a load-balancing loss (a MoE model, coefficient > 0)."""
+    cfg = unwrap(model).config
+    return bool(cfg.num_moe_experts) and bool(cfg.moe_aux_loss_coeff)
+
+
+def scale_moe_aux_loss(weight: float) -> None:
+    """The weight of the load-balancing loss in the next backward. Megatron's routers attach the
+    loss to their output (`MoEAuxLossAutoScaler`), whose backward adds coefficient x weight x its
+    gradient; `build_model` turns off their per-token scaling (which expects Megatron's own
+    division of every gradient by the token count), so the trainer weighs each micro-batch's loss
+    as it weighs its tokens: micro-batch loss tokens / the global batch's. Summed over the
+    micro-batches and the DP ranks, the aux term is the token-weighted mean of the micro-batches'."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(float(weight), device=device))
+
+
+def moe_aux_loss_value(model) -> float | None:
+    """The load-balancing loss of the training forwards since the last call (then reset), in
+    transformers' units (`load_balancing_loss_func` of one layer's router logits: Megatron's
+    tracked value x top-k), averaged over the MoE layers; None when the model adds none. Under
+    sequence parallelism each TP rank holds a part of every layer's sum: summed over the TP group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    if not has_moe_aux_loss(model):
+        return None
+    cfg = unwrap(model).config
+    entry = get_moe_layer_wise_logging_tracker().get(LOAD_BALANCING)
+    if entry is None:
+        return 0.0
+    layers = [i for i, moe in enumerate(cfg.moe_layer_freq) if moe]
+    value = entry["values"][layers].sum() * cfg.moe_router_topk / len(layers)
+    entry["values"].zero_()
+    if cfg.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+        from miles_core.train import collectives
+
+        value = collectives.all_reduce(value.reshape(1), ps.get_tensor_model_parallel_group())[0]
+    return float(value)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:

@@ -9,6 +9,7 @@ TRAIN_STEP_SECONDS = "perf/train_step_seconds"
 OPTIMIZER_STEPS = "train/optimizer_steps"
 MICRO_BATCHES = "train/micro_batches"
 PADDING_FRACTION = "train/padding_fraction"
+MOE_AUX_LOSS = "train/moe_aux_loss"
 
 TRAIN_STEP_METRICS: dict[str, str] = {
     SAMPLES: "Samples that entered the loss this step (failed, aborted and fully masked samples excluded).",
@@ -17,4 +18,5 @@ TRAIN_STEP_METRICS: dict[str, str] = {
     MICRO_BATCHES: "Forward/backward micro-batches DP rank 0 ran this step (--micro-batch-size samples each, or packed to --max-tokens-per-gpu under --use-dynamic-batch-size).",
     PADDING_FRACTION: "Share of the token positions DP rank 0 computed that were padding (right padding to a micro-batch's longest sample; 0 under --use-dynamic-batch-size).",
     TRAIN_STEP_SECONDS: "Seconds of the trainer's forward, backward and optimizer step.",
+    MOE_AUX_LOSS: "A mixture-of-experts model's load-balancing loss (transformers' load_balancing_loss_func of each MoE layer's router logits, mean over the MoE layers; balanced routing gives top-k), token-weighted over the micro-batches; the loss adds router_aux_loss_coef times it (--moe-aux-loss-coeff: Megatron's coefficient instead, per MoE layer, summed). Absent for dense models and without an aux loss.",
 }

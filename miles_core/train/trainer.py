@@ -36,7 +36,9 @@ from miles_core.train import hf_convert, hf_shards, packing
 from miles_core.train import metric_names as TM
 from miles_core.train.cpu_shim import megatron_on_cpu
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
-from miles_core.train.megatron_model import ModelSpec, build_model, build_training, masked_token_logprobs, unwrap
+from miles_core.train.megatron_model import (ModelSpec, build_model, build_training, has_moe_aux_loss,
+                                            masked_token_logprobs, moe_aux_loss_value, scale_moe_aux_loss,
+                                            unwrap)
 from miles_core.train.optimizer_state import load_optimizer_state, optimizer_state
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
@@ -137,7 +139,7 @@ class Trainer:
             grad_norms.append(grad_norm)
         with trace.span("metrics", lane="train"):
             if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
-                sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in sum_keys(self.loss_cfg)}, self.dp_group)
+                sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in self._sum_keys()}, self.dp_group)
             metrics = finalize_metrics(sums, total_tokens) if items else {}
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
@@ -193,8 +195,26 @@ class Trainer:
                 ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"], **row)
         loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
                                  rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
+        aux_tokens = self._weigh_moe_aux_loss(batch["mask"], total_tokens)
         loss.backward()
+        if aux_tokens is not None:  # read after the backward: under full recompute the routers run in it
+            sums[TM.MOE_AUX_LOSS] = moe_aux_loss_value(self.model) * aux_tokens
         return loss, sums
+
+    def _weigh_moe_aux_loss(self, mask: torch.Tensor, total_tokens: float) -> float | None:
+        """Before a micro-batch's backward, a MoE model's load-balancing loss gets the micro-batch's
+        share of the batch's loss tokens as its weight, as the policy loss weighs its tokens
+        (megatron_model.scale_moe_aux_loss); returns those tokens (None: the model adds no aux loss),
+        which weigh its value in train/moe_aux_loss the same way."""
+        if not has_moe_aux_loss(self.model):
+            return None
+        tokens = float(mask.sum())
+        scale_moe_aux_loss(tokens / max(total_tokens, 1.0))
+        return tokens
+
+    def _sum_keys(self) -> tuple[str, ...]:
+        """The metric sums every DP rank reduces (the loss's, and the aux loss of a MoE model that has one)."""
+        return sum_keys(self.loss_cfg) + ((TM.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ())
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer:
