@@ -2,8 +2,13 @@
 
 `ModelSpec.from_hf_config(config.json dict)` reads the family and shapes of an HF checkpoint;
 `build_model(spec)` builds the matching `GPTModel` with the local layer spec:
-- llama / qwen2: RMSNorm, SwiGLU (fc1 = [gate; up]), GQA, RoPE with the checkpoint's theta,
-  qkv bias for Qwen2 (or Llama's `attention_bias`), tied or untied embeddings;
+- llama / qwen2 / qwen3: RMSNorm, SwiGLU (fc1 = [gate; up]), GQA, RoPE with the checkpoint's theta
+  (Llama 3.1's `llama3` scaling: `rope_inv_freq`), qkv bias for Qwen2, q/k norms and a head_dim of
+  its own for Qwen3, tied or untied embeddings;
+- qwen3_moe / glm4_moe: the same attention (GLM: partial rotary, qkv bias, optional q/k norms) and
+  a MoE layer or a dense MLP per layer (`layer_specs`), with the router `moe_options` describes;
+  the load-balancing aux loss reaches the trainer's loss through `scale_moe_aux_loss` and its
+  value through `moe_aux_loss_value` (train/moe_aux_loss);
 - gpt2: LayerNorm, gelu (tanh approximation, HF's `gelu_new`), biases everywhere, learned absolute
   positions (`position_embedding_type="learned_absolute"`, DESIGN §10), tied embeddings.
 `build_model(spec, train=section)` also applies --recompute-* and --sequence-parallel
