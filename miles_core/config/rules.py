@@ -55,9 +55,9 @@ def type_problems(cfg: RunConfig) -> list[str]:
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:
-    rules = (_ranges, _bounds, _finite, _parallel_rules, _memory_saving_rules, _driver_rules, _unsupported, _loss_rules,
-             _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes, _metric_mirrors, _trace_rules,
-             _producer_rules)
+    rules = (_ranges, _bounds, _finite, _parallel_rules, _moe_knob_rules, _memory_saving_rules, _driver_rules,
+             _unsupported, _loss_rules, _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes,
+             _metric_mirrors, _trace_rules, _producer_rules)
     return [problem for rule in rules for problem in rule(cfg)]
 
 
@@ -256,9 +256,170 @@ def _parallel_rules(cfg: RunConfig) -> list[str]:
     if world >= 1 and t.tensor_model_parallel_size >= 1 and world % t.tensor_model_parallel_size:
         p.append(f"--tensor-model-parallel-size={t.tensor_model_parallel_size} must divide the trainer's "
                  f"{world} ranks (--actor-num-nodes x --actor-num-gpus-per-node).")
+    p.extend(_expert_parallel_rules(t, world))
     if cfg.engine.update_weight_buffer_size < 1:
         p.append(f"--update-weight-buffer-size={cfg.engine.update_weight_buffer_size} must be >= 1 (bytes).")
     return p
+
+
+def _expert_parallel_rules(t, world: int) -> list[str]:
+    """Megatron's layout of the routed experts (parallel_state.initialize_model_parallel, megatron-core
+    0.16.1): expert TP x EP ranks hold one copy of every expert, so their product divides the trainer's
+    ranks (the rest is expert data parallelism); the dense layers keep TP x DP over the same ranks. Only
+    the default expert TP size (the dense TP size) is built."""
+    ep, etp, tp = t.expert_model_parallel_size, t.expert_tensor_parallel_size, t.tensor_model_parallel_size
+    if ep < 1:
+        return [f"--expert-model-parallel-size={ep} must be >= 1."]
+    if etp is not None and etp != tp:
+        return [f"--expert-tensor-parallel-size={etp} is not supported with --tensor-model-parallel-size={tp}: the "
+                f"routed experts are split like the dense MLPs (expert TP = TP); drop it or pass {tp}."]
+    if world >= 1 and tp >= 1 and world % (ep * tp):
+        return [f"--expert-model-parallel-size={ep} x --tensor-model-parallel-size={tp} (the expert tensor parallel "
+                f"size) = {ep * tp} must divide the trainer's {world} ranks (--actor-num-nodes x "
+                "--actor-num-gpus-per-node): each group of that many ranks holds every expert once."]
+    if ep > 1 and t.use_distributed_optimizer:
+        return [f"--use-distributed-optimizer with --expert-model-parallel-size={ep} is not supported: checkpoints "
+                "gather the sharded optimizer state onto DP rank 0, and the experts' (sharded over expert DP) "
+                "would need a file of their own per EP rank; drop one of them."]
+    return []
+
+
+def _moe_knob_rules(cfg: RunConfig) -> list[str]:
+    """The --moe-* flags that choose how the trainer runs (not what the model is): each is what the
+    trainer does, or refused by name."""
+    t = cfg.train
+    p = []
+    if t.moe_token_dispatcher_type != "alltoall":
+        p.append(f"--moe-token-dispatcher-type={t.moe_token_dispatcher_type} is not supported: tokens reach their "
+                 "experts through Megatron's alltoall dispatcher (use alltoall, the default).")
+    if t.moe_router_dtype not in (None, "fp32"):
+        p.append(f"--moe-router-dtype={t.moe_router_dtype} is not supported: the router always runs in fp32.")
+    if t.moe_router_bias_update_rate != 0:
+        p.append(f"--moe-router-bias-update-rate={t.moe_router_bias_update_rate} is not supported: the expert bias is "
+                 "a checkpoint weight (GLM's e_score_correction_bias) kept as loaded; use 0.")
+    if t.moe_aux_loss_coeff is not None and t.moe_aux_loss_coeff < 0:
+        p.append(f"--moe-aux-loss-coeff={t.moe_aux_loss_coeff} must be >= 0.")
+    return p
+
+
+# (TrainSection field, ModelSpec field, what the checkpoint's config.json calls it): the miles model
+# flags that describe the model. Given, each must say what the checkpoint is.
+MOE_MODEL_FLAGS = (
+    ("num_experts", "num_experts", "num_experts / n_routed_experts"),
+    ("moe_router_topk", "moe_topk", "num_experts_per_tok"),
+    ("moe_ffn_hidden_size", "moe_ffn_hidden_size", "moe_intermediate_size"),
+    ("moe_shared_expert_intermediate_size", "shared_expert_ffn_hidden_size", "the shared experts' width"),
+    ("moe_router_score_function", "router_score", "the family's router"),
+    ("moe_router_topk_scaling_factor", "routed_scaling_factor", "routed_scaling_factor"),
+    ("moe_router_num_groups", "router_groups", "n_group"),
+    ("moe_router_group_topk", "router_group_topk", "topk_group"),
+)
+
+
+def moe_flag_problems(spec, train) -> list[str]:
+    """What the --moe-* model flags and --expert-model-parallel-size need of the model `spec` (a
+    ModelSpec, read from the checkpoint's config.json): each model flag given equals the checkpoint's
+    value (both named), a dense model takes none of them, and the load-balancing type is one the
+    trainer computes. The checks before a run (miles_core.prepare.checks) and the trainer run it."""
+    given = [(flag, getattr(train, flag)) for flag, _, _ in MOE_MODEL_FLAGS if getattr(train, flag) is not None]
+    given += [(f, v) for f in ("moe_layer_freq", "moe_router_pre_softmax", "moe_router_enable_expert_bias")
+              if (v := getattr(train, f)) not in (None, False)]
+    ep = train.expert_model_parallel_size
+    if not spec.moe:
+        p = [f"--{f.replace('_', '-')}={v} describes a mixture-of-experts model; the checkpoint ({spec.family}) is "
+             "dense: drop it." for f, v in given]
+        if ep > 1:
+            p.append(f"--expert-model-parallel-size={ep}: the checkpoint ({spec.family}) has no experts; expert "
+                     "parallelism needs a mixture-of-experts model.")
+        return p
+    p = []
+    if spec.num_experts % ep:
+        p.append(f"--expert-model-parallel-size={ep} must divide the checkpoint's {spec.num_experts} routed experts "
+                 "(each expert-parallel rank holds an equal contiguous block of them).")
+    grouped = spec.router_groups > 1
+    for flag, field, hf_name in MOE_MODEL_FLAGS:
+        want, have = getattr(spec, field), getattr(train, flag)
+        if field in ("router_groups", "router_group_topk") and not grouped:  # 0 or 1 group: no grouped top-k
+            want, have = 0, 0 if have in (None, 0, 1) else have
+        if have is not None and have != want:
+            p.append(f"--{flag.replace('_', '-')}={have} does not match the checkpoint's {hf_name} = {want}.")
+    p.extend(_moe_layer_freq_problems(spec, train.moe_layer_freq))
+    if train.moe_router_pre_softmax and spec.router_score == "softmax" and spec.norm_topk_prob:
+        p.append("--moe-router-pre-softmax does not match the checkpoint's norm_topk_prob = true (pre-softmax means "
+                 "the chosen experts' weights are not renormalised); drop it.")
+    if train.moe_router_enable_expert_bias and not spec.expert_bias:
+        p.append(f"--moe-router-enable-expert-bias: the checkpoint ({spec.family}) has no expert-score correction "
+                 "bias (e_score_correction_bias); drop it.")
+    p.extend(_load_balancing_problems(spec, train))
+    return p
+
+
+def moe_layer_pattern(value: str, num_layers: int) -> list[int]:
+    """Megatron's --moe-layer-freq: an integer N (layer i is a MoE layer when i % N == 0) or a per-layer
+    list written as list literals joined by + and repeated by * (`[0]*3+[1]*45`), read without eval.
+    ValueError when it is neither."""
+    import ast
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.List):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            a, b = ev(node.left), ev(node.right)
+            return a + b if isinstance(node.op, ast.Add) else a * b
+        raise ValueError(value)
+
+    try:
+        out = ev(ast.parse(value.strip(), mode="eval").body)
+    except SyntaxError:
+        raise ValueError(value) from None
+    if isinstance(out, int):
+        if out < 1:
+            raise ValueError(value)
+        return [int(i % out == 0) for i in range(num_layers)]
+    if not all(v in (0, 1) for v in out):
+        raise ValueError(value)
+    return out
+
+
+def _moe_layer_freq_problems(spec, value: str | None) -> list[str]:
+    if value is None:
+        return []
+    want = [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)]
+    try:
+        have = moe_layer_pattern(value, spec.num_layers)
+    except ValueError:
+        return [f"--moe-layer-freq={value!r}: expected an integer N (every N-th layer) or a pattern of 0/1 lists "
+                "such as [0]*1+[1]*45."]
+    if have != want:
+        return [f"--moe-layer-freq={value!r} gives the MoE layers {[i for i, m in enumerate(have) if m]} of "
+                f"{len(have)}; the checkpoint's {spec.num_layers} layers have them at "
+                f"{[i for i, m in enumerate(want) if m]}."]
+    return []
+
+
+def _load_balancing_problems(spec, train) -> list[str]:
+    """The trainer computes one load-balancing loss (Megatron's aux_loss: transformers' own); another
+    type is accepted only where no aux loss is computed at all."""
+    kind = train.moe_router_load_balancing_type
+    if kind in ("aux_loss", "none"):
+        return []
+    coeff = train.moe_aux_loss_coeff if train.moe_aux_loss_coeff is not None else spec.aux_loss_coef
+    if coeff:
+        return [f"--moe-router-load-balancing-type={kind} is not supported with an aux loss coefficient of {coeff} "
+                "(--moe-aux-loss-coeff, default the checkpoint's router_aux_loss_coef): the trainer computes "
+                "aux_loss (transformers' load-balancing loss); use aux_loss, or none / --moe-aux-loss-coeff 0."]
+    return []
+
+
+def moe_aux_loss_coeff(train) -> float | None:
+    """The Megatron aux loss coefficient the trainer builds with: 0 under --moe-router-load-balancing-type
+    none (or another type, accepted only without an aux loss), --moe-aux-loss-coeff when given, else
+    None (the model's own, derived from the checkpoint)."""
+    if train.moe_router_load_balancing_type != "aux_loss":
+        return 0.0
+    return train.moe_aux_loss_coeff
 
 
 def _memory_saving_rules(cfg: RunConfig) -> list[str]:

@@ -6,8 +6,10 @@ extras.json: opaque JSON the caller passes (data-source cursor, buffer consumpti
 version). Every object is committed atomically by the Store; `COMPLETE` goes last, then the
 `LATEST` pointer. Under tensor parallelism each TP rank's shards go to `{part}.tp{r:02d}.safetensors` /
 `trainer.tp{r:02d}.json`, written by the DP-rank-0 replica of that TP rank (DP replicas hold the
-same state), and global rank 0 marks the directory complete after a barrier. Every rank loads its
-TP rank's files, so a checkpoint resumes at any DP size; another TP size is refused. `latest()` trusts only directories with the marker (one listing), so a crash
+same state), and global rank 0 marks the directory complete after a barrier. Under expert
+parallelism each EP rank holds its own experts (and their optimizer state): its files carry
+`.ep{e:02d}` too and are written by its expert-DP rank 0. Every rank loads its TP (and EP) rank's
+files, so a checkpoint resumes at any DP size; another TP or EP size is refused. `latest()` trusts only directories with the marker (one listing), so a crash
 mid-save leaves the previous checkpoint as the latest.
 
 Checkpoints prove themselves: COMPLETE lists every file of every rank with its size and sha256
@@ -48,14 +50,16 @@ def step_dir(step: int) -> str:
 
 
 def _layout() -> tuple[bool, bool, str]:
-    """(this rank writes shards, this rank marks complete, file suffix of its TP rank)."""
+    """(this rank writes shards, this rank marks complete, file suffix of its TP rank and EP rank).
+    The writer of each (TP rank, EP rank) is its expert-DP rank 0 (without EP: DP rank 0)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return True, True, ""
     from megatron.core import parallel_state as ps
 
-    tp = ps.get_tensor_model_parallel_world_size()
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
     suffix = f".tp{ps.get_tensor_model_parallel_rank():02d}" if tp > 1 else ""
-    return ps.get_data_parallel_rank() == 0, dist.get_rank() == 0, suffix
+    suffix += f".ep{ps.get_expert_model_parallel_rank():02d}" if ep > 1 else ""
+    return ps.get_expert_data_parallel_rank() == 0, dist.get_rank() == 0, suffix
 
 
 def _barrier() -> None:
@@ -184,7 +188,7 @@ class CheckpointManager:
             return CheckpointError(f"checkpoint {self.store.uri(d)} is damaged: its {MARKER} lists {listed[0]}, "
                                    "which is missing")
         return CheckpointError(f"checkpoint {self.store.uri(d)} has no {e} for this trainer's layout; "
-                               "was it saved with another --tensor-model-parallel-size?")
+                               "was it saved with another --tensor-model-parallel-size or --expert-model-parallel-size?")
 
     def listed_files(self, step: int) -> dict[str, dict] | None:
         """The files step `step`'s COMPLETE lists (None: an older version's empty marker)."""

@@ -15,7 +15,9 @@ named gloo groups stand for NCCL and declare the device `cuda`. `torch.distribut
 collectives are wrapped so that a call made outside torch and Megatron on such a group refuses
 (`DeviceRuleError`, naming the collective, the tensor's device and dtype, and the declared device)
 any tensor that is neither on the declared device nor placed there by this module, and any dtype
-outside `NCCL_DTYPES`. Without CUDA this module's own move is simulated: a copy tagged with the
+outside `NCCL_DTYPES`. Megatron's own calls on those groups (the MoE token dispatch's all-to-all and
+all-gathers over the expert-parallel group, sequence parallelism's all-gather and reduce-scatter)
+are held to the dtype rule only: their tensors are its activations, on the CUDA device on GPU. Without CUDA this module's own move is simulated: a copy tagged with the
 declared device, copied back afterwards, so CPU runs take the same copy-in/copy-out path as a GPU
 run. Code that hands a plain CPU tensor to `dist.all_reduce` fails under strict mode as it would on
 NCCL. What strict mode cannot see: object collectives' need for `torch.cuda.set_device` (none are
@@ -39,6 +41,7 @@ NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.flo
 WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
            "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
 UNCHECKED_CALLERS = ("torch.", "megatron.")  # their collectives run on CUDA tensors on GPU
+DTYPE_CHECKED_CALLERS = ("megatron.",)  # ... but NCCL's dtype rule binds them too
 _PLACED = "_miles_placed_on"  # the device type a simulated move put a CPU tensor "on"
 
 _standing: dict = {}  # process group -> the device type it stands for (strict mode)
@@ -155,9 +158,10 @@ def _checked(name: str, fn):
     @functools.wraps(fn)
     def call(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if not caller.startswith(UNCHECKED_CALLERS):
+        ours = not caller.startswith(UNCHECKED_CALLERS)
+        if ours or caller.startswith(DTYPE_CHECKED_CALLERS):
             bound = signature.bind(*args, **kwargs)
-            _check(name, bound.arguments.get("group"), _tensors(bound.arguments.values()))
+            _check(name, bound.arguments.get("group"), _tensors(bound.arguments.values()), device=ours)
         return fn(*args, **kwargs)
 
     call._miles_checked = True
@@ -174,13 +178,14 @@ def _tensors(values) -> list[torch.Tensor]:
     return out
 
 
-def _check(name: str, group, tensors: list[torch.Tensor]) -> None:
+def _check(name: str, group, tensors: list[torch.Tensor], device: bool = True) -> None:
+    """Each tensor of a call on a group standing for NCCL: on its device (`device`) and of a dtype NCCL takes."""
     declared = _standing.get(_resolve(group))
     if declared is None:
         return
     for t in tensors:
         where = getattr(t, _PLACED, None) or t.device.type
-        if where != declared:
+        if device and where != declared:
             raise DeviceRuleError(
                 f"torch.distributed.{name} got a tensor on {t.device} ({t.dtype}, shape {tuple(t.shape)}) for a "
                 f"group whose device is {declared} (NCCL; {STRICT_ENV}={declared} makes this gloo group stand for "

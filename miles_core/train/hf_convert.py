@@ -3,7 +3,8 @@
 Megatron ships no HF converter, so this is ours. What goes where is each family's tensor map
 (miles_core.models.families: `Family.tensors(spec)`, one `Entry` per Megatron tensor); this module
 only applies an entry's kind both ways (packing q/k/v per query group, [gate; up], GPT-2's
-transposed Conv1D weights) and shards and gathers under tensor parallelism. Conversion is pure
+transposed Conv1D weights) and shards and gathers under tensor parallelism, and gathers each
+expert-parallel rank's routed experts under their global numbers (`gather_ep_state`). Conversion is pure
 reshaping (no arithmetic), so HF -> Megatron -> HF is bit-exact. Tied embeddings: Megatron has no
 output_layer.weight and HF writes no lm_head.weight.
 """
@@ -18,6 +19,7 @@ import torch
 from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 from miles_core.train import collectives
 from miles_core.models.families import ADAPTERS, Entry, ModelSpec
+from miles_core.models.families.tensors import expert_of, with_expert
 from miles_core.models.families.tensors import tp_dim as _tp_dim
 
 Tensor = torch.Tensor
@@ -233,4 +235,29 @@ def gather_tp_state(spec: ModelSpec, local: dict[str, Tensor]) -> dict[str, Tens
             out[name] = t
             continue
         out[name] = unshard_tensor(spec, name, collectives.all_gather(t, group))  # CPU, like `local`
+    return out
+
+
+# ---------------------------------------------------------------------------- expert parallelism
+
+def gather_ep_state(spec: ModelSpec, local: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The whole model from every EP rank's tensors (a collective over the expert-parallel group): each
+    rank's routed experts, numbered from 0 in its model, renamed to their global index (EP rank r holds
+    experts r * E/EP ... (r + 1) * E/EP - 1, `expert_owner`); every other tensor is the same on all EP
+    ranks and kept as is. Call it on TP-gathered tensors (`gather_tp_state`)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_model_parallel_world_size()
+    if size == 1:
+        return local
+    group = parallel_state.get_expert_model_parallel_group()
+    per = spec.num_experts // size
+    out = {}
+    for name, t in local.items():
+        expert = expert_of(name)
+        if expert is None:
+            out[name] = t
+            continue
+        for rank, part in enumerate(collectives.all_gather(t, group)):
+            out[with_expert(name, rank * per + expert)] = part
     return out

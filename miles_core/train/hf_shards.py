@@ -36,22 +36,24 @@ log = logging.getLogger(__name__)
 
 
 def load_hf_checkpoint(models: list, spec: ModelSpec, hf_dir: str) -> None:
-    """Copy this TP rank's shards of the HF checkpoint `hf_dir` into every model of `models`."""
-    from megatron.core import parallel_state
+    """Copy this TP rank's shards of the HF checkpoint `hf_dir` into every model of `models`; under
+    expert parallelism only this EP rank's routed experts are read."""
+    from megatron.core import parallel_state as ps
 
-    size = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    size, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    ep_size, ep_rank = ps.get_expert_model_parallel_world_size(), ps.get_expert_model_parallel_rank()
     check_tp(spec, size)
     owns = [model_tensors(m) for m in models if m is not None]
     with open_checkpoint(hf_dir) as reader:
-        reads = rank_tensors(spec, reader, rank, size)
+        reads = rank_tensors(spec, reader, rank, size, ep_rank=ep_rank, ep_size=ep_size)
         for own in owns:
             check_names(spec, own, reads)
         for name, read in reads.items():
             src = read()
             for own in owns:
                 copy_checked(name, own[name], src)
-        log.info("%s: read %.1f MiB for TP rank %d of %d", hf_dir, reader.bytes_read / 2**20, rank, size)
+        log.info("%s: read %.1f MiB for TP rank %d of %d, EP rank %d of %d", hf_dir, reader.bytes_read / 2**20,
+                 rank, size, ep_rank, ep_size)
 
 
 def open_checkpoint(hf_dir: str) -> SafetensorsReader:

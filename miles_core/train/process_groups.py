@@ -1,11 +1,16 @@
 """torch.distributed and Megatron parallel state, set up once per process.
 
-`ensure_process_groups(tp)` is idempotent: the first call initialises torch.distributed (NCCL on
-GPU, gloo on CPU) and Megatron's `parallel_state`; later calls check the sizes agree. Under a
+`ensure_process_groups(tp, expert_model_parallel_size=ep)` is idempotent: the first call initialises
+torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's `parallel_state`; later calls check the
+sizes agree. Expert parallelism (mixture-of-experts models) is Megatron's: EP x expert-TP ranks (the
+expert TP size is the dense TP size, Megatron's default) hold every routed expert once and the rest
+of the world is expert data parallelism, while the dense layers keep TP x DP over the same ranks
+(rank order tp-cp-ep-dp-pp: an EP group is ranks TP apart, inside the dense DP group). Under a
 launcher (torchrun, or Ray actors that export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) the env:// rendezvous
 is used; a lone process gets a world of one through a private file:// rendezvous, so nothing
-listens on a port. With `MILES_STRICT_DEVICE=cuda` the trainer's groups (the world, DP, TP) enforce
-NCCL's device rule on CPU too (miles_core.train.collectives).
+listens on a port. With `MILES_STRICT_DEVICE=cuda` the trainer's groups (the world, DP, TP, and the
+expert groups: EP, which carries the token dispatch's all-to-all, expert TP, EP x expert TP and expert
+DP) enforce NCCL's device rule on CPU too (miles_core.train.collectives).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.distributed as dist
 from miles_core.train import collectives
 
 
-def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
+def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_parallel_size: int = 1) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
@@ -34,20 +39,34 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1) -> None:
             os.close(fd)
             os.unlink(path)  # the file store creates it; it must not exist yet
             dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+    tp, ep = tensor_model_parallel_size, expert_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
-        have = parallel_state.get_tensor_model_parallel_world_size()
-        if have != tensor_model_parallel_size:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())
+        if have != (tp, ep):
             raise RuntimeError(
-                f"Megatron parallel state already set up with tensor parallel size {have}; "
-                f"--tensor-model-parallel-size={tensor_model_parallel_size} needs a fresh process."
+                f"Megatron parallel state already set up with tensor parallel size {have[0]} and expert parallel "
+                f"size {have[1]}; --tensor-model-parallel-size={tp} --expert-model-parallel-size={ep} needs a "
+                "fresh process."
             )
         return
-    if dist.get_world_size() % tensor_model_parallel_size:
-        raise RuntimeError(
-            f"--tensor-model-parallel-size={tensor_model_parallel_size} does not divide the "
-            f"world size {dist.get_world_size()}."
-        )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    world = dist.get_world_size()
+    if world % tp:
+        raise RuntimeError(f"--tensor-model-parallel-size={tp} does not divide the world size {world}.")
+    if world % (tp * ep):
+        raise RuntimeError(f"--expert-model-parallel-size={ep} x the expert tensor parallel size {tp} does not "
+                           f"divide the world size {world}.")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     # MILES_STRICT_DEVICE=cuda: on CPU, the trainer's gloo groups stand for the NCCL ones of a GPU run
-    collectives.enforce_device_rule_from_env(
-        [None, parallel_state.get_data_parallel_group(), parallel_state.get_tensor_model_parallel_group()])
+    collectives.enforce_device_rule_from_env(trainer_groups())
+
+
+def trainer_groups() -> list:
+    """Every process group the trainer's collectives run on (None: the world): the dense DP and TP
+    groups and the expert ones (EP: the token dispatch's all-to-all; expert TP, EP x expert TP and
+    expert DP: the experts' gradients, norms and exports)."""
+    from megatron.core import parallel_state as ps
+
+    return [None, ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group(),
+            ps.get_expert_model_parallel_group(), ps.get_expert_tensor_parallel_group(),
+            ps.get_expert_tensor_and_model_parallel_group(), ps.get_expert_data_parallel_group()]

@@ -21,6 +21,8 @@ Use it as a context manager (or call `close()`) to release the model.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import random
 import time
@@ -29,6 +31,7 @@ import torch
 from megatron.core.distributed import finalize_model_grads
 from safetensors.torch import save_file
 
+from miles_core.config.rules import moe_aux_loss_coeff, moe_flag_problems
 from miles_core.metrics import trace
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import data_parallel as DP
@@ -76,20 +79,25 @@ class Trainer:
         self.aux_files = non_weight_files(hf_dir)
         self.hf_config = hf_convert.read_hf_config(hf_dir)
         self.spec = ModelSpec.from_hf_config(self.hf_config)
+        problems = moe_flag_problems(self.spec, train)  # checked before the run too; here for every way in
+        if problems:
+            raise TrainError("; ".join(problems))
         self.cuda = torch.cuda.is_available()
         self.bf16 = self.cuda or train.bf16
         # Megatron's DDP and optimizer: always on GPU; on CPU for what only they implement
         self.megatron_optimizer = self.cuda or train.bf16 or train.use_distributed_optimizer
         self.tp = train.tensor_model_parallel_size
+        self.ep = train.expert_model_parallel_size
         torch.manual_seed(seed)
         random.seed(seed)
-        model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.bf16, seed=seed, train=train)
+        build = dict(tensor_model_parallel_size=self.tp, bf16=self.bf16, seed=seed, train=train,
+                     expert_model_parallel_size=self.ep, moe_aux_loss_coeff=moe_aux_loss_coeff(train))
+        model = build_model(self.spec, **build)
         self.ref_model = None
         if train.use_kl_loss:  # the reference is the initial checkpoint, frozen
-            self.ref_model = build_model(self.spec, tensor_model_parallel_size=self.tp, bf16=self.bf16, seed=seed,
-                                         train=train)
+            self.ref_model = build_model(self.spec, **build)
             self.ref_model.eval().requires_grad_(False)
-        hf_shards.load_hf_checkpoint([model, self.ref_model], self.spec, hf_dir)  # this TP rank's shards, read once
+        hf_shards.load_hf_checkpoint([model, self.ref_model], self.spec, hf_dir)  # this TP/EP rank's part, read once
         self.model, self.optimizer = self._training(model)
         self.device = torch.device("cuda") if self.cuda else torch.device("cpu")
         from megatron.core import parallel_state as ps
@@ -98,6 +106,11 @@ class Trainer:
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_group = ps.get_data_parallel_group() if self.dp_size > 1 else None
         self.tp_group = ps.get_tensor_model_parallel_group() if self.tp > 1 else None
+        # expert parallelism: a rank's routed experts are its own; their gradients are summed over the
+        # ranks holding the same experts (expert DP), their norms over the ranks holding the others
+        self.expert_dp_rank = ps.get_expert_data_parallel_rank()
+        self.expert_dp_group = ps.get_expert_data_parallel_group() if self.ep > 1 else None
+        self.expert_groups = DP.ExpertGroups.current() if self.ep > 1 else None
 
     def _training(self, model):
         """(the model to train, its optimizer): Megatron DDP + Megatron's optimizer, or (the fp32 CPU
@@ -231,8 +244,10 @@ class Trainer:
                 _, grad_norm, _ = self.optimizer.step()
             return float(grad_norm or 0.0)
         DP.all_reduce_sequence_parallel_grads(self._params(), self.tp_group)  # norms' partial sums, first
-        DP.all_reduce_grads(self._params(), self.dp_group)
-        grad_norm = DP.clip_grad_norm(self._params(), self.cfg.clip_grad, self.tp_group)
+        dense, experts = DP.split_expert_params(self._params())
+        DP.all_reduce_grads(dense, self.dp_group)
+        DP.all_reduce_grads(experts, self.expert_dp_group)
+        grad_norm = DP.clip_grad_norm(self._params(), self.cfg.clip_grad, self.tp_group, self.expert_groups)
         self.optimizer.step()
         return grad_norm
 
@@ -253,13 +268,22 @@ class Trainer:
         next `train_step` (export and weight sync do), or clone them.
         """
         local = hf_convert.megatron_state(unwrap(self.model))
-        state = hf_convert.megatron_to_hf(self.spec, hf_convert.gather_tp_state(self.spec, local))
+        full = hf_convert.gather_ep_state(self.spec, hf_convert.gather_tp_state(self.spec, local))
+        state = hf_convert.megatron_to_hf(self.spec, full)
         return {k: (v.to(dtype) if dtype is not None else v).contiguous() for k, v in state.items()}
 
+    @property
+    def exports_with_peers(self) -> bool:
+        """Whether rank 0 needs other ranks to export the weights: the TP shards and, under expert
+        parallelism, the other EP ranks' experts are gathered (collectives they join: `join_export`)."""
+        return self.tp > 1 or self.ep > 1
+
     def join_export(self) -> None:
-        """What a rank other than the export source does while rank 0 exports: rank 0's TP peers
-        (DP rank 0) take part in gathering the shards; every other rank has nothing to do."""
-        if self.dp_rank == 0 and self.tp > 1:
+        """What a rank other than the export source does while rank 0 exports: the ranks holding one
+        copy of every expert with rank 0 (expert-DP rank 0: rank 0's TP and EP peers and their TP
+        peers; without EP, DP rank 0) take part in gathering the shards and the experts; every other
+        rank has nothing to do."""
+        if self.expert_dp_rank == 0 and self.exports_with_peers:
             self.hf_state_dict()
 
     def export_hf(self, out_dir: str) -> str:
@@ -285,7 +309,8 @@ class Trainer:
         if self.cuda:
             rng["torch_cuda"] = torch.cuda.get_rng_state()
         meta = {"optimizer": opt_skeleton, "python_random": _jsonable(random.getstate()),
-                "spec": self.spec.__dict__, "tensor_model_parallel_size": self.tp}
+                "spec": _spec_json(self.spec), "tensor_model_parallel_size": self.tp,
+                "expert_model_parallel_size": self.ep}
         return {"model": model, "optimizer": opt_tensors, "rng": rng}, meta
 
     def load_checkpoint_state(self, tensors: dict[str, dict[str, torch.Tensor]], meta: dict) -> None:
@@ -302,8 +327,13 @@ class Trainer:
         if saved_tp != self.tp:
             raise TrainError(f"checkpoint was saved with --tensor-model-parallel-size={saved_tp}; this trainer has "
                              f"{self.tp}. Resuming at another TP size is not supported (the DP size may change).")
+        saved_ep = int(meta.get("expert_model_parallel_size", 1))
+        if saved_ep != self.ep:
+            raise TrainError(f"checkpoint was saved with --expert-model-parallel-size={saved_ep}; this trainer has "
+                             f"{self.ep}. Resuming at another EP size is not supported (each EP rank's file holds "
+                             "its own experts; the DP size may change).")
         own = hf_convert.model_tensors(unwrap(self.model))
-        if set(own) != set(model) or meta.get("spec") != self.spec.__dict__:
+        if set(own) != set(model) or meta.get("spec") != _spec_json(self.spec):
             raise TrainError(f"checkpoint is for another model ({meta.get('spec')}); this trainer has {self.spec}")
         ref = [hf_convert.model_tensors(unwrap(self.ref_model))] if reference and self.ref_model is not None else []
         targets = [own] + ref
@@ -423,6 +453,11 @@ def _right_pad(rows: list[torch.Tensor], length: int) -> torch.Tensor:
     for i, row in enumerate(rows):
         out[i, :row.numel()] = row
     return out
+
+
+def _spec_json(spec: ModelSpec) -> dict:
+    """The spec as trainer.json stores it (JSON: tuples become lists), for comparing with a saved one."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
 
 
 def _jsonable(x):

@@ -4,7 +4,8 @@
 every rank (collectives need all of them). Roles inside a call:
 - every rank trains on its data-parallel shard and takes part in checkpoint saves (barriers);
 - exporting weights (engine pushes, eval snapshots, --save-hf) is sourced by global rank 0; the
-  other ranks of DP rank 0 (rank 0's TP peers) take part in gathering the TP shards;
+  other ranks of DP rank 0 (rank 0's TP peers) take part in gathering the TP shards, and under
+  expert parallelism the ranks holding the other experts (expert-DP rank 0) in gathering those;
 - only rank 0 talks to the engines: `--weight-transport store` (a snapshot in the run root that each
   engine's actor copies to its own node and loads) or `distributed` (SGLang's weight-update group,
   NCCL on GPU and gloo on CPU).
@@ -249,9 +250,9 @@ class TrainerWorker:
             N.WEIGHT_DELIVERY_WAIT_SECONDS: time.perf_counter() - t0}
 
     def _gather_as_peers_do(self, made: int) -> None:
-        """Rank 0's TP peers take part in `_exports_per_push()` weight gathers every push; when rank 0
-        made fewer (no engine left, nothing to publish), it joins the rest, so no peer waits for ever."""
-        if getattr(self.trainer, "tp", 1) > 1:
+        """Rank 0's TP (and EP) peers take part in `_exports_per_push()` weight gathers every push; when
+        rank 0 made fewer (no engine left, nothing to publish), it joins the rest, so no peer waits for ever."""
+        if getattr(self.trainer, "exports_with_peers", False):
             for _ in range(self._exports_per_push() - made):
                 self.trainer.hf_state_dict()
 
