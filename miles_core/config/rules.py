@@ -323,7 +323,7 @@ def moe_flag_problems(spec, train) -> list[str]:
     trainer computes. The checks before a run (miles_core.prepare.checks) and the trainer run it."""
     given = [(flag, getattr(train, flag)) for flag, _, _ in MOE_MODEL_FLAGS if getattr(train, flag) is not None]
     given += [(f, v) for f in ("moe_layer_freq", "moe_router_pre_softmax", "moe_router_enable_expert_bias")
-              if (v := getattr(train, f)) not in (None, False)]
+              if (v := getattr(train, f)) not in (None, False, "")]
     ep = train.expert_model_parallel_size
     if not spec.moe:
         p = [f"--{f.replace('_', '-')}={v} describes a mixture-of-experts model; the checkpoint ({spec.family}) is "
@@ -333,6 +333,10 @@ def moe_flag_problems(spec, train) -> list[str]:
                      "parallelism needs a mixture-of-experts model.")
         return p
     p = []
+    if train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
+        p.append(f"--tensor-model-parallel-size={train.tensor_model_parallel_size} with a mixture-of-experts model "
+                 "needs --sequence-parallel: Megatron's MoE layer refuses to train under TP without it (each TP rank "
+                 "would dispatch every token).")
     if spec.num_experts % ep:
         p.append(f"--expert-model-parallel-size={ep} must divide the checkpoint's {spec.num_experts} routed experts "
                  "(each expert-parallel rank holds an equal contiguous block of them).")
@@ -383,8 +387,8 @@ def moe_layer_pattern(value: str, num_layers: int) -> list[int]:
     return out
 
 
-def _moe_layer_freq_problems(spec, value: str | None) -> list[str]:
-    if value is None:
+def _moe_layer_freq_problems(spec, value: str) -> list[str]:
+    if not value:
         return []
     want = [int(spec.is_moe_layer(i)) for i in range(spec.num_layers)]
     try:

@@ -98,6 +98,15 @@ def test_expert_parallel_size_must_divide_the_experts_and_a_dense_model_takes_no
     assert any("--expert-model-parallel-size=2: the checkpoint (llama) has no experts" in p for p in dense)
 
 
+def test_a_moe_model_under_tensor_parallelism_needs_sequence_parallelism():
+    """Megatron's MoELayer raises in training under TP without it; refused before anything starts."""
+    problems = moe_flag_problems(_qwen3_moe(), _train("--tensor-model-parallel-size", "2", ranks=2))
+    assert len(problems) == 1 and "needs --sequence-parallel" in problems[0]
+    assert moe_flag_problems(_qwen3_moe(), _train("--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                                  ranks=2)) == []
+    assert moe_flag_problems(_llama(), _train("--tensor-model-parallel-size", "2", ranks=2)) == []
+
+
 def test_expert_parallel_layout_rules():
     """Megatron's: EP x expert TP divides the ranks; expert TP is the dense TP (the only one built)."""
     assert _train("--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
