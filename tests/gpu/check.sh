@@ -10,7 +10,8 @@
 #      against torch.cuda.max_memory_allocated (memory), the CPU engine's model on CUDA against the
 #      trainer's log-probs (engine), token-budget packing against padded micro-batches (packing),
 #      tokens/s against a plain transformers step (baseline); each phase pass / fail / skip;
-#   3. the gpu-marked tests that need no Ray, one GPU (<= 75 s).
+#   3. the gpu-marked tests that need no Ray, one GPU (<= 75 s), the MoE families in bf16 among them
+#      (tests/gpu/test_moe_bf16.py: tiny Qwen3-MoE and GLM-4.5-style models against transformers).
 # About 3 minutes in all on an H200 (docs/training.md, "The GPU check"); at most 465 s.
 #
 # Where megatron-core is not installed on the GPU machine, it travels as a pure-Python copy of the
