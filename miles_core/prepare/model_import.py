@@ -177,7 +177,6 @@ def _from_gguf(path: str, out: str) -> tuple[dict[str, str], dict]:
         raise ModelImportError(f"import {path!r}: GGUF architecture {arch!r} is not supported; "
                                f"supported: {', '.join(GGUF_ARCHITECTURES)} (glm4_moe: import its HF directory).")
     import torch
-    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(path)
@@ -185,18 +184,31 @@ def _from_gguf(path: str, out: str) -> tuple[dict[str, str], dict]:
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     cfg, changes = normalize_config(json.loads(model.config.to_json_string(use_diff=False)), path)
     cfg["architectures"] = [HF_CLASSES[cfg["model_type"]]]
-    state = model.state_dict()
-    if cfg.get("tie_word_embeddings"):
-        state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained does
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
-    model.generation_config.save_pretrained(out)
-    del model, state
-    _write_json(os.path.join(out, "config.json"), cfg)
+    save_weights(model, out)
+    del model
+    _write_json(os.path.join(out, "config.json"), cfg)  # over save_pretrained's: the normalised one
     files = {n: os.path.join(out, n) for n in sorted(os.listdir(out))}
     converted = [f"dequantized GGUF tensors ({', '.join(types)}) to float32"] + changes
     return files, {"kind": "gguf", "architecture": arch, "converted": converted,
                    "chat_template": "chat_template.jinja" in files}
+
+
+def save_weights(model, out: str) -> None:
+    """`model`'s weights (and generation_config.json) in out/ as transformers writes a checkpoint: its
+    on-disk names (`revert_weight_conversion`, what save_pretrained applies; save_pretrained itself
+    refuses a GGUF-loaded model), which for a MoE model are one tensor per expert
+    (`mlp.experts.{e}.gate_proj.weight`) where the loaded model holds them fused, as every reader of the
+    family's tensor map expects; a tied lm_head left out."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # the same tensor as the embedding, as save_pretrained does
+    state = revert_weight_conversion(model, state)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
+              metadata={"format": "pt"})
+    model.generation_config.save_pretrained(out)
 
 
 # ------------------------------------------------------------------ config

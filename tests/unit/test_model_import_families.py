@@ -156,3 +156,23 @@ def test_rope_scaled_gguf_is_refused(tmp_path, tensors, fields, named):
     with pytest.raises(ModelImportError, match=f"scales RoPE \\({named}\\).*import the model's HF safetensors"):
         gguf_info(path)
     assert gguf_info(_gguf(tmp_path / "plain.gguf", "qwen3moe"))[0] == "qwen3moe"
+
+
+def test_gguf_weights_are_written_in_the_families_on_disk_names(tmp_path):
+    """A dequantized GGUF model is written as transformers writes a checkpoint: a Qwen3-MoE's experts one
+    tensor each, the names of its adapter's map (its state_dict holds them fused: 3-D gate_up_proj)."""
+    import torch
+    from safetensors import safe_open
+
+    from miles_core.models.families import family
+    from miles_core.prepare.model_import import save_weights
+
+    cfg = transformers.Qwen3MoeConfig(**TINY, num_experts=4, head_dim=8, tie_word_embeddings=True, **MOE)
+    with torch.random.fork_rng():
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in model.state_dict()
+    save_weights(model, str(tmp_path))
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    hf = cfg.to_dict()
+    assert names == {h for e in family(hf).tensors(spec_of(hf)) for h in e.hf}
