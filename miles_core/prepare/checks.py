@@ -4,7 +4,8 @@ The config's own rules (`miles_core.config.rules`) plus the checks that need wha
 config: every `--*-path` plug-in is imported and checked against its slot's contract (the reward's
 signature, and that the local datasets' rows are ones it can score: `scoring`), a packaged
 `--hf-checkpoint` is one this install knows, a local one of a family the project handles
-(docs/models.md) whose experts the expert-parallel size divides, and engines bound beyond loopback have their API
+(docs/models.md) whose experts the expert-parallel size divides and which the --moe-* model flags
+describe, and engines bound beyond loopback have their API
 token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
 (`miles_core.prepare.resources`) and, on more than one node, that `--engine-bind-host auto` has its
 token too. Raises one ConfigError listing every problem, each naming its flags
@@ -19,10 +20,11 @@ import os
 
 from miles_core.config import RunConfig
 from miles_core.config.plugins import PluginError, load_plugin
-from miles_core.config.rules import raise_problems, recompute_layers_problem, rule_problems, type_problems
+from miles_core.config.rules import (moe_flag_problems, raise_problems, recompute_layers_problem, rule_problems,
+                                     type_problems)
 from miles_core.engines.auth import bind_problem
 from miles_core.models.builtin import builtin_config
-from miles_core.models.families import ModelSpec, UnsupportedModel, spec_of
+from miles_core.models.families import UnsupportedModel, spec_of
 from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare import memory
 from miles_core.prepare.memory import GIB, budget_fit, memory_fit
@@ -92,23 +94,11 @@ def model_fit(hf_config: dict, cfg: RunConfig) -> tuple[list[str], list[str]]:
     except (UnsupportedModel, KeyError) as e:
         return [f"--hf-checkpoint={cfg.model.hf_checkpoint!r}: {e}"], []
     problem = recompute_layers_problem(spec.num_layers, t.recompute_method, t.recompute_num_layers)
-    problems = ([problem] if problem else []) + expert_problems(spec, cfg)
+    problems = ([problem] if problem else []) + moe_flag_problems(spec, t)  # EP and the --moe-* model flags
     if problems:
         return problems, []
     problems, warnings = budget_fit(hf_config, cfg, t.gpu_memory_gb) if t.gpu_memory_gb else ([], [])
     return problems, warnings
-
-
-def expert_problems(spec: ModelSpec, cfg: RunConfig) -> list[str]:
-    """--expert-model-parallel-size divides the model's routed experts (Megatron gives each EP rank a
-    contiguous block of them) and is 1 for a dense model."""
-    ep = getattr(cfg.train, "expert_model_parallel_size", 1) or 1
-    if ep > 1 and not spec.moe:
-        return [f"--expert-model-parallel-size={ep}: the model ({spec.family}) has no experts; "
-                "expert parallelism needs a MoE model (docs/models.md)."]
-    if spec.moe and spec.num_experts % ep:
-        return [f"--expert-model-parallel-size={ep} does not divide the model's {spec.num_experts} routed experts."]
-    return []
 
 
 def check_memory(cfg: RunConfig, model_uri: str) -> None:

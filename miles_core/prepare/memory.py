@@ -92,8 +92,8 @@ def expert_sizes(cfg: RunConfig) -> tuple[int, int, int]:
     """(expert TP, EP, expert DP) of the trainer: Megatron's expert tensor-parallel size defaults to
     the TP size, and its expert data-parallel group is what is left of the ranks, world / (ETP x EP)."""
     tp, dp = _sizes(cfg)
-    ep = max(1, getattr(cfg.train, "expert_model_parallel_size", 1) or 1)
-    etp = max(1, getattr(cfg.train, "expert_tensor_parallel_size", None) or tp)
+    ep = max(1, cfg.train.expert_model_parallel_size)
+    etp = max(1, cfg.train.expert_tensor_parallel_size or tp)
     return etp, ep, max(1, tp * dp // (etp * ep))
 
 
@@ -278,9 +278,13 @@ def _changes(cfg: RunConfig, spec: ModelSpec) -> list[tuple[str, ...]]:
         out += [("--max-tokens-per-gpu", str(n)) for n in (32768, 16384, 8192, 4096, 2048) if n < t.max_tokens_per_gpu]
     else:
         out += [("--micro-batch-size", str(m)) for m in (64, 32, 16, 8, 4, 2, 1) if m < t.micro_batch_size]
-    etp, ep, _ = expert_sizes(cfg)  # a TP size must leave room for the expert-parallel groups (ETP = TP)
-    out += [("--tensor-model-parallel-size", str(n)) for n in (2, 4, 8) if tp < n <= ranks and ranks % (n * ep) == 0]
-    if spec.moe and hasattr(t, "expert_model_parallel_size"):  # the routed experts over more ranks
+    # a TP size must leave room for the expert-parallel groups (ETP = TP); a MoE layer trains under TP only
+    # with sequence parallelism
+    etp, ep, _ = expert_sizes(cfg)
+    sp = ("--sequence-parallel",) if spec.moe and not t.sequence_parallel else ()
+    out += [("--tensor-model-parallel-size", str(n), *sp) for n in (2, 4, 8)
+            if tp < n <= ranks and ranks % (n * ep) == 0]
+    if spec.moe:  # the routed experts over more ranks
         out += [("--expert-model-parallel-size", str(n)) for n in (2, 4, 8, 16, 32, 64)
                 if ep < n and ranks % (etp * n) == 0 and spec.num_experts % n == 0]
     return out

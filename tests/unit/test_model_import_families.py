@@ -24,7 +24,7 @@ import transformers
 from miles_core.cli import main
 from miles_core.config import parse_flags
 from miles_core.models.families import FAMILIES, spec_of
-from miles_core.prepare.checks import expert_problems
+from miles_core.prepare.checks import model_problems
 from miles_core.prepare.model_import import (GGUF_ARCHITECTURES, HF_CLASSES, ModelImportError, gguf_info,
                                              normalize_config)
 
@@ -108,15 +108,16 @@ def test_unsupported_family_or_option_is_refused_by_validate_at_once(case, tmp_p
         normalize_config(config(path), path)
 
 
-def test_expert_parallel_size_divides_the_experts():
-    moe = spec_of({"model_type": "qwen3_moe", **TINY, "num_experts": 8, **MOE})
-    dense = spec_of({"model_type": "qwen3", **TINY})
-    flags = lambda ep: parse_flags(["--actor-num-gpus-per-node", "8", "--expert-model-parallel-size", str(ep)],
+def test_the_checks_read_the_experts_of_the_model():
+    """--expert-model-parallel-size against the model's experts, before the run (the trainer's rules)."""
+    moe = {"model_type": "qwen3_moe", **TINY, "num_experts": 8, **MOE}
+    dense = {"model_type": "qwen3", **TINY}
+    flags = lambda ep: parse_flags(["--actor-num-gpus-per-node", "16", "--expert-model-parallel-size", str(ep)],
                                    check=False)
-    assert expert_problems(moe, flags(4)) == [] and expert_problems(dense, flags(1)) == []
-    assert expert_problems(moe, flags(16)) == ["--expert-model-parallel-size=16 does not divide the model's 8 "
-                                               "routed experts."]
-    assert "the model (qwen3) has no experts" in expert_problems(dense, flags(2))[0]
+    assert model_problems(moe, flags(4)) == [] and model_problems(dense, flags(1)) == []
+    assert "--expert-model-parallel-size=16 must divide the checkpoint's 8 routed experts" in \
+        model_problems(moe, flags(16))[0]
+    assert "the checkpoint (qwen3) has no experts" in model_problems(dense, flags(2))[0]
 
 
 def test_importer_names_come_from_the_adapters():
