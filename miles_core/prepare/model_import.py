@@ -250,13 +250,10 @@ def _check_readers(cfg: dict, source: str) -> None:
     """The CPU engine must read the config too (the trainer reads the family's spec, checked above);
     its refusal, named."""
     # torch: only an import pays for it (the driver and tasks import this module)
-    from miles_core.engines import model as engine
-    from miles_core.engines.model import ModelLoadError
+    from miles_core.engines.model import ModelLoadError, spec_from_config
 
-    # the engine's reader of the shared spec (spec_from_config; ModelSpec.from_config before it read its own)
-    read = getattr(engine, "spec_from_config", None) or engine.ModelSpec.from_config
     try:
-        read(cfg, source)
+        spec_from_config(cfg, source)
     except KeyError as e:
         raise ModelImportError(f"import {source!r}: config.json lacks {e} (model_type={cfg['model_type']!r}).") from e
     except (ModelLoadError, UnsupportedModel) as e:
