@@ -43,3 +43,6 @@ def spec_of(cfg: dict[str, Any]) -> ModelSpec:
     """The ModelSpec of an HF config.json dict (its family's adapter); UnsupportedModel names what is not handled.
     A missing required field raises KeyError naming it."""
     return family(cfg).spec(cfg)
+
+
+ModelSpec.from_hf_config = staticmethod(spec_of)  # the spec module cannot import the adapters (a cycle)

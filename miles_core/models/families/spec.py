@@ -61,12 +61,8 @@ class ModelSpec:
     moe_layers: tuple[int, ...] = ()  # the indices of the layers whose MLP is a MoE layer
     aux_loss_coef: float = 0.0  # transformers' router_aux_loss_coef (qwen3_moe)
 
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelSpec":
-        """The spec of an HF config.json dict, read by its family's adapter (`families.spec_of`)."""
-        from miles_core.models.families import spec_of
-
-        return spec_of(cfg)
+    # from_hf_config(cfg): the spec of an HF config.json dict, read by its family's adapter; set by
+    # miles_core.models.families (it is `spec_of`), which knows the adapters this module does not.
 
     @property
     def head_dim(self) -> int:
