@@ -55,9 +55,9 @@ def type_problems(cfg: RunConfig) -> list[str]:
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:
-    rules = (_ranges, _bounds, _finite, _parallel_rules, _moe_knob_rules, _memory_saving_rules, _driver_rules,
-             _unsupported, _loss_rules, _save_eval_rules, _batch_rules, _names, _local_inputs, _uri_schemes,
-             _metric_mirrors, _trace_rules, _producer_rules)
+    rules = (_ranges, _bounds, _finite, _parallel_rules, _moe_knob_rules, _memory_saving_rules,
+             _routing_replay_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules, _batch_rules,
+             _names, _local_inputs, _uri_schemes, _metric_mirrors, _trace_rules, _producer_rules)
     return [problem for rule in rules for problem in rule(cfg)]
 
 
@@ -331,6 +331,9 @@ def moe_flag_problems(spec, train) -> list[str]:
         if ep > 1:
             p.append(f"--expert-model-parallel-size={ep}: the checkpoint ({spec.family}) has no experts; expert "
                      "parallelism needs a mixture-of-experts model.")
+        if train.use_rollout_routing_replay:
+            p.append(f"--use-rollout-routing-replay: the checkpoint ({spec.family}) is dense; routing replay needs a "
+                     "mixture-of-experts model (it has no routers to replay).")
         return p
     p = []
     if train.tensor_model_parallel_size > 1 and not train.sequence_parallel:
@@ -424,6 +427,17 @@ def moe_aux_loss_coeff(train) -> float | None:
     if train.moe_router_load_balancing_type != "aux_loss":
         return 0.0
     return train.moe_aux_loss_coeff
+
+
+def _routing_replay_rules(cfg: RunConfig) -> list[str]:
+    """--use-rollout-routing-replay replays the engine's routes in the forward the loss is taken from;
+    full recomputation runs every router again in the backward, outside that replay."""
+    t = cfg.train
+    if t.use_rollout_routing_replay and t.recompute_granularity == "full":
+        return ["--use-rollout-routing-replay with --recompute-granularity=full is not supported: the recomputed "
+                "forward in the backward would route by the trainer's own choice, not the engine's (selective "
+                "recomputation, which recomputes only the core attention, is)."]
+    return []
 
 
 def _memory_saving_rules(cfg: RunConfig) -> list[str]:

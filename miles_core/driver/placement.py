@@ -199,7 +199,9 @@ class TrainerGroup:
 def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     """Engines, trainer ranks (restored from the latest checkpoint) and the rollout manager, in the
     order that lets the producer start on the trainer's current weights. Teardown goes on `stack`."""
-    fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, initial_model, 0), cfg.engine.rollout_num_engines,
+    launch = EngineLaunchSpec.from_config(cfg.engine, initial_model, 0,
+                                          routed_experts=cfg.train.use_rollout_routing_replay)
+    fleet = EngineFleet(launch, cfg.engine.rollout_num_engines,
                         num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                         resources=custom_resource(cfg.engine.engine_custom_resource)).start()
     stack.callback(fleet.shutdown)

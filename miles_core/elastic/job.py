@@ -287,7 +287,8 @@ class ProducerJob:
     # ------------------------------------------------------------------ parts
     def _start_fleet(self, feed: Feed) -> EngineFleet:
         cfg = self.cfg
-        spec = EngineLaunchSpec.from_config(cfg.engine, feed.weights, feed.version)
+        spec = EngineLaunchSpec.from_config(cfg.engine, feed.weights, feed.version,
+                                            routed_experts=cfg.train.use_rollout_routing_replay)
         return EngineFleet(spec, self.num_engines, num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                            resources=custom_resource(cfg.engine.engine_custom_resource),
                            name_prefix=f"{self.producer_id}-engine").start()

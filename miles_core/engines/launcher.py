@@ -107,11 +107,16 @@ class EngineLaunchSpec:
     startup_timeout_seconds: float = 900.0
     health_interval_seconds: float = 1.0
     health_failures_before_restart: int = 3
+    # capture each token's routed experts (--use-rollout-routing-replay): both servers'
+    # --enable-return-routed-experts, without which a request's return_routed_experts is refused
+    return_routed_experts: bool = False
 
     @staticmethod
-    def from_config(engine, model_path: str, weight_version: int = 0) -> "EngineLaunchSpec":
-        """From the `EngineSection` of the run config."""
-        return EngineLaunchSpec(
+    def from_config(engine, model_path: str, weight_version: int = 0, *,
+                    routed_experts: bool = False) -> "EngineLaunchSpec":
+        """From the `EngineSection` of the run config (`routed_experts`: the train section's
+        --use-rollout-routing-replay)."""
+        return EngineLaunchSpec(return_routed_experts=routed_experts,
             backend=engine.engine_backend, model_path=model_path, weight_version=weight_version,
             bind_host=engine.engine_bind_host, tp_size=engine.rollout_num_gpus_per_engine,
             mem_fraction_static=engine.sglang_mem_fraction_static,
@@ -126,15 +131,20 @@ def server_command(spec: EngineLaunchSpec, model_path: str, weight_version: int,
     if spec.backend == "cpu":
         return [sys.executable, "-m", "miles_core.engines.cpu_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--weight-version", str(weight_version),
-                "--max-running-requests", str(spec.max_running_requests)]
+                "--max-running-requests", str(spec.max_running_requests), *_routes_args(spec)]
     if spec.backend == "sglang":
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
                 "--host", host, "--port", str(port), "--tp-size", str(spec.tp_size),
                 "--mem-fraction-static", str(spec.mem_fraction_static),
                 "--max-running-requests", str(spec.max_running_requests),
-                "--weight-version", str(weight_version), *_sglang_token_args(),
+                "--weight-version", str(weight_version), *_sglang_token_args(), *_routes_args(spec),
                 *[a for a in SGLANG_RL_ARGS if a not in shlex.split(spec.extra_args)], *shlex.split(spec.extra_args)]
     raise ValueError(f"--engine-backend={spec.backend!r}; expected one of cpu, sglang")
+
+
+def _routes_args(spec: EngineLaunchSpec) -> list[str]:
+    """The launch option both servers name alike that makes them capture each token's routed experts."""
+    return ["--enable-return-routed-experts"] if spec.return_routed_experts else []
 
 
 def _sglang_token_args() -> list[str]:

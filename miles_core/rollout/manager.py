@@ -42,7 +42,7 @@ from miles_core.rollout.drain import (
     load_sample_filter,
 )
 from miles_core.rollout.episodes import GenerateArgs, load_generate_function
-from miles_core.rollout.producer import Producer
+from miles_core.rollout.producer import Producer, RouteLayout
 from miles_core.rollout.prompts import load_prompts
 from miles_core.rollout.rewards import Rewarder, load_reward
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
@@ -147,7 +147,25 @@ def make_producer(cfg, source: DataSource, engine, decode: Callable[[list[int]],
                     max_seq_len=cfg.data.max_seq_len,
                     generate_fn=load_generate_function(r.custom_generate_function_path,
                                                        r.custom_generate_timeout_seconds),
-                    generate_args=GenerateArgs(engine=engine, config=cfg))
+                    generate_args=GenerateArgs(engine=engine, config=cfg), routes=route_layout(cfg))
+
+
+def route_layout(cfg) -> RouteLayout | None:
+    """What samples keep of the engine's routed experts under --use-rollout-routing-replay (None:
+    off): the model's layers, MoE layers and top-k, from its config.json (the builtin model's
+    config, else the initial HF directory's, one small read)."""
+    if not cfg.train.use_rollout_routing_replay:
+        return None
+    from miles_core.models.builtin import builtin_config
+    from miles_core.models.families import spec_of
+    from miles_core.models.source import model_uri
+
+    m = cfg.model
+    if is_builtin(m.hf_checkpoint):
+        hf_config = builtin_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads)
+    else:
+        hf_config = Store(model_uri(cfg)).get_json("config.json")
+    return RouteLayout.from_spec(spec_of(hf_config))
 
 
 class RolloutManager:

@@ -42,6 +42,7 @@ import inspect
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from miles_core.metrics import trace
@@ -82,6 +83,31 @@ class GroupSink(Protocol):
     def put(self, group: Group) -> None: ...
 
 
+@dataclass(frozen=True)
+class RouteLayout:
+    """What a sample keeps of the engine's routed experts (--use-rollout-routing-replay): the engine
+    answers SGLang's [positions, num_hidden_layers, top-k]; a sample keeps its MoE layers only."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    topk: int
+
+    @staticmethod
+    def from_spec(spec) -> "RouteLayout":
+        """From the model's `ModelSpec` (miles_core.models.families)."""
+        return RouteLayout(spec.num_layers, tuple(spec.moe_layers), spec.moe_topk)
+
+    def keep(self, ids: list[int]) -> list[int]:
+        from miles_core.engines.client import moe_layer_routes
+
+        return moe_layer_routes(ids, self.num_layers, self.moe_layers, self.topk)
+
+
+def _routes_kwargs(routes: RouteLayout | None) -> dict:
+    """The engine call's routed-experts request (none without replay: other engines need not know it)."""
+    return {"return_routed_experts": True} if routes is not None else {}
+
+
 _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCATED, "abort": SampleStatus.ABORTED}
 
 
@@ -91,8 +117,10 @@ class Producer:
     def __init__(self, *, source: DataSource, engine: Engine, sink: GroupSink, rewarder: Rewarder,
                  budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
                  batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None,
-                 generate_fn: GenerateFunction | None = None, generate_args: GenerateArgs | None = None):
+                 generate_fn: GenerateFunction | None = None, generate_args: GenerateArgs | None = None,
+                 routes: RouteLayout | None = None):
         self.source = source
+        self.routes = routes  # --use-rollout-routing-replay: each sample keeps its routed experts
         self.engine = engine
         # --custom-generate-function-path: one episode per sample instead of one engine call
         self.generate_fn = generate_fn
@@ -274,7 +302,7 @@ class Producer:
             params = [sample_params(self.sampling_params, len(s.prompt_ids), self.max_seq_len) for s in samples]
             same = all(p == params[0] for p in params)
             await self.engine.generate_batch([s.prompt_ids for s in samples], params[0] if same else params,
-                                             on_result=finished)
+                                             on_result=finished, **_routes_kwargs(self.routes))
         finally:
             for _ in range(len(left)):  # failed or cancelled: their credits come back too
                 _sample_finished(ticket, backlog)
@@ -309,7 +337,7 @@ class Producer:
             if self.generate_fn is not None:  # the credit is held for the whole episode (DESIGN §17)
                 return await self._run_episode(sample, params, t0)
             start = trace.now()
-            out = await self.engine.generate(sample.prompt_ids, params)
+            out = await self.engine.generate(sample.prompt_ids, params, **_routes_kwargs(self.routes))
             trace_request(sample.group_id, out, start)
         finally:
             _sample_finished(ticket, backlog)  # finished, failed or cancelled
@@ -317,7 +345,7 @@ class Producer:
         return None
 
     def _fill(self, sample: Sample, out: Any, seconds: float) -> None:
-        fill_sample(sample, out, seconds)
+        fill_sample(sample, out, seconds, self.routes)
         self._window_tokens += len(sample.response_ids)
         self.tokens_total += len(sample.response_ids)
 
@@ -526,8 +554,9 @@ def sample_params(params: dict, prompt_len: int, max_seq_len: int | None) -> dic
     return {**params, "max_new_tokens": room if limit is None else min(int(limit), room)}
 
 
-def fill_sample(sample: Sample, out: Any, seconds: float) -> None:
-    """Copy one engine result (`GenerateResult`) into the sample."""
+def fill_sample(sample: Sample, out: Any, seconds: float, routes: RouteLayout | None = None) -> None:
+    """Copy one engine result (`GenerateResult`) into the sample; with `routes`, its routed experts
+    (the MoE layers') too, when the engine returned them (an aborted answer may not have)."""
     sample.response_ids = [int(t) for t in out.output_ids]
     sample.response_logprobs = [float(x) for x in (out.output_logprobs or [])]
     sample.token_versions = [int(v) for v in (out.token_versions or [])]
@@ -540,3 +569,5 @@ def fill_sample(sample: Sample, out: Any, seconds: float) -> None:
     sample.finish_reason = str(out.finish_reason)
     sample.status = _FINISH_STATUS.get(sample.finish_reason, SampleStatus.ABORTED)
     sample.generation_seconds = float(getattr(out, "seconds", 0.0) or seconds)
+    routed = getattr(out, "routed_experts", None)
+    sample.routed_experts = routes.keep(routed) if routes is not None and routed else []
