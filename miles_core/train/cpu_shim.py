@@ -6,10 +6,17 @@ initialisation fork the model-parallel RNG through `get_cuda_rng_tracker()`, who
 CUDA generators, and (3) activation recomputation (`--recompute-granularity` full or selective:
 `tensor_parallel.random.CheckpointFunction`) saves the CUDA generator's state in forward and sets it
 back before recomputing in backward (`_get_cuda_rng_state` / `_set_cuda_rng_state`, beside the CPU
-generator's state and the tracker's states, which it saves and restores too). `install_cpu_shim()`
-maps the first to the CPU, installs a tracker that keeps CPU generator states instead, and makes
-the CUDA generator's state an empty tensor that is saved and set back as nothing: without CUDA the
-CPU generator and the tracker's states are all the randomness there is. It does nothing when CUDA
+generator's state and the tracker's states, which it saves and restores too), and (4) the MoE
+alltoall token dispatcher (transformer/moe/token_dispatcher.py, `MoEAlltoAllTokenDispatcher`) copies
+its split sizes to the host on a side CUDA stream (`torch.cuda.Stream`, `current_stream`,
+`torch.cuda.stream`, an event it synchronizes). `install_cpu_shim()`
+maps the first to the CPU, installs a tracker that keeps CPU generator states instead, makes
+the CUDA generator's state an empty tensor that is saved and set back as nothing (without CUDA the
+CPU generator and the tracker's states are all the randomness there is), and gives the dispatcher
+one stream, the CPU's (`CpuStream`: every stream is the current one, waiting and recording are
+nothing, its tensors are on the host already), and its host copies the form a GPU run gives them
+(`host_copy`: the split sizes as numpy arrays, which `all_to_all_single` takes; the CPU tensors
+Megatron's `maybe_move_tensor_to_cpu` leaves where they are it does not). It does nothing when CUDA
 is available, and is idempotent. All of the project's CPU accommodations for Megatron live in this
 module and nowhere else. (Sequence parallelism needs none: gloo has the all-gather and
 reduce-scatter into/from one tensor that Megatron's sequence-parallel regions call.)
@@ -109,6 +116,53 @@ def _set_no_cuda_rng_state(*_, **__) -> None:
     """`_set_cuda_rng_state` without CUDA: nothing to set (the CPU generator is set beside it)."""
 
 
+class CpuEvent:
+    """`torch.cuda.Event`'s interface on CPU: work is done when it is issued, so there is nothing to wait for."""
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CpuStream:
+    """`torch.cuda.Stream`'s interface on CPU, where there is one stream: every instance is the current
+    one (equal to each other), waiting for another is nothing, an event recorded on it is complete."""
+
+    def __init__(self, *_, **__) -> None:
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> CpuEvent:
+        return event or CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """Megatron's `moe_utils.maybe_move_tensor_to_cpu` for tensors already on the host: what it gives on
+    GPU (a numpy array where asked), not the tensor as it is."""
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
 def install_cpu_shim() -> bool:
     """Install the shim when there is no CUDA; return whether it is active."""
     global _INSTALLED
@@ -117,8 +171,13 @@ def install_cpu_shim() -> bool:
     if _INSTALLED:
         return True
     from megatron.core.tensor_parallel import random as mcore_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
+    torch.cuda.Stream = CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: CpuStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+    token_dispatcher.maybe_move_tensor_to_cpu = host_copy
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRngStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     mcore_random._get_cuda_rng_state = _no_cuda_rng_state

@@ -135,7 +135,7 @@ def moe_options(spec: ModelSpec, expert_model_parallel_size: int = 1,
         moe_router_topk_scaling_factor=spec.routed_scaling_factor if spec.routed_scaling_factor != 1.0 else None,
         moe_router_num_groups=spec.router_groups or None, moe_router_group_topk=spec.router_group_topk or None,
         moe_router_load_balancing_type="aux_loss" if aux_loss_coeff else "none", moe_aux_loss_coeff=aux_loss_coeff,
-        moe_router_dtype="fp32", moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+        moe_router_dtype="fp32", moe_grouped_gemm=False, moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=expert_model_parallel_size,
     )
 
@@ -329,12 +329,20 @@ class SequenceParallelTorchNorm:
 
 def sequence_parallel_layer(layer_spec, cfg):
     """`layer_spec` as is, or under sequence parallelism with torch norms (no Apex) with its layer
-    norms `SequenceParallelTorchNorm` (state-dict keys unchanged; `layer_specs` builds the block)."""
+    norms `SequenceParallelTorchNorm` (state-dict keys unchanged; `layer_specs` builds the block), and
+    the q/k norms too (Qwen3's): WrappedTorchNorm refuses sequence parallelism, and each TP rank's
+    gradient of them is a partial sum over its own heads, summed over TP as the marked norms' are."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     if not cfg.sequence_parallel or layer_spec.submodules.input_layernorm is not WrappedTorchNorm:
         return layer_spec
     norms = dict(input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm)
+    attention = layer_spec.submodules.self_attention
+    qk = {n: SequenceParallelTorchNorm for n in ("q_layernorm", "k_layernorm")
+          if getattr(attention.submodules, n, None) is WrappedTorchNorm}
+    if qk:
+        norms["self_attention"] = dataclasses.replace(attention,
+                                                      submodules=dataclasses.replace(attention.submodules, **qk))
     return dataclasses.replace(layer_spec, submodules=dataclasses.replace(layer_spec.submodules, **norms))
 
 

@@ -35,7 +35,7 @@ from miles_core.config.rules import moe_aux_loss_coeff, moe_flag_problems
 from miles_core.metrics import trace
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.train import data_parallel as DP
-from miles_core.train import hf_convert, hf_shards, packing
+from miles_core.train import collectives, hf_convert, hf_shards, packing
 from miles_core.train import metric_names as TM
 from miles_core.train.cpu_shim import megatron_on_cpu
 from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
@@ -172,15 +172,29 @@ class Trainer:
         total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
         mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data, tokens=lambda it: _length(it[0]))
         sums: dict[str, float] = {}
+        micros = self._micro_batches(mine)
+        idle = self._idle_micro_batches(len(micros))  # agreed before any forward: each is a collective under EP
         with trace.span("forward+backward", lane="train", samples=len(mine)):
-            for micro in self._micro_batches(mine):
+            for micro in micros:
                 _, part = self._micro_batch(micro, total_tokens, layout)
                 for k, v in part.items():
                     sums[k] = sums.get(k, 0.0) + v
+            for _ in range(idle):
+                self._micro_batch([_idle(items[0])], total_tokens)
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
         with trace.span("optimizer", lane="train"):
             grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
         return sums, total_tokens, grad_norm
+
+    def _idle_micro_batches(self, mine: int) -> int:
+        """How many micro-batches with nothing to learn this rank runs after its `mine`: under expert
+        parallelism every forward and backward is a collective over the EP group (the token
+        dispatch's all-to-all), so every DP rank runs as many as the one with the most."""
+        if self.ep == 1 or self.dp_group is None:
+            return 0
+        most = torch.tensor([mine], dtype=torch.int64)
+        collectives.all_reduce(most, self.dp_group, op=torch.distributed.ReduceOp.MAX)
+        return int(most) - mine
 
     def _micro_batches(self, mine: list[tuple[Sample, float]]) -> list[list[tuple[Sample, float]]]:
         """This rank's samples cut into micro-batches: by the token budget (--use-dynamic-batch-size,
@@ -383,6 +397,12 @@ def optimizer_batches(items: list, steps: int) -> list[list]:
         out.append(items[start:end])
         start = end
     return out
+
+
+def _idle(item: tuple[Sample, float]) -> tuple[Sample, float]:
+    """`item` with nothing to learn (its loss mask all 0): the forward and backward of an idle micro-batch."""
+    s = item[0]
+    return dataclasses.replace(s, loss_mask=[0] * len(s.response_ids)), 0.0
 
 
 def _loss_mask(s: Sample) -> list[int]:
