@@ -21,6 +21,7 @@ Use it as a context manager (or call `close()`) to release the model.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -43,6 +44,7 @@ from miles_core.train.megatron_model import (ModelSpec, build_model, build_train
                                             masked_token_logprobs, moe_aux_loss_value, scale_moe_aux_loss,
                                             unwrap)
 from miles_core.train.optimizer_state import load_optimizer_state, optimizer_state
+from miles_core.train.routing_replay import Seen, batch_routes, replaying
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
 EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
@@ -153,7 +155,9 @@ class Trainer:
         with trace.span("metrics", lane="train"):
             if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
                 sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in self._sum_keys()}, self.dp_group)
+            routing = self._routing_metrics(sums)
             metrics = finalize_metrics(sums, total_tokens) if items else {}
+            metrics.update(routing)
         metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
         metrics[TM.SAMPLES] = float(len(items))
@@ -213,20 +217,69 @@ class Trainer:
         if layout is not None:
             layout.add(batch["tokens"].numel(), sum(_length(s) for s, _ in items))
         row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
-        logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"], **row)
+        # --use-rollout-routing-replay: the routers take the engine's routes (without it: only compared)
+        routes, sequence = self._routes(items, batch["tokens"])
+        replay = dict(replay=self.cfg.use_rollout_routing_replay, sequence_slice=sequence)
+        with self._replaying(self.model, routes, **replay) as seen:
+            logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"], **row)
         if not self.loss_cfg.entropy_coef:
             entropy = entropy.detach()
         ref_logp = None
         if self.ref_model is not None:
-            with torch.no_grad():
+            with torch.no_grad(), self._replaying(self.ref_model, routes, **replay):
                 ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"], **row)
         loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
                                  rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
+        if routes is not None:
+            sums.update(_routing_sums(seen))
         aux_tokens = self._weigh_moe_aux_loss(batch["mask"], total_tokens)
         loss.backward()
         if aux_tokens is not None:  # read after the backward: under full recompute the routers run in it
             sums[TM.MOE_AUX_LOSS] = moe_aux_loss_value(self.model) * aux_tokens
         return loss, sums
+
+    def _routes(self, items, tokens: torch.Tensor) -> tuple[torch.Tensor | None, slice | None]:
+        """(the micro-batch's engine routes [b, s, MoE layers, k], this TP rank's slice of the sequence
+        under --sequence-parallel): None when no sample carries routes (a dense model, no replay).
+        Right-padded rows: sample j on row j from position 0; a packed row: one after the other. Under
+        sequence parallelism the sequence is padded to a multiple of the TP size (megatron_model.
+        sequence_parallel_padding) and each TP rank's routers see their contiguous slice of it."""
+        if not self.spec.moe:
+            return None, None
+        lengths = [_length(s) for s, _ in items]
+        if self.cfg.use_dynamic_batch_size:
+            starts = [sum(lengths[:j]) for j in range(len(lengths))]
+            rows = [(0, start, n) for start, n in zip(starts, lengths)]
+        else:
+            rows = [(j, 0, n) for j, n in enumerate(lengths)]
+        b, length = tokens.shape
+        sequence = None
+        if self.cfg.sequence_parallel:
+            length += -length % self.tp
+            part = length // self.tp
+            sequence = slice(self.tp_rank * part, (self.tp_rank + 1) * part)
+        routes = batch_routes([s for s, _ in items], self.spec, rows, (b, length))
+        return routes, sequence if routes is not None else None
+
+    @staticmethod
+    def _replaying(model, routes: torch.Tensor | None, **replay):
+        """`routing_replay.replaying` when the micro-batch has routes; else the plain forward (no hooks)."""
+        return replaying(model, routes, **replay) if routes is not None else contextlib.nullcontext()
+
+    def _routing_metrics(self, sums: dict[str, float]) -> dict[str, float]:
+        """train/routing_mismatch(_own) from the step's sums (taken out of `sums`): under sequence
+        parallelism each TP rank compared its slice of the sequence, so the counts add over TP too.
+        Empty for a dense model or when no sample carried routes."""
+        if not self.spec.moe:
+            return {}
+        keys = (TM.ROUTING_DIFFER, TM.ROUTING_DIFFER_OWN, TM.ROUTING_COMPARED)
+        counts = torch.tensor([sums.pop(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.cfg.sequence_parallel and self.tp_group is not None:
+            collectives.all_reduce(counts, self.tp_group)
+        differ, own, compared = counts.tolist()
+        if not compared:
+            return {}
+        return {TM.ROUTING_MISMATCH: differ / compared, TM.ROUTING_MISMATCH_OWN: own / compared}
 
     def _weigh_moe_aux_loss(self, mask: torch.Tensor, total_tokens: float) -> float | None:
         """Before a micro-batch's backward, a MoE model's load-balancing loss gets the micro-batch's
@@ -241,7 +294,8 @@ class Trainer:
 
     def _sum_keys(self) -> tuple[str, ...]:
         """The metric sums every DP rank reduces (the loss's, and the aux loss of a MoE model that has one)."""
-        return sum_keys(self.loss_cfg) + ((TM.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ())
+        routing = (TM.ROUTING_DIFFER, TM.ROUTING_DIFFER_OWN, TM.ROUTING_COMPARED) if self.spec.moe else ()
+        return sum_keys(self.loss_cfg) + ((TM.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ()) + routing
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer:
@@ -403,6 +457,14 @@ def _idle(item: tuple[Sample, float]) -> tuple[Sample, float]:
     """`item` with nothing to learn (its loss mask all 0): the forward and backward of an idle micro-batch."""
     s = item[0]
     return dataclasses.replace(s, loss_mask=[0] * len(s.response_ids)), 0.0
+
+
+def _routing_sums(seen: Seen) -> dict[str, float]:
+    """One forward's routing counts: (token, MoE layer) pairs compared with the engine's routes, and
+    those whose top-k differed in the routing used and in the routers' own choice."""
+    differ, compared = seen.mismatch("used")
+    own, _ = seen.mismatch("own")
+    return {TM.ROUTING_DIFFER: differ, TM.ROUTING_DIFFER_OWN: own, TM.ROUTING_COMPARED: compared}
 
 
 def _loss_mask(s: Sample) -> list[int]:
