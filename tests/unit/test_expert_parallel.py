@@ -12,6 +12,8 @@ Pins:
   DP=1 x EP=1 on the same batch, dense and every expert (gathered by global number), to fp32
   summation order; the loss metrics too. The batch's 7 samples give the DP ranks 2 and 1
   micro-batches: the second runs an idle one (every forward is an all-to-all over the EP group);
+- the same EP=2 step on Megatron's DDP and optimizer (--bf16, the GPU trainer's path) has the fp32
+  gradient norm to bf16 precision, and its checkpoint restores;
 - under strict mode the EP group stands for NCCL: a CPU tensor handed to `all_to_all_single` on it is
   refused, while the train step's own all-to-all (Megatron's dispatch, dtype-checked) runs.
 
@@ -143,6 +145,9 @@ def _ep2_rank(rank: int, models: dict[str, str], tmp: str) -> None:
             out[name]["metrics"] = tr.train_step(0, _groups())
             out[name]["grads"] = _global_grads(tr)
             out[name]["checkpoint"] = _checkpoint_round_trip(tr, os.path.join(tmp, f"ckpt-{name}"))
+        with Trainer(_train(ep=2, bf16=True), hf_dir) as tr:  # the GPU trainer's path: Megatron's DDP and optimizer
+            out[name]["bf16"] = {"metrics": tr.train_step(0, _groups()),
+                                 "checkpoint": _checkpoint_round_trip(tr, os.path.join(tmp, f"ckpt-bf16-{name}"))}
     group = ps.get_expert_model_parallel_group()
     out["strict"] = collectives.strict_device(group)
     try:
@@ -279,6 +284,18 @@ def test_checkpoints_hold_each_ep_ranks_experts(results, name):
         assert r[name]["checkpoint"]["restored"]
     files = results["ep2"][0][name]["checkpoint"]["files"]
     assert {"model.ep00.safetensors", "model.ep01.safetensors", "optimizer.ep01.safetensors"} <= set(files), files
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_megatrons_ddp_and_optimizer_under_expert_parallelism(results, name):
+    """The GPU trainer's path (--bf16 on CPU: Megatron's DDP reduces expert gradients over expert DP,
+    its optimizer clips with the experts' norms over EP): the step's gradient norm is the fp32 DP=1 x
+    EP=1 one to bf16 precision on both ranks, and the checkpoint (Megatron's optimizer state per EP rank)
+    restores."""
+    want = results["ep1"][name]["metrics"]["train/grad_norm"]
+    for r in results["ep2"]:
+        assert r[name]["bf16"]["metrics"]["train/grad_norm"] == pytest.approx(want, rel=2e-2)
+        assert r[name]["bf16"]["checkpoint"]["restored"]
 
 
 def test_strict_mode_refuses_a_cpu_tensor_in_all_to_all_on_the_ep_group(results):
