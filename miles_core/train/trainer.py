@@ -7,7 +7,9 @@ group), runs micro-batches of `micro_batch_size` samples (right-padded; or, with
 `use_dynamic_batch_size`, packed rows of at most `max_tokens_per_gpu` tokens: train/packing.py)
 with the loss over response tokens whose `loss_mask` is 1, clips the gradient norm and steps once.
 `export_hf(dir)` writes an HF checkpoint; `checkpoint_state()` / `load_checkpoint_state()` are what
-checkpoint.py stores.
+checkpoint.py stores. For a mixture-of-experts model, --expert-model-parallel-size spreads the routed
+experts over EP ranks (docs/training.md#expert-parallelism): each rank loads, trains and checkpoints
+its own, and an export gathers them all.
 On CPU: fp32, plain `torch.optim.AdamW`. On GPU, and on CPU with --bf16 or
 --use-distributed-optimizer: Megatron DDP + Megatron's optimizer (`megatron_model.build_training`;
 on CPU inside `cpu_shim.megatron_on_cpu`).
@@ -366,10 +368,12 @@ class Trainer:
     def checkpoint_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], dict]:
         """({"model": tensors, "optimizer": tensors, "rng": tensors}, JSON meta) for checkpoint.py.
 
-        These are this rank's TP shards. DP rank 0 of each TP rank holds the whole optimizer state:
-        replicated over DP ranks (AdamW, Megatron's non-distributed optimizer), or gathered onto it
-        (the distributed optimizer: a collective, so every rank calls this; optimizer_state.py). A
-        checkpoint resumes at any DP size.
+        These are this rank's TP shards (under expert parallelism: with its own experts, numbered from
+        0). DP rank 0 of each TP rank holds the whole optimizer state: replicated over DP ranks (AdamW,
+        Megatron's non-distributed optimizer), or gathered onto it (the distributed optimizer: a
+        collective, so every rank calls this; optimizer_state.py); under EP, expert-DP rank 0 of each
+        TP and EP rank (its experts' state is replicated over expert DP). A checkpoint resumes at any
+        DP size.
         """
         model = hf_convert.megatron_state(unwrap(self.model))
         opt_tensors, opt_skeleton = optimizer_state(self.optimizer)
