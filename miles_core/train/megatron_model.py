@@ -167,6 +167,7 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
     if spec.positions == "rope":
         model.rotary_pos_emb.inv_freq = rope_inv_freq(spec)
     model.miles_transformer_impl = impl  # forward_hidden passes packed rows to TE as THD
+    mark_qk_norms(model, tensor_model_parallel_size)
     for router in routers(model):  # the aux loss is weighted per micro-batch by `scale_moe_aux_loss`
         router.calculate_per_token_loss = False
     if bf16:  # as Megatron's Float16Module does: the torch norms (no Apex/TE) are built in fp32
@@ -294,6 +295,18 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def mark_qk_norms(model, tp: int) -> None:
+    """Under TP each rank holds some of the heads, so the q/k norms' weights (one per head dim, shared by
+    every head) get a partial gradient on each rank, sequence parallelism or not: marked
+    `sequence_parallel` they are summed over the TP group like the layer norms under it
+    (`data_parallel.all_reduce_sequence_parallel_grads`; Megatron's `finalize_model_grads` sums them
+    by name, once either way)."""
+    if tp > 1:
+        for name, p in model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.sequence_parallel = True
 
 
 def transformer_engine_available() -> bool:

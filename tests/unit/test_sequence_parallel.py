@@ -1,8 +1,9 @@
 """Megatron sequence parallelism in the CPU trainer (--sequence-parallel): the real Trainer at TP=2 on
 two processes (torch.distributed over gloo, under MILES_STRICT_DEVICE=cuda), with and without it,
-and at TP=1, on a Llama (RMSNorm, RoPE, GQA, untied) and a GPT-2 (LayerNorm with biases, biases in
-the row-parallel linears, learned positions, tied); lr=0, so every gradient is taken at the same
-weights.
+and at TP=1, on a Llama (RMSNorm, RoPE, GQA, untied), a GPT-2 (LayerNorm with biases, biases in
+the row-parallel linears, learned positions, tied) and a Qwen3 (q/k norms over each head: each TP
+rank holds half the heads, so their gradients are partial sums even without sequence parallelism);
+lr=0, so every gradient is taken at the same weights.
 
 Pins: after one `train_step` (micro-batches of 3 samples, lengths 6 to 11 tokens, odd ones
 included, so the padding to a multiple of TP runs), TP=2 with --sequence-parallel (also with full
@@ -61,15 +62,18 @@ def _groups():
 
 def _write_models(tmp: str) -> dict[str, str]:
     """Two tiny HF checkpoints whose vocabulary, heads and FFN divide by 2 (TP=2)."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     llama = LlamaConfig(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                         tie_word_embeddings=False)
     gpt = GPT2Config(vocab_size=16, n_positions=64, n_embd=64, n_layer=2, n_head=4, activation_function="gelu_new",
                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    qwen3 = Qwen3Config(vocab_size=16, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
     out = {}
-    for name, cls, cfg in (("llama", LlamaForCausalLM, llama), ("gpt2", GPT2LMHeadModel, gpt)):
+    for name, cls, cfg in (("llama", LlamaForCausalLM, llama), ("gpt2", GPT2LMHeadModel, gpt),
+                           ("qwen3", Qwen3ForCausalLM, qwen3)):
         torch.manual_seed(3)
         model = cls(cfg)
         with torch.no_grad():  # norms away from their init (ones, zeros), so their gradients differ by rank
@@ -150,7 +154,7 @@ def test_the_batch_has_odd_and_even_micro_batches():
     assert {n % TP for n in longest} == {0, 1}, longest
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "qwen3"])
 @pytest.mark.parametrize("variant", ["tp2-sp", "tp2-sp-recompute"])
 def test_sequence_parallel_makes_the_tp2_and_tp1_step(results, model, variant):
     """Pins loss, grad norm, every gathered gradient and the eval log-probs of TP=2 with
@@ -174,7 +178,7 @@ def test_sequence_parallel_makes_the_tp2_and_tp1_step(results, model, variant):
                 assert a == pytest.approx(b, rel=RTOL, abs=ATOL)
 
 
-@pytest.mark.parametrize("model", ["llama", "gpt2"])
+@pytest.mark.parametrize("model", ["llama", "gpt2", "qwen3"])
 def test_norm_gradients_are_marked_and_the_same_on_both_tp_ranks(results, model):
     """Megatron's `sequence_parallel` marks (norms; GPT-2's row-parallel biases too) are on every
     parameter whose gradient is a partial sum per rank, and the sum leaves both ranks the same."""
@@ -185,7 +189,11 @@ def test_norm_gradients_are_marked_and_the_same_on_both_tp_ranks(results, model)
     if model == "gpt2":
         row_parallel_biases = {f"decoder.layers.0.{n}.bias" for n in ("self_attention.linear_proj", "mlp.linear_fc2")}
         assert row_parallel_biases <= set(marked)
-    assert ranks[0][model, "tp2"]["marked"] == []  # without the flag nothing is marked (nothing to sum)
-    first, second = ranks[0][model, "tp2-sp"]["grads"], ranks[1][model, "tp2-sp"]["grads"]
-    for name in marked:
-        torch.testing.assert_close(first[name], second[name], rtol=0, atol=0)
+    # without the flag only the q/k norms are marked: each TP rank's heads give part of their gradient
+    qk = sorted(n for n in norms if "q_layernorm" in n or "k_layernorm" in n)
+    assert bool(qk) == (model == "qwen3")
+    assert ranks[0][model, "tp2"]["marked"] == qk
+    for variant, names in (("tp2-sp", marked), ("tp2", qk)):
+        first, second = ranks[0][model, variant]["grads"], ranks[1][model, variant]["grads"]
+        for name in names:
+            torch.testing.assert_close(first[name], second[name], rtol=0, atol=0)
