@@ -4,6 +4,9 @@ spawned launcher process that imported Megatron once, so the forked ranks inheri
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch.multiprocessing as mp
 
 
@@ -20,3 +23,21 @@ def fork_ranks(target, args_list: list[tuple], timeout: float = 120) -> None:
             p.kill()
     if codes != [0] * len(procs):
         raise RuntimeError(f"rank processes exited with {codes}")
+
+
+def run_launcher(target, tmp: str, timeout: float, what: str = "the trainer processes") -> None:
+    """Run `target(tmp)` in a fresh spawned process (it imports Megatron once, then forks the ranks with
+    `fork_ranks`) and wait; killed past `timeout`; assert it exited 0, naming `what` failed."""
+    launcher = mp.get_context("spawn").Process(target=target, args=(tmp,))
+    launcher.start()
+    launcher.join(timeout)
+    if launcher.is_alive():
+        launcher.kill()
+    assert launcher.exitcode == 0, f"{what} failed (exit code {launcher.exitcode}); see stderr"
+
+
+def exit_launcher(code: int = 0) -> None:
+    """End a launcher process without interpreter teardown (Megatron's and gloo's would hang or print)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.support.ranks import fork_ranks
+from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -152,20 +150,13 @@ def _launch(tmp: str) -> None:
     os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
     fork_ranks(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)], timeout=300)
     fork_ranks(_dp1, [(hf_dir, tmp)], timeout=300)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_launcher(0)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distopt")
-    launcher = mp.get_context("spawn").Process(target=_launch, args=(str(tmp),))
-    launcher.start()
-    launcher.join(600)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, f"the trainer processes failed (exit code {launcher.exitcode}); see stderr"
+    run_launcher(_launch, str(tmp), 600, "the trainer processes")
     return [torch.load(tmp / f"dp2_rank{r}.pt") for r in range(2)], torch.load(tmp / "dp1.pt")
 
 

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.support.ranks import exit_launcher, run_launcher
 
 DP = 2
 RTOL, ATOL = 1e-5, 1e-7  # fp32 on CPU; only the order of summation differs between layouts
@@ -102,20 +103,13 @@ def _launch(tmp: str) -> None:
             p.kill()
     if codes != [0] * DP:
         raise RuntimeError(f"DP rank processes exited with {codes}")
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_launcher(0)
 
 
 def test_dp2_gradient_is_the_dp1_gradient_not_a_rescaled_one(tmp_path):
     """Pins DP=2 gradients and grad norm == DP=1's on the same global batch; guards against
     gradients averaged (or otherwise uniformly rescaled) over DP ranks instead of summed."""
-    launcher = mp.get_context("spawn").Process(target=_launch, args=(str(tmp_path),))
-    launcher.start()
-    launcher.join(180)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, f"the DP=2 trainer processes failed (exit code {launcher.exitcode}); see stderr"
+    run_launcher(_launch, str(tmp_path), 180, "the DP=2 trainer processes")
     saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DP)]
     one, ranks = saved[0]["dp1"], [s["dp2"] for s in saved]
 

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from miles_core.train import metric_names as TM
-from tests.support.ranks import fork_ranks
+from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
 PROMPT = 5
@@ -206,20 +206,13 @@ def _launch(tmp: str) -> None:
         traceback.print_exc()
         print(e, file=sys.stderr)
         code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_launcher(code)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep")
-    launcher = mp.get_context("spawn").Process(target=_launch, args=(str(tmp),))
-    launcher.start()
-    launcher.join(1200)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, f"the expert-parallel trainer processes failed (exit code {launcher.exitcode})"
+    run_launcher(_launch, str(tmp), 1200, "the expert-parallel trainer processes")
     load = lambda name: torch.load(tmp / name, weights_only=False)  # noqa: E731
     return {"tmp": tmp, "ep2": [load(f"ep2-rank{r}.pt") for r in range(2)],
             "tp2ep2": load("tp2ep2-rank0.pt"), "ep1": load("ep1.pt")}

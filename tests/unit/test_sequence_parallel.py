@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.support.ranks import fork_ranks
+from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
@@ -131,20 +129,13 @@ def _launch(tmp: str) -> None:
     os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
     fork_ranks(_worker, [(r, models, tmp) for r in range(TP)], timeout=240)
     torch.save({name: _run(hf_dir, 1) for name, hf_dir in models.items()}, os.path.join(tmp, "tp1.pt"))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_launcher(0)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sp")
-    launcher = mp.get_context("spawn").Process(target=_launch, args=(str(tmp),))
-    launcher.start()
-    launcher.join(300)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, f"the TP=2 trainer processes failed (exit code {launcher.exitcode}); see stderr"
+    run_launcher(_launch, str(tmp), 300, "the TP=2 trainer processes")
     return [torch.load(tmp / f"rank{r}.pt") for r in range(TP)], torch.load(tmp / "tp1.pt")
 
 

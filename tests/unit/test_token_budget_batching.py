@@ -23,12 +23,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from miles_core.config import ConfigError, parse_flags
 from miles_core.config.sections import TrainSection
@@ -38,7 +36,7 @@ from miles_core.train import metric_names as TM
 from miles_core.train.megatron_model import masked_token_logprobs, unwrap
 from miles_core.train.packing import block_causal_mask, pack_rows, plan_micro_batches
 from miles_core.train.trainer import Trainer, _pack, _pack_row, trainable_samples
-from tests.support.ranks import fork_ranks
+from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 torch.set_num_threads(1)
 
@@ -223,18 +221,11 @@ def _launch(tmp: str) -> None:
     hf_dir = materialize_checkpoint("builtin:tiny-llama", 1, os.path.join(tmp, "tiny-llama"))
     os.environ["MILES_STRICT_DEVICE"] = "cuda"
     fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(DP)])
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_launcher(0)
 
 
 def test_dp2_packed_gradients_are_the_dp1_padded_ones(tmp_path):
-    launcher = mp.get_context("spawn").Process(target=_launch, args=(str(tmp_path),))
-    launcher.start()
-    launcher.join(180)
-    if launcher.is_alive():
-        launcher.kill()
-    assert launcher.exitcode == 0, f"the DP=2 trainer processes failed (exit code {launcher.exitcode}); see stderr"
+    run_launcher(_launch, str(tmp_path), 180, "the DP=2 trainer processes")
     saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DP)]
     one = saved[0]["dp1"]
     for r, rank in enumerate(saved):
