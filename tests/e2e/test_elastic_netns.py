@@ -20,6 +20,7 @@ and nothing it started is left on its node); nothing of the setup is left behind
 from __future__ import annotations
 
 import collections
+import contextlib
 import http.server
 import json
 import os
@@ -189,7 +190,8 @@ def _wait_for_trainer(trainer: subprocess.Popen, run: Store, logs: dict[str, Pat
         elif time.monotonic() - changed > STALL_SECONDS:
             raise AssertionError(f"the run stalled: {trained} steps trained, none in {STALL_SECONDS} s\n"
                                  f"{_stall_report(run)}\n" + "\n".join(_tail(f) for f in logs.values()))
-        time.sleep(5)
+        with contextlib.suppress(subprocess.TimeoutExpired):  # returns as soon as it ends
+            trainer.wait(5)
 
 
 def _copy_run_root(run: Store, dest: Path) -> Path:
