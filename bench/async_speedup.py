@@ -94,6 +94,7 @@ from miles_core.driver.roles import (  # noqa: E402
 )
 from miles_core.prepare.checks import validate  # noqa: E402
 from miles_core.rollout.builtin_tasks import builtin_rows  # noqa: E402
+from miles_core.rollout.failures import FailureBudget  # noqa: E402
 from miles_core.rollout.manager import RolloutManager, digit_decode  # noqa: E402
 
 DRIVERS = ("sync", "one-step-off", "fully-async")
@@ -473,7 +474,8 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
             weights=WeightPusher(trainer_h, rollout, cfg.rollout.update_weights_interval, version_box),
             checkpoints=Checkpointer(trainer_h, rollout, cfg.train.save_interval, enabled=False),
             evals=NoEvals(), metrics=MetricsLog(sink), progress=Progress(cfg.run.num_rollout, 0, enabled=False),
-            deadline=Deadline(None))
+            deadline=Deadline(None),
+            failures=FailureBudget(cfg.rollout.max_failed_sample_fraction, cfg.rollout.failed_sample_window_steps))
         for obj, method, name in ((roles.batches, "next_batch", "wait batch"),
                                   (roles.trainer, "train_step", "train"),
                                   (roles.batches, "before_weight_update", "prefetch wait"),

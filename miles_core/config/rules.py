@@ -161,6 +161,8 @@ BOUNDS = [
     ("rollout", "rollout_top_k", lambda v: v == -1 or v >= 1, "must be -1 (off) or >= 1"),
     ("rollout", "engine_request_timeout_seconds", *_POSITIVE), ("rollout", "reward_timeout_seconds", *_POSITIVE),
     ("rollout", "custom_generate_timeout_seconds", *_POSITIVE),
+    ("rollout", "max_failed_sample_fraction", lambda v: 0 <= v <= 1, "must be in [0, 1] (1: never fail the run)"),
+    ("rollout", "failed_sample_window_steps", *_AT_LEAST_1),
     ("engine", "rollout_num_gpus_per_engine", *_AT_LEAST_1), ("engine", "engine_max_running_requests", *_AT_LEAST_1),
     ("engine", "sglang_mem_fraction_static", lambda v: 0 < v < 1, "must be in (0, 1)"),
     ("engine", "engine_startup_timeout_seconds", *_POSITIVE),

@@ -89,6 +89,8 @@ class RolloutSection:
     engine_request_timeout_seconds: float = opt(600.0, "Timeout of one /generate request.")
     custom_generate_timeout_seconds: float = opt(3600.0, "An episode of --custom-generate-function-path that has not returned after this long fails its group, as a raising one does (a hung environment or tool never holds its submission credit for ever).")
     reward_timeout_seconds: float = opt(300.0, "A reward function call (per sample, or per group when batched) that has not returned after this long fails its samples, as a raising one does (a hung reward never stalls the run).")
+    max_failed_sample_fraction: float = opt(0.5, "Fail the run when the reward function or the custom generate function fails (raises, times out, returns a non-number) on more than this share of the samples it was given over --failed-sample-window-steps steps; 1 never fails the run. A single failure only fails its sample.")
+    failed_sample_window_steps: int = opt(5, "The window of training steps over which --max-failed-sample-fraction is judged (a segment shorter than the window is judged at its last step).")
 
 
 @dataclass(frozen=True)

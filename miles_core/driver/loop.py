@@ -21,6 +21,7 @@ class Batch:
     groups: list  # list[Group], sorted by prompt index
     group_ids: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)  # samples tried/failed per kind (miles_core.rollout.failures)
 
 
 class BatchSource(Protocol):
@@ -57,6 +58,7 @@ def run_loop(roles) -> LoopResult:
             step_metrics = metrics | batch.metrics | push_metrics | fleet_metrics | roles.batches.metrics()
             step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
             roles.metrics.log(step, step_metrics)
+            roles.failures.observe(step, batch.failures, last=last)  # too many failed samples: the run fails
             roles.progress.update(step, step_metrics)
         roles.timeline.on_step(step)
         if last:

@@ -21,6 +21,7 @@ from miles_core.driver.loop import Batch
 from miles_core.driver.timeline import NoTimeline
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
+from miles_core.rollout.failures import FailureBudget
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,8 @@ WATCH_SECONDS = 5.0  # how often a driver waiting for a batch checks that what i
 
 
 def _as_batch(step: int, drained) -> Batch:
-    return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics))
+    return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics),
+                 dict(getattr(drained, "failures", None) or {}))
 
 
 class OnDemandBatches:
@@ -254,6 +256,8 @@ class Roles:
     feed: Any = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
     fleet: Any = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
     timeline: Any = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
+    # samples whose reward / generate function failed, over a window of steps (miles_core.rollout.failures)
+    failures: Any = field(default_factory=lambda: FailureBudget(1.0, 1))
 
 
 def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1,

@@ -49,6 +49,7 @@ from miles_core.prepare.checks import check_memory, validate
 from miles_core.prepare.dataset import prepare_dataset
 from miles_core.prepare.initial_model import ensure_model
 from miles_core.rollout.builtin_tasks import random_policy_reward
+from miles_core.rollout.failures import FailureBudget
 from miles_core.rollout.prompts import stored_dataset_info
 from miles_core.storage import Store, run_root
 from miles_core.storage.lease import Lease
@@ -154,7 +155,8 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
                 lease.check, "save"),
             evals=evals, metrics=MetricsLog(sink, live_exporters(cfg, stack)), progress=progress,
             deadline=Deadline(cfg.run.deadline_seconds), feed=feed, timeline=timeline,
-            fleet=_fleet_role(cfg, store, lease, stack, fleet, trainer, rollout, start_step, version_box[0]))
+            fleet=_fleet_role(cfg, store, lease, stack, fleet, trainer, rollout, start_step, version_box[0]),
+            failures=FailureBudget(cfg.rollout.max_failed_sample_fraction, cfg.rollout.failed_sample_window_steps))
         log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
         return result, version_box[0]

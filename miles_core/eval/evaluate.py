@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
@@ -22,6 +23,8 @@ from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.metric_names import mean_reward_metric, pass_at_k_metric
 from miles_core.eval.pass_at_k import pass_at_k, pass_ks
 from miles_core.samples import Sample, SampleStatus
+
+log = logging.getLogger(__name__)
 
 ABORT_RETRIES = 3
 
@@ -47,6 +50,8 @@ class DatasetEval:
     n_samples: int
     duration_seconds: float
     weight_versions: list[int] = field(default_factory=list)  # distinct versions the engines reported
+    failed_samples: int = 0  # samples whose reward failed (scored 0)
+    error: str = ""  # the first of their errors
 
 
 def _field(result: Any, *names: str, default=None):
@@ -145,8 +150,28 @@ async def evaluate(engines: GenerateClient | Sequence[GenerateClient], dataset: 
         for s, r in zip(unscored, await _score(dataset, unscored)):
             s.reward = r
     metrics = aggregate(dataset.name, samples, n, sampling.pass_threshold)
+    failed, error = failed_samples(samples)
+    if samples and failed == len(samples):
+        log.error("eval %s: the reward failed on every sample (%d of %d), so its scores of 0 mean nothing; "
+                  "first: %s. The eval result is marked failed; training goes on (fix --custom-rm-path)",
+                  dataset.name, failed, len(samples), error)
     return DatasetEval(dataset=dataset.name, metrics=metrics, n_prompts=len(dataset.rows), n_samples=len(samples),
-                       duration_seconds=time.monotonic() - t0, weight_versions=sorted(versions))
+                       duration_seconds=time.monotonic() - t0, weight_versions=sorted(versions),
+                       failed_samples=failed, error=error)
+
+
+def failed_samples(samples: list[Sample]) -> tuple[int, str]:
+    """(how many samples' reward failed, the first failure's message)."""
+    failed = [s for s in samples if s.status == SampleStatus.FAILED]
+    error = ""
+    for s in failed:
+        try:
+            error = str(json.loads(s.metadata or "{}").get("reward_error") or "")
+        except (ValueError, AttributeError):
+            continue
+        if error:
+            break
+    return len(failed), error
 
 
 def aggregate(ds: str, samples: list[Sample], n: int, pass_threshold: float = 1.0) -> dict[str, float]:

@@ -50,6 +50,13 @@ class EvalResult:
     duration_seconds: float = 0.0
     lag_steps: int | None = None
     evaluated_at: float = field(default_factory=time.time)
+    failed_samples: int = 0  # samples whose reward failed (each scored 0)
+    error: str = ""  # the first of their errors
+
+    @property
+    def failed(self) -> bool:
+        """Every sample's reward failed: the metrics are zeros that say nothing about the model."""
+        return self.n_samples > 0 and self.failed_samples >= self.n_samples
 
     def to_row(self) -> dict:
         """A flat table row (the backfill's StructuredDataset)."""
@@ -150,7 +157,8 @@ def record_evals(store: Store, evals, *, step: int, version: int | None, snapsho
         write_result(store, EvalResult(
             step=step, dataset=ev.dataset, metrics=ev.metrics, n_prompts=ev.n_prompts, n_samples=ev.n_samples,
             weight_version=version, snapshot_uri=snapshot_uri, dataset_uri=uris.get(ev.dataset, ""),
-            sampling=sampling.to_dict(), mode=mode, duration_seconds=ev.duration_seconds, lag_steps=lag_steps))
+            sampling=sampling.to_dict(), mode=mode, duration_seconds=ev.duration_seconds, lag_steps=lag_steps,
+            failed_samples=getattr(ev, "failed_samples", 0), error=getattr(ev, "error", "")))
         logged.update(ev.metrics)
     logged[DURATION_SECONDS] = float(duration_seconds)
     if lag_steps is not None:

@@ -72,6 +72,8 @@ def _evals(run: RecordedRun) -> dict[str, list[dict]]:
     for result in all_results(run.store):
         row = result.to_row()
         keep = {k: v for k, v in row.items() if k == "mean_reward" or k.startswith("pass@")}
+        if result.failed_samples:
+            keep.update(failed_samples=result.failed_samples, n_samples=result.n_samples, error=result.error)
         out.setdefault(result.dataset, []).append({"step": result.step, **keep})
     return out
 
@@ -183,8 +185,16 @@ def _unreadable_lines(b: dict) -> list[str]:
 def _eval_lines(evals: dict[str, list[dict]]) -> list[str]:
     if not evals:
         return ["eval         none"]
-    return [f"eval {name:<8}" + ", ".join(f"step {r['step']}: {r.get('mean_reward', float('nan')):.3f}" for r in rows)
-            for name, rows in sorted(evals.items())]
+    return [f"eval {name:<8}" + ", ".join(_eval_cell(r) for r in rows) for name, rows in sorted(evals.items())]
+
+
+def _eval_cell(r: dict) -> str:
+    """One eval result: its mean reward; FAILED when every sample's reward failed (with the first error)."""
+    failed, n = r.get("failed_samples", 0), r.get("n_samples", 0)
+    if n and failed >= n:
+        return f"step {r['step']}: FAILED (reward failed on all {n} samples; first: {r.get('error', '')})"
+    cell = f"step {r['step']}: {r.get('mean_reward', float('nan')):.3f}"
+    return cell + (f" ({failed} of {n} samples' reward failed)" if failed else "")
 
 
 def _steps(steps: list[int]) -> str:

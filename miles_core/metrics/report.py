@@ -24,6 +24,7 @@ import fsspec
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
+from miles_core.rollout import metrics as RM
 from miles_core.storage import StorageError, StorageUnavailable, Store
 from miles_core.storage.run_root import read_config, read_status
 
@@ -330,8 +331,13 @@ def render_html(events: list[dict], title: str, *, capacity: int | None = None,
 def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) -> list[tuple[str, str]]:
     rows = [("run", uri)]
     if status is not None:
-        rows.append(("state", f"{status.state} (segment {status.segment}, last step {status.last_step})"))
+        message = f": {status.message}" if status.message else ""
+        rows.append(("state", f"{status.state} (segment {status.segment}, last step {status.last_step}){message}"))
+    failures = _failure_rows(events)
+    rows += failures
     steps, reward = series(events, N.REWARD)
+    if not reward and failures:
+        rows.append(("reward", "none: no sample was scored"))
     if reward:
         head = reward[:5]
         tail = reward[-max(1, len(reward) // 10):]
@@ -346,6 +352,19 @@ def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) ->
         rows.append((f"{name} (exact match)", f"{values[-1]:.3f} at step {eval_steps[-1]}"))
     if capacity:
         rows.append(("buffer capacity", f"{capacity} groups"))
+    return rows
+
+
+def _failure_rows(events: list[dict]) -> list[tuple[str, str]]:
+    """One row per kind of failed sample (reward, custom generate function): how many, over how many steps."""
+    rows = []
+    for kind, name in (("reward", RM.REWARD_FAILED), ("generate", RM.GENERATE_FAILED)):
+        steps, counts = series(events, name)
+        total = sum(counts)
+        if total:
+            failing = sum(1 for c in counts if c)
+            rows.append((f"failed samples ({kind})", f"{total:,.0f} in {failing} of {len(steps)} steps ({name}); "
+                                                     "the run's state says the first error when it stopped the run"))
     return rows
 
 

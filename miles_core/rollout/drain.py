@@ -50,6 +50,7 @@ class DrainedBatch:
     groups: list[Group]  # sorted by prompt index
     group_ids: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)  # samples tried/failed per kind (miles_core.rollout.failures)
 
 
 class ProducerGuardedBuffer:
@@ -137,6 +138,7 @@ def apply_sample_filter(fn: Callable[[list[Group]], None], groups: list[Group]) 
 async def drain_batch(consumer: ProducerGuardedBuffer, batch_size: int, *, current_version: int | None,
                       sample_filter: Callable[[list[Group]], None] | None = None,
                       producer_metrics: Callable[[], dict] | None = None,
+                      failures: Callable[[], dict] | None = None,
                       starved_warn_seconds: float = STARVED_WARN_SECONDS) -> DrainedBatch:
     """Exactly `batch_size` groups; see the module docstring."""
     t0 = time.monotonic()
@@ -161,7 +163,7 @@ async def drain_batch(consumer: ProducerGuardedBuffer, batch_size: int, *, curre
     metrics.update(consumer.get_metrics())
     if producer_metrics is not None:
         metrics.update(producer_metrics())
-    return DrainedBatch(groups, [g.group_id for g in groups], metrics)
+    return DrainedBatch(groups, [g.group_id for g in groups], metrics, failures() if failures is not None else {})
 
 
 async def generate_batch(producer: Any, consumer: ProducerGuardedBuffer, batch_size: int, *,
@@ -171,4 +173,5 @@ async def generate_batch(producer: Any, consumer: ProducerGuardedBuffer, batch_s
     """One batch of exactly `batch_size` groups from a batch-mode producer (sync / one-step-off)."""
     producer.allow(batch_size)
     return await drain_batch(consumer, batch_size, current_version=current_version, sample_filter=sample_filter,
-                             producer_metrics=producer.metrics, starved_warn_seconds=starved_warn_seconds)
+                             producer_metrics=producer.metrics, failures=getattr(producer, "take_failures", None),
+                             starved_warn_seconds=starved_warn_seconds)

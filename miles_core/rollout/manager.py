@@ -259,7 +259,8 @@ class RolloutManager:
             return await generate_batch(self.producer, self.consumer, self.batch_size, current_version=version,
                                         sample_filter=self.sample_filter)
         return await drain_batch(self.consumer, self.batch_size, current_version=version,
-                                 sample_filter=self.sample_filter, producer_metrics=self.producer.metrics)
+                                 sample_filter=self.sample_filter, producer_metrics=self.producer.metrics,
+                                 failures=self.producer.take_failures)
 
     async def set_version(self, version: int) -> None:
         self.version = version

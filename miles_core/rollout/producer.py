@@ -128,6 +128,7 @@ class Producer:
         self._generate_failed = 0
         self.sink = sink
         self.rewarder = rewarder
+        self.tally = rewarder.tally  # reward and generate failures (miles_core.rollout.failures)
         self.budget = budget
         self.admission = admission
         self.sampling_params = dict(sampling_params)
@@ -195,6 +196,7 @@ class Producer:
                             len(rest), grace_seconds)
                 await asyncio.gather(*rest, return_exceptions=True)
         self._put_pool.shutdown(wait=False, cancel_futures=True)
+        self.tally.flush()
         # off the loop: a reward still blocking its thread must not stall the caller's loop
         await asyncio.get_running_loop().run_in_executor(None, self.rewarder.close)
 
@@ -353,11 +355,13 @@ class Producer:
         """Run the custom generate function on `sample`. Its failure fails only this group: the
         sample is aborted with the error (naming the function) in its metadata, so the group is
         rejected at put and the unused-samples handler (drop or retry) applies."""
+        self.tally.tried("generate")
         try:
             samples = await self.generate_fn(self.generate_args, sample, params)
         except GenerateFunctionError as e:
             self._generate_failed += 1
-            log.warning("group %s failed: %s", sample.group_id, e, exc_info=e.__cause__)
+            self.tally.failed("generate", e, f"group {sample.group_id}")
+            log.debug("group %s failed", sample.group_id, exc_info=e.__cause__)
             mark_episode_failed(sample, e)
             return None
         for s in samples:
@@ -440,6 +444,10 @@ class Producer:
         self.admission.started_groups = max(
             0, int(state["started_groups"]) - report.reserved_outstanding + report.committed_beyond_checkpoint)
         return report
+
+    def take_failures(self) -> dict:
+        """Samples tried and failed per kind since the last call (`FailureTally.take`)."""
+        return self.tally.take()
 
     def metrics(self) -> dict[str, float]:
         """Producer metrics for the window since the last call."""

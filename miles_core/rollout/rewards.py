@@ -23,7 +23,9 @@ Built-ins (usable as `--custom-rm-path miles_core.rollout.rewards:NAME`):
 
 A reward function that raises (or returns a non-number) does not stop the run: that sample is
 marked `failed`, its reward stays None, its loss mask is zeroed and the reason goes into its
-metadata (`reward_error`); the count is reported as `rollout/reward_failed`.
+metadata (`reward_error`); the count is reported as `rollout/reward_failed`, the console summarises
+repeats (`failures.FailureTally`), and a run where more than --max-failed-sample-fraction of the
+samples fail over --failed-sample-window-steps steps fails (`failures.FailureBudget`).
 
 Scoring never runs user code on the caller's event loop (the rollout actor's loop, which also
 submits new groups and commits finished ones; see `reward_workers`): decoding and a sync reward
@@ -44,6 +46,7 @@ import weakref
 from typing import Any, Callable
 
 from miles_core.config.plugins import load_plugin
+from miles_core.rollout.failures import FailureTally
 from miles_core.rollout.arith import arith_reward
 from miles_core.rollout.builtin_tasks import digits_reward
 from miles_core.rollout.reward_workers import RewardWorkers
@@ -184,8 +187,9 @@ class Rewarder:
     """
 
     def __init__(self, fn: Callable, decode: Decode | None = None, threads: int = 8,
-                 timeout_seconds: float | None = None):
+                 timeout_seconds: float | None = None, tally: FailureTally | None = None):
         self.fn = fn
+        self.tally = tally or FailureTally(log)  # tries and failures per window; the console's summary
         self.timeout_seconds = timeout_seconds  # `--reward-timeout-seconds`; None: wait for ever
         self.batched = bool(getattr(fn, "batched", False))
         self.needs_text = bool(getattr(fn, "needs_text", False))
@@ -208,6 +212,7 @@ class Rewarder:
                    if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.reward is None]
         if not samples:
             return
+        self.tally.tried("reward", len(samples))
         if self.batched:
             try:
                 rewards = list(await self._evaluate(lambda: self._batch_args(samples)))
@@ -264,8 +269,7 @@ class Rewarder:
 
     def _fail(self, sample: Sample, error: BaseException) -> None:
         self.failed += 1
-        reason = f"{type(error).__name__}: {error}"[:500]
-        log.warning("reward failed for %s/%d: %s", sample.group_id, sample.sample_index, reason)
+        reason = self.tally.failed("reward", error, f"{sample.group_id}/{sample.sample_index}")
         meta = _meta(sample)
         meta["reward_error"] = reason
         sample.metadata = json.dumps(meta, sort_keys=True)

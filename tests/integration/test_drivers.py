@@ -71,3 +71,27 @@ def test_sync_trains_on_policy_and_one_step_off_one_version_behind():
     assert set(sync.trainer.staleness) == {0}
     first = TINY.batch_size  # batch 0 was generated under the version it is trained under
     assert set(off.trainer.staleness[:first]) == {0} and set(off.trainer.staleness[first:]) == {1}
+
+
+def reward_that_raises(sample):
+    raise ValueError(f"no label in row {sample.prompt_index}")
+
+
+@pytest.mark.parametrize("driver", ["sync", "fully-async"])
+def test_a_reward_raising_on_every_sample_fails_the_run_in_one_line(driver, caplog):
+    """The real loop and rollout side with a reward that always raises: the run stops after the window
+    (--failed-sample-window-steps 2) with SampleFailuresError naming the exception and the flag, and
+    the console shows a handful of lines, not one per sample (2 steps x 4 groups x 4 samples = 32+)."""
+    from miles_core.config import replace_fields
+    from miles_core.rollout.failures import SampleFailuresError
+
+    cfg = bench_config(TINY, driver, storage_root="memory://miles-test-drivers")
+    cfg = replace_fields(cfg, custom_rm_path=f"{__name__}:reward_that_raises", failed_sample_window_steps=2)
+    with caplog.at_level("WARNING"), pytest.raises(SampleFailuresError) as e:
+        run_driver(TINY, cfg)
+    line = str(e.value)
+    assert "\n" not in line
+    assert "the reward function (--custom-rm-path) failed on" in line and "(100%) over steps 0-1" in line
+    assert "first: ValueError: no label in row" in line and "--max-failed-sample-fraction=0.5" in line
+    reward_lines = [r for r in caplog.records if r.getMessage().startswith("reward failed")]
+    assert 1 <= len(reward_lines) <= 3, [r.getMessage() for r in reward_lines]

@@ -90,3 +90,23 @@ def test_report_from_object_storage(storage_root, tmp_path):
     fake_run(run, queue=0, steps=6)
     html = open(write_report(run, str(tmp_path / "r.html")), encoding="utf-8").read().replace("\\u002f", "/")
     assert '"name":"rollout/reward/mean"' in html
+
+
+def test_report_names_failed_samples_and_the_error_that_stopped_the_run(tmp_path):
+    """A run whose reward raised on every sample: a `failed samples` row, `reward: none`, and the state row
+    with the one line that failed the run (before: 'finished' and no reward row at all)."""
+    from miles_core.storage.run_root import FAILED
+
+    run = f"file://{tmp_path}/run"
+    store = Store(run)
+    write_config(store, replace_fields(RunConfig(), rollout_batch_size=4))
+    with MetricsSink(store, "trainer", background=False) as sink:
+        for k in range(5):
+            sink.log(k, {"rollout/reward_failed": 32.0, "rollout/fully_async/queue_size": 0.0})
+    line = ("SampleFailuresError: the reward function (--custom-rm-path) failed on 160 of 160 samples (100%) over "
+            "steps 0-4, above --max-failed-sample-fraction=0.5; first: ValueError: no label")
+    write_status(store, FAILED, last_step=-1, segment=0, message=line)
+    html = render_report(run)
+    assert "failed samples (reward)</th><td>160 in 5 of 5 steps (rollout/reward_failed)" in html
+    assert "<th>reward</th><td>none: no sample was scored" in html
+    assert "failed (segment 0, last step -1): SampleFailuresError: the reward function" in html
