@@ -9,6 +9,11 @@ miss more than a quarter of it nor exceed it by half:
   packed token-budget row (not --bf16: MemTracker cannot walk Megatron's DDP wrapper, whose
   `buffers` attribute shadows `Module.buffers`; the GPU check measures bf16 against
   `torch.cuda.max_memory_allocated`);
+- the same on tiny Qwen3-MoE and GLM-4.5 checkpoints (transformers' own config classes, 8 x 128
+  tokens, 8 experts top-4 of width 64 over a hidden size of 128: the MoE MLP's dispatched copies and
+  expert activations are most of a layer), for the default and full recompute (where the larger of a
+  dense and a MoE layer is what a chunk holds: GLM's first layer is dense), at EP=1; their weights
+  (routed experts, routers, GLM's shared expert and expert bias) against the parameters Megatron holds;
 - the whole peak (weights, gradients, Adam state and activations) of SmolLM2-135M's second step
   (the first creates Adam's state) against the estimate's total.
 The figures are printed (`-s`) for the note and docs/training.md.
@@ -84,6 +89,49 @@ def test_activation_estimate_is_within_bounds_of_the_measured_peak(llama4, case)
     print(f"{case}: measured activations {measured / MIB:.1f} MiB, estimated {estimated / MIB:.1f} MiB "
           f"(ratio {estimated / measured:.2f})")
     assert 0.75 * measured <= estimated <= 1.5 * measured
+
+
+MOE_CASES = {"default": [], "full recompute": CASES["full recompute"]}
+MOE_COMMON = dict(vocab_size=64, hidden_size=128, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=256, tie_word_embeddings=True, num_hidden_layers=4, num_experts_per_tok=4,
+                  moe_intermediate_size=64, norm_topk_prob=True)
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, str]:
+    """Tiny Qwen3-MoE and GLM-4.5 (first layer dense, one shared expert, sigmoid router with its bias)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Glm4MoeConfig, Qwen3MoeConfig
+
+    configs = {
+        "qwen3_moe": Qwen3MoeConfig(num_experts=8, router_aux_loss_coef=0.001, head_dim=32, **MOE_COMMON),
+        "glm4_moe": Glm4MoeConfig(n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, n_group=1,
+                                  topk_group=1, routed_scaling_factor=2.5, partial_rotary_factor=0.5, **MOE_COMMON),
+    }
+    out = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        out[name] = str(tmp_path_factory.mktemp(name))
+        AutoModelForCausalLM.from_config(config).save_pretrained(out[name])
+    return out
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+@pytest.mark.parametrize("model", ["qwen3_moe", "glm4_moe"])
+def test_moe_estimate_is_within_bounds_of_the_measured_peak(moe_models, model, case):
+    cfg = _config(MOE_CASES[case], samples=8, length=128)
+    est = estimate(hf_convert.read_hf_config(moe_models[model]), cfg, gpu=False)
+    with Trainer(cfg.train, moe_models[model]) as tr:
+        peak = _peak(tr, _groups(8, 128, tr.spec.vocab_size))
+    # the peak is the backward's, not the optimizer step's (Adam's state would be the larger part of it)
+    assert peak["Optstate"] == 0, peak
+    measured = peak["Activation"] + peak["Temp"]
+    estimated = est.activations + est.logits
+    print(f"{model}, {case}: measured activations {measured / MIB:.1f} MiB, estimated {estimated / MIB:.1f} MiB "
+          f"(ratio {estimated / measured:.2f}); weights {peak['Parameter'] + peak['Buffer']:.0f} B, "
+          f"estimated {est.weights:.0f} B")
+    assert 0.75 * measured <= estimated <= 1.5 * measured
+    assert est.weights == pytest.approx(peak["Parameter"] + peak["Buffer"], rel=0.01)
 
 
 def test_smollm2_135m_total_is_within_a_quarter_of_the_measured_peak(smollm2_hf):
