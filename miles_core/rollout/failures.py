@@ -13,6 +13,9 @@ fails only its sample (or group); a run where most samples fail, though, learns 
   `SampleFailuresError` when, over a full window (or at the segment's last step), a kind failed on
   more than --max-failed-sample-fraction of its samples. The message is one line: what failed, how
   often, the first exception, and the flag to change. A fraction of 1 never stops the run.
+- A failed episode rejects its whole group, so when every episode fails no batch ever reaches the
+  driver: the producer itself fails (`streak_error`) after a window's worth of samples
+  (window x --rollout-batch-size x --n-samples-per-prompt) failed in a row, none succeeding.
 
 A filter that raises (--dynamic-sampling-filter-path, --rollout-sample-filter-path) is not counted
 here: it fails the run at once (its error names the flag), since it is not per-sample user code.
@@ -54,7 +57,7 @@ class FailureTally:
         self.log = logger or logging.getLogger("miles_core.rollout")
         self.interval, self.clock = interval_seconds, clock
         self._window = self._empty()
-        self._interval_t0 = clock()
+        self._interval_t0: float | None = None  # the interval begins at its first failure
         self._repeats: dict[tuple[str, str], list] = {}  # (kind, type) -> [count after the first, first message]
 
     @staticmethod
@@ -75,8 +78,10 @@ class FailureTally:
         return message
 
     def _console(self, kind: str, etype: str, message: str, where: str) -> None:
-        if self.clock() - self._interval_t0 >= self.interval:
+        if self._interval_t0 is not None and self.clock() - self._interval_t0 >= self.interval:
             self.flush()
+        if self._interval_t0 is None:
+            self._interval_t0 = self.clock()
         key = (kind, etype)
         if key in self._repeats:
             self._repeats[key][0] += 1
@@ -86,14 +91,15 @@ class FailureTally:
                          kind, f" for {where}" if where else "", message, kind, etype, self.interval)
 
     def flush(self) -> None:
-        """One line per (kind, exception type) that repeated since the interval began; a new interval begins."""
-        seconds = self.clock() - self._interval_t0
+        """One line per (kind, exception type) that repeated since the interval began; the next failure
+        begins a new interval."""
+        seconds = 0.0 if self._interval_t0 is None else self.clock() - self._interval_t0
         for (kind, etype), (count, message) in self._repeats.items():
             if count:
                 self.log.warning("%s failed %d more time(s) with %s in the last %.0f s (first: %s)",
                                  kind, count, etype, seconds, message)
         self._repeats = {}
-        self._interval_t0 = self.clock()
+        self._interval_t0 = None
 
     def take(self) -> dict:
         """The counts since the last take: {kind: {"tried", "failed", "errors": {type: {"count", "first"}}}}."""
@@ -158,3 +164,11 @@ class FailureBudget:
                 f"over {steps}, above {FRACTION_FLAG}={self.max_fraction:g} (window {WINDOW_FLAG}="
                 f"{self.window_steps}); first: {e['first']}. Fix the function, or raise {FRACTION_FLAG} "
                 "(1 never stops the run)")
+
+
+def streak_error(kind: str, count: int, first: str) -> SampleFailuresError:
+    """`kind` failed on `count` samples in a row, a full window's worth (see `generate_failure_limit` in
+    miles_core.rollout.manager): with every group rejected, no step would ever come to judge them."""
+    return SampleFailuresError(
+        f"{WHAT[kind]} failed on {count} samples in a row ({WINDOW_FLAG} steps' worth, none succeeded), above "
+        f"{FRACTION_FLAG}; first: {first}. Fix the function, or raise {FRACTION_FLAG} (1 never stops the run)")

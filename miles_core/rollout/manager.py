@@ -147,7 +147,18 @@ def make_producer(cfg, source: DataSource, engine, decode: Callable[[list[int]],
                     max_seq_len=cfg.data.max_seq_len,
                     generate_fn=load_generate_function(r.custom_generate_function_path,
                                                        r.custom_generate_timeout_seconds),
-                    generate_args=GenerateArgs(engine=engine, config=cfg), routes=route_layout(cfg))
+                    generate_args=GenerateArgs(engine=engine, config=cfg), routes=route_layout(cfg),
+                    generate_failure_limit=generate_failure_limit(cfg))
+
+
+def generate_failure_limit(cfg) -> int | None:
+    """Custom-generate episodes failing in a row that fail the rollout worker: a window's worth of samples
+    (--failed-sample-window-steps x --rollout-batch-size x --n-samples-per-prompt), all failed, is above
+    any --max-failed-sample-fraction but 1 (never)."""
+    r = cfg.rollout
+    if r.max_failed_sample_fraction >= 1:
+        return None
+    return r.failed_sample_window_steps * r.rollout_batch_size * r.n_samples_per_prompt
 
 
 def route_layout(cfg) -> RouteLayout | None:

@@ -49,6 +49,7 @@ from miles_core.metrics import trace
 from miles_core.rollout import metrics as M
 from miles_core.rollout.data_source import DataSource, RestoreReport
 from miles_core.rollout.episodes import GenerateArgs, GenerateFunction, GenerateFunctionError
+from miles_core.rollout.failures import streak_error
 from miles_core.rollout.rewards import Rewarder
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget, Ticket
 from miles_core.samples import Group, Sample, SampleStatus
@@ -118,7 +119,7 @@ class Producer:
                  budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
                  batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None,
                  generate_fn: GenerateFunction | None = None, generate_args: GenerateArgs | None = None,
-                 routes: RouteLayout | None = None):
+                 routes: RouteLayout | None = None, generate_failure_limit: int | None = None):
         self.source = source
         self.routes = routes  # --use-rollout-routing-replay: each sample keeps its routed experts
         self.engine = engine
@@ -126,6 +127,10 @@ class Producer:
         self.generate_fn = generate_fn
         self.generate_args = generate_args or GenerateArgs(engine=engine)
         self._generate_failed = 0
+        # episodes failing in a row that fail the worker (`failures.streak_error`): their groups are
+        # rejected, so no batch would ever reach the driver's FailureBudget; None: never
+        self.generate_failure_limit = generate_failure_limit
+        self._generate_streak, self._streak_first = 0, ""
         self.sink = sink
         self.rewarder = rewarder
         self.tally = rewarder.tally  # reward and generate failures (miles_core.rollout.failures)
@@ -360,10 +365,16 @@ class Producer:
             samples = await self.generate_fn(self.generate_args, sample, params)
         except GenerateFunctionError as e:
             self._generate_failed += 1
-            self.tally.failed("generate", e, f"group {sample.group_id}")
+            message = self.tally.failed("generate", e, f"group {sample.group_id}")
             log.debug("group %s failed", sample.group_id, exc_info=e.__cause__)
             mark_episode_failed(sample, e)
+            if not self._generate_streak:
+                self._streak_first = message
+            self._generate_streak += 1
+            if self.generate_failure_limit is not None and self._generate_streak >= self.generate_failure_limit:
+                raise streak_error("generate", self._generate_streak, self._streak_first)
             return None
+        self._generate_streak = 0
         for s in samples:
             s.generation_seconds = s.generation_seconds or time.monotonic() - t0
             self._window_tokens += sum(s.loss_mask)  # generated tokens, not the environment's

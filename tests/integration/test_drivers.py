@@ -95,3 +95,28 @@ def test_a_reward_raising_on_every_sample_fails_the_run_in_one_line(driver, capl
     assert "first: ValueError: no label in row" in line and "--max-failed-sample-fraction=0.5" in line
     reward_lines = [r for r in caplog.records if r.getMessage().startswith("reward failed")]
     assert 1 <= len(reward_lines) <= 3, [r.getMessage() for r in reward_lines]
+
+
+async def episode_that_raises(args, sample, sampling_params, evaluation=False):
+    raise KeyError("tool")
+
+
+@pytest.mark.parametrize("driver", ["sync", "fully-async"])
+def test_a_generate_function_raising_on_every_episode_fails_the_run(driver):
+    """Every failed episode rejects its group, so no batch ever comes: the rollout worker itself fails after a
+    window's worth of episodes (2 steps x 4 groups x 4 samples) failed in a row, and the driver's next get
+    raises it, naming the function, the first exception and the flag (before: starved for ever)."""
+    from miles_core.config import replace_fields
+    from miles_core.rollout.failures import SampleFailuresError
+    from miles_core.rollout.producer import RolloutWorkerError
+
+    cfg = bench_config(TINY, driver, storage_root="memory://miles-test-drivers")
+    cfg = replace_fields(cfg, custom_generate_function_path=f"{__name__}:episode_that_raises",
+                         failed_sample_window_steps=2)
+    with pytest.raises(RolloutWorkerError) as e:
+        run_driver(TINY, cfg)
+    assert isinstance(e.value.__cause__, SampleFailuresError)
+    line = str(e.value)
+    assert "\n" not in line
+    assert ("the custom generate function (--custom-generate-function-path) failed on 32 samples in a row" in line)
+    assert "raised KeyError: 'tool'" in line and "--max-failed-sample-fraction" in line
