@@ -34,6 +34,7 @@ from miles_core import __version__
 from miles_core.cli import engines, making, reading
 from miles_core.cli.errors import EXIT_OK, EXIT_USAGE, explain
 from miles_core.cli.parsing import Command, ParserExit, UsageError, unknown_command
+from miles_core.storage import StorageUnavailable
 
 COMMANDS = {c.name: c for c in [*making.COMMANDS, *reading.COMMANDS, *engines.COMMANDS]}
 
@@ -46,7 +47,7 @@ def usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv_given, argv = argv, sys.argv[1:] if argv is None else list(argv)
     name = argv[0] if argv and argv[0] in COMMANDS else ""
     try:
         status = _dispatch(argv)
@@ -60,7 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     except ParserExit as e:
         return e.status
     except Exception as e:  # noqa: BLE001 - one clear line for users; a bug keeps its traceback
-        return _report(e, name)
+        status = _report(e, name)
+        if argv_given is None and isinstance(e, StorageUnavailable):
+            _abandon(status)
+        return status
 
 
 def _dispatch(argv: list[str]) -> int:
@@ -109,6 +113,15 @@ def _report(exc: Exception, name: str) -> int:
 
 def _prefix(name: str) -> str:
     return f"miles {name}" if name else "miles"
+
+
+def _abandon(status: int) -> None:
+    """Exit now, as the console script: an attempt cut at --storage-timeout may have left a name lookup
+    or connect running in a worker thread, and Python's exit would wait for it (seconds past the
+    timeout) before the status the line above already explains."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _reader_gone() -> int:

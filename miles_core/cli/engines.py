@@ -18,9 +18,9 @@ import time
 
 from miles_core.cli.parsing import Command, CommandParser, add_storage_timeout, subcommands
 from miles_core.cli.reading import READ_TIMEOUT_SECONDS, RUN_URI_HELP, storage_budget
-from miles_core.engines.registry import TARGET_KEY, change_target, read_fleet, read_target
+from miles_core.engines.registry import TARGET_KEY, EngineTargetError, change_target, read_fleet, read_target
 from miles_core.storage import Store
-from miles_core.storage.run_root import get_json_or_none, read_config, require_run
+from miles_core.storage.run_root import FINISHED, get_json_or_none, read_config, read_status, require_run
 
 
 def _engines(p: CommandParser) -> None:
@@ -35,7 +35,10 @@ def _engines(p: CommandParser) -> None:
         a.set_defaults(handler=_change, sign=1 if name == "add" else -1)
     show = actions.add_parser("show", help="the target and the fleet the driver last recorded",
                               description="The engine target of RUN_URI and the fleet its driver last recorded: "
-                                          "each engine's state, URL and weight version, and the recent changes.")
+                                          "each engine's state, URL and weight version, and the recent changes. "
+                                          "VERSION is the weight version the engine serves: the version each "
+                                          "step's weight push makes (the `weights v` of the serving line), the "
+                                          "run's starting version until its first push reaches the engine.")
     show.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
     show.add_argument("--json", action="store_true", help="print both records as JSON")
     add_storage_timeout(show, READ_TIMEOUT_SECONDS)
@@ -55,6 +58,11 @@ _positive_int.__name__ = "integer >= 1"  # argparse names the type in its error
 def _change(ns) -> int:
     with storage_budget(ns.storage_timeout):
         store = require_run(Store(ns.run_uri))
+        status = read_status(store)
+        if status is not None and status.state == FINISHED:
+            raise EngineTargetError(f"{ns.run_uri} is finished (its last step {status.last_step} is done): no "
+                                    "driver will move its fleet. Engines change while a run runs; continue it "
+                                    "with a larger --num-rollout, or `miles fork` it.")
         starting, producers = _run_settings(store)
         current = (read_fleet(store) or {}).get("target", starting)
         count = change_target(store, ns.sign * ns.count, current, by=f"miles engines {ns.action}",

@@ -1,10 +1,12 @@
 """The exit status of every `miles` command, by one rule, and the one line that explains a user error.
 
     0  the command did what it was asked (also when the reader of its output went away: `| head`)
-    1  a runtime failure: no run or group where one was named, storage unreachable, a run root that
-       cannot be forked or replayed as asked, a file that cannot be read
+    1  a runtime failure: no run or group where one was named, a run root that cannot be forked or
+       replayed as asked, a file that cannot be read
     2  a usage or configuration error: a command line that does not fit the command, a bad flag or
-       value (ConfigError, from validate, fork and replay alike), missing storage credentials
+       value (ConfigError, from validate, fork and replay alike), missing storage credentials or the
+       package a storage scheme needs, storage unreachable within --storage-timeout (an endpoint,
+       network or credentials to fix: the line names what to check)
 
     status, line = explain(exc)     # None for a bug: the caller lets its traceback show
 
@@ -16,17 +18,16 @@ from __future__ import annotations
 
 from miles_core.cli.parsing import UsageError
 from miles_core.config import ConfigError
-from miles_core.storage import InvalidName, StorageError
+from miles_core.storage import CREDENTIALS_HINT, InvalidName, StorageNotConfigured, StorageError, StorageUnavailable
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 # Credential errors of the object-store clients, by class name (their packages need not be installed).
 _CREDENTIALS = {
-    "NoCredentialsError": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or ~/.aws/credentials)",
+    "NoCredentialsError": CREDENTIALS_HINT["s3"],
     "PartialCredentialsError": "both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
     "CredentialRetrievalError": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (the configured credential source failed)",
-    "DefaultCredentialsError": "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file), or run "
-                               "`gcloud auth application-default login`",
+    "DefaultCredentialsError": CREDENTIALS_HINT["gs"],
 }
 
 
@@ -36,10 +37,11 @@ def explain(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_USAGE, str(exc)
     missing = _missing_credentials(exc)
     if missing:
-        return EXIT_USAGE, (f"no credentials for object storage ({missing[0]}): set {missing[1]}; with an "
-                            "S3-compatible endpoint also MILES_S3_ENDPOINT_URL.")
-    if isinstance(exc, (ConfigError, InvalidName)):
+        return EXIT_USAGE, f"no credentials for object storage ({missing[0]}): set {missing[1]}."
+    if isinstance(exc, (ConfigError, InvalidName, StorageNotConfigured)):
         return EXIT_USAGE, str(exc)
+    if isinstance(exc, StorageUnavailable):
+        return EXIT_USAGE, f"{type(exc).__name__}: {exc}"
     if isinstance(exc, (StorageError, ValueError, OSError)):  # RunNotFound and LineageError are ValueErrors
         return EXIT_FAILURE, f"{type(exc).__name__}: {exc}"
     return None

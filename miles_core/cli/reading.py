@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
+import os
 import sys
 from typing import Iterator
 
@@ -19,21 +21,28 @@ from miles_core.cli.parsing import Command, CommandParser, add_storage_timeout, 
 from miles_core.metrics.report import write_report, write_text
 from miles_core.metrics.trace import build_trace, parse_steps
 from miles_core.storage import StorageUnavailable, Store, retry_deadline
-from miles_core.storage.run_root import require_run
+from miles_core.storage.run_root import RunNotFound, require_run
 
 READ_TIMEOUT_SECONDS = 5.0
+DEFAULT_STORAGE_ROOT = ".miles"  # a run's --storage-root default (miles_core.config.sections)
 RUN_URI_HELP = "a run root: {storage_root}/runs/{run_id}, a path or a URI (file://, s3://, gs://)"
 
 
 @contextlib.contextmanager
 def storage_budget(seconds: float) -> Iterator[None]:
     """Stores opened inside give up after `seconds`; the error then says how to wait longer."""
+    storage_log = logging.getLogger("miles_core.storage")
+    level = storage_log.level
+    if not logging.getLogger().handlers:  # no logging set up: each retry would print a line before the error
+        storage_log.setLevel(logging.ERROR)
     try:
         with retry_deadline(seconds):
             yield
     except StorageUnavailable as e:
         raise StorageUnavailable(f"{e} Gave up after --storage-timeout={seconds:g} s; pass a larger "
                                  "--storage-timeout to wait longer.") from e
+    finally:
+        storage_log.setLevel(level)
 
 
 def _emit(data, render, as_json: bool) -> int:
@@ -63,8 +72,9 @@ def _runs(p: CommandParser) -> None:
     show.set_defaults(handler=_runs_show)
     listing = actions.add_parser("list", help="every run under a storage root: id, state, steps, last update",
                                  description="Every run under STORAGE_ROOT/runs/, one line each.")
-    listing.add_argument("storage_root", metavar="STORAGE_ROOT", help="the --storage-root of the runs (e.g. .miles, "
-                         "s3://bucket/miles)")
+    listing.add_argument("storage_root", metavar="STORAGE_ROOT", nargs="?", default=DEFAULT_STORAGE_ROOT,
+                         help="the --storage-root of the runs (e.g. .miles, s3://bucket/miles; default "
+                              f"{DEFAULT_STORAGE_ROOT}, a run's default)")
     _common(listing)
     listing.set_defaults(handler=_runs_list)
 
@@ -74,6 +84,10 @@ def _runs_show(ns) -> int:
     from miles_core.lineage.show import render_summary, run_summary
 
     with storage_budget(ns.storage_timeout):
+        store = Store(ns.run_uri)
+        if not store.exists("config.json") and store.list_dirs("runs"):
+            raise RunNotFound(f"{store.uri()} is a storage root, not a run: a run root is {store.uri('runs')}/"
+                              f"RUN_ID. Its runs: `miles runs list {ns.run_uri}`.")
         summary = run_summary(ns.run_uri)
     return _emit(summary, render_summary, ns.json)
 
@@ -82,6 +96,11 @@ def _runs_list(ns) -> int:
     from miles_core.lineage.listing import list_runs, render_runs
 
     with storage_budget(ns.storage_timeout):
+        root = Store(ns.storage_root)
+        local = root.local_path()
+        if not (os.path.isdir(local) if local is not None else root.list_dirs("")):
+            raise RunNotFound(f"no storage root at {root.uri()}: it holds nothing (is that the runs' "
+                              "--storage-root? a run's default is .miles, where the run was started)")
         runs = list_runs(ns.storage_root)
     return _emit(runs, lambda r: render_runs(r, ns.storage_root), ns.json)
 

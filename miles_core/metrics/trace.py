@@ -378,9 +378,12 @@ def parse_steps(text: str) -> tuple[int | None, int | None]:
         if ":" not in text:
             return int(text), int(text) + 1
         a, b = text.split(":", 1)
-        return (int(a) if a.strip() else None), (int(b) if b.strip() else None)
+        steps = (int(a) if a.strip() else None), (int(b) if b.strip() else None)
     except ValueError:
         raise ValueError(f"--steps {text!r}: expected A:B (A included, B excluded), A:, :B or N") from None
+    if steps[0] is not None and steps[1] is not None and steps[1] <= steps[0]:
+        raise ValueError(f"--steps {text!r}: no step is in it (B is excluded, so B must be larger than A)")
+    return steps
 
 
 def prune(store: Store, keep_after: float) -> int:

@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -44,7 +45,10 @@ TMP_MARK = ".tmp-"
 # directory that has it (a half copy has not).
 COMPLETE_MARKER = ".complete"
 DEADLINE_SECONDS = 60.0  # how long a storage operation keeps retrying transient errors
-_deadline = {"seconds": DEADLINE_SECONDS}  # the default of Stores built without deadline_seconds
+# The default of Stores built without deadline_seconds; "bound": whether one data transfer (a get or a put)
+# is cut at the deadline too (an interactive command's budget), not only listings and existence checks.
+_deadline = {"seconds": DEADLINE_SECONDS, "bound": False}
+_attempt = threading.local()  # .left: seconds the attempt in progress on this thread may take (None: unbounded)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._=+-]{0,127}$")
 
 
@@ -64,6 +68,27 @@ class StorageUnavailable(StorageError):
 
 class ObjectNotFound(StorageError, FileNotFoundError):
     pass
+
+
+class StorageNotConfigured(StorageError):
+    """An object store was named that this machine cannot use: no credentials for it can be found, or the
+    package its scheme needs is not installed (a configuration error, never retried)."""
+
+
+# What to set, by scheme: the one place the hints of the storage errors come from.
+CREDENTIALS_HINT = {
+    "s3": "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or ~/.aws/credentials); with an "
+          "S3-compatible endpoint also MILES_S3_ENDPOINT_URL",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS (a service-account key file), or run "
+          "`gcloud auth application-default login`, or run on GCE/GKE with a service account",
+}
+ENDPOINT_HINT = {
+    "s3": "the endpoint (MILES_S3_ENDPOINT_URL / AWS_ENDPOINT_URL), network and credentials (AWS_ACCESS_KEY_ID, "
+          "AWS_SECRET_ACCESS_KEY)",
+    "gs": "the network path to storage.googleapis.com (or STORAGE_EMULATOR_HOST) and the credentials "
+          "(GOOGLE_APPLICATION_CREDENTIALS)",
+}
+_PACKAGE = {"s3": "s3fs", "gs": "gcsfs"}
 
 
 def validate_name(name: str, what: str = "name") -> str:
@@ -145,7 +170,7 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, (ConnectionError, TimeoutError)):
         return True
     name = type(e).__name__
-    if any(s in name for s in ("Connect", "Timeout", "Throttl", "SlowDown", "ServiceUnavailable")):
+    if any(s in name for s in ("Connect", "Timeout", "Throttl", "SlowDown", "ServiceUnavailable", "TransportError")):
         return True
     if isinstance(e, OSError):
         # s3fs maps 5xx and connection failures to plain OSError; 4xx map to the specific classes above.
@@ -156,11 +181,34 @@ def is_transient(e: BaseException) -> bool:
 @contextlib.contextmanager
 def retry_deadline(seconds: float) -> Iterator[None]:
     """Stores built inside (without their own `deadline_seconds`) stop retrying after `seconds`."""
-    before, _deadline["seconds"] = _deadline["seconds"], float(seconds)
+    before = dict(_deadline)
+    _deadline.update(seconds=float(seconds), bound=True)
     try:
         yield
     finally:
-        _deadline["seconds"] = before
+        _deadline.update(before)
+
+
+def _gcs_credentials_missing(opts: dict) -> bool:
+    """True when gcsfs would find no credentials: no token given, no GOOGLE_APPLICATION_CREDENTIALS, no
+    gcloud application-default file, not on Google Compute Engine (decided offline, from the machine's
+    DMI product name, as google-auth does, instead of probing a metadata server that may never answer)."""
+    if opts.get("token") is not None or os.environ.get("STORAGE_EMULATOR_HOST") or os.environ.get("GCE_METADATA_HOST"):
+        return False
+    key = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if key:
+        if not os.path.isfile(key):
+            raise StorageNotConfigured(f"GOOGLE_APPLICATION_CREDENTIALS={key} is not a file; point it at a "
+                                     "service-account key file.")
+        return False
+    config = os.environ.get("CLOUDSDK_CONFIG") or os.path.expanduser("~/.config/gcloud")
+    if os.path.isfile(os.path.join(config, "application_default_credentials.json")):
+        return False
+    try:
+        with open("/sys/class/dmi/id/product_name") as f:
+            return not f.read().startswith("Google")
+    except OSError:
+        return True
 
 
 class Store:
@@ -170,6 +218,12 @@ class Store:
         self.root_uri = normalize_uri(root_uri)
         protocol = self.root_uri.split("://", 1)[0]
         opts = dict(storage_options or {})
+        if protocol == "gs":
+            if _gcs_credentials_missing(opts):
+                raise StorageNotConfigured(f"no credentials for {self.root_uri}: set {CREDENTIALS_HINT['gs']}.")
+            # gcsfs logs every failed request with its traceback; the StorageUnavailable below says it once.
+            if logging.getLogger("gcsfs").level == logging.NOTSET:
+                logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
         if protocol == "s3":
             # Fail fast inside one attempt; our own loop does the retrying with backoff.
             opts.setdefault("use_listings_cache", False)
@@ -179,8 +233,14 @@ class Store:
             endpoint = os.environ.get("MILES_S3_ENDPOINT_URL")
             if endpoint:
                 opts.setdefault("endpoint_url", endpoint)
-        self.fs, self.root = fsspec.core.url_to_fs(self.root_uri, **opts)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.root_uri, **opts)
+        except ImportError as e:
+            package = _PACKAGE.get(protocol, f"the fsspec implementation of {protocol}://")
+            raise StorageNotConfigured(f"{self.root_uri}: {protocol}:// storage needs the Python package {package}, "
+                               f"which is not installed ({e}); pip install {package}.") from e
         self.protocol = protocol
+        self.bound = _deadline["bound"]
         self.retries = retries
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
@@ -209,10 +269,22 @@ class Store:
 
     # ------------------------------------------------------------------ retry
 
+    def _call(self, name: str, *args, transfer: bool = False, **kwargs):
+        """`self.fs.name(*args, **kwargs)`; on an asynchronous filesystem (s3fs, gcsfs) one attempt is cut at
+        what is left of the deadline, so neither a client's own retries, a credential chain probing a
+        metadata server, nor a name lookup that never answers outlasts it. A data transfer is cut only
+        under `retry_deadline` (a long upload in a run may rightly take longer than the deadline)."""
+        left = getattr(_attempt, "left", None)
+        if left is not None and getattr(self.fs, "async_impl", False) and (self.bound or not transfer):
+            kwargs["timeout"] = max(left, 0.1)
+        return getattr(self.fs, name)(*args, **kwargs)
+
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """`fn()`, retrying transient errors until `retries` or `deadline_seconds` (whichever comes first)."""
         delay, start = self.backoff_seconds, time.monotonic()
         for attempt in range(self.retries + 1):
+            outer = getattr(_attempt, "left", None)
+            _attempt.left = self.deadline_seconds - (time.monotonic() - start)
             try:
                 return fn()
             except Exception as e:  # noqa: BLE001 - classified below
@@ -221,15 +293,18 @@ class Store:
                 elapsed = time.monotonic() - start
                 wait = min(delay * (0.5 + random.random()), self.max_backoff_seconds)  # the cap holds jittered too
                 if attempt == self.retries or elapsed + wait > self.deadline_seconds:
+                    cause = f"{type(e).__name__}: {_redact(str(e))[:300]}" if str(e) else type(e).__name__
                     raise StorageUnavailable(
                         f"storage at {self.root_uri} unreachable: {what} failed {attempt + 1} times over "
-                        f"{elapsed:.1f} s; last error: {type(e).__name__}: {_redact(str(e))[:300]}. Check the "
-                        "endpoint (AWS_ENDPOINT_URL / MILES_S3_ENDPOINT_URL), network and credentials."
+                        f"{elapsed:.1f} s; last error: {cause}. Check "
+                        f"{ENDPOINT_HINT.get(self.protocol, 'the path and the network')}."
                     ) from e
                 log.warning("storage %s: %s failed (%s), retry %d in %.2fs (%.1f s of %.0f s spent)", self.root_uri,
                             what, type(e).__name__, attempt + 1, wait, elapsed, self.deadline_seconds)
                 time.sleep(wait)
                 delay = min(delay * 2, self.max_backoff_seconds)
+            finally:
+                _attempt.left = outer
         raise AssertionError("unreachable")
 
     # ------------------------------------------------------------------ objects
@@ -242,14 +317,14 @@ class Store:
                 replace_durable(fsynced_temp(path, data), path)
             self._retry(f"put {key}", write)
         else:
-            self._retry(f"put {key}", lambda: self.fs.pipe_file(path, data))
+            self._retry(f"put {key}", lambda: self._call("pipe_file", path, data, transfer=True))
 
     def get_bytes(self, key: str) -> bytes:
         path = self.path(key)
 
         def read():
             try:
-                return self.fs.cat_file(path)
+                return self._call("cat_file", path, transfer=True)
             except FileNotFoundError as e:
                 raise ObjectNotFound(f"no object {self.uri(key)}") from e
 
@@ -270,14 +345,14 @@ class Store:
 
         def check():
             self._invalidate(path)
-            return self.fs.exists(path)
+            return self._call("exists", path)
 
         return self._retry(f"exists {key}", check)
 
     def size(self, key: str) -> int:
         def size():
             try:
-                return int(self.fs.size(self.path(key)))
+                return int(self._call("size", self.path(key)))
             except FileNotFoundError as e:
                 raise ObjectNotFound(f"no object {self.uri(key)}") from e
 
@@ -321,7 +396,7 @@ class Store:
         def find():
             self._invalidate(base)
             try:
-                return self.fs.find(base, detail=True)
+                return self._call("find", base, detail=True)
             except FileNotFoundError:
                 return {}
 
@@ -335,7 +410,7 @@ class Store:
         def ls():
             self._invalidate(base)
             try:
-                return self.fs.ls(base, detail=True)
+                return self._call("ls", base, detail=True)
             except FileNotFoundError:
                 return []
 
@@ -348,7 +423,7 @@ class Store:
 
         def rm():
             try:
-                self.fs.rm_file(path)
+                self._call("rm_file", path)
             except FileNotFoundError as e:
                 if not missing_ok:
                     raise ObjectNotFound(f"no object {self.uri(key)}") from e

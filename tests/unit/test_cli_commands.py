@@ -128,4 +128,50 @@ def test_unreachable_storage_names_the_timeout_flag():
     with pytest.raises(StorageUnavailable, match="--storage-timeout=2 s"):
         with storage_budget(2):
             raise StorageUnavailable("storage at s3://b/r unreachable")
-    assert explain(StorageUnavailable("x"))[0] == EXIT_FAILURE
+    assert explain(StorageUnavailable("x"))[0] == EXIT_USAGE  # issue 36: an endpoint, network or credentials to fix
+
+
+# ----------------------------------------------------------------------------- issue 36: the smaller CLI points
+
+
+def test_runs_list_defaults_to_a_runs_storage_root_and_refuses_a_missing_one(run, tmp_path, monkeypatch, capsys):
+    """Guards: `miles runs list` without STORAGE_ROOT a usage error, and a misspelt root answering
+    "no runs" with exit 0 (a typo read as an empty root)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["runs", "list"]) == EXIT_FAILURE  # .miles, a run's default, is not there
+    assert "no storage root at file://" in capsys.readouterr().err
+    assert main(["runs", "list", str(tmp_path / "typo")]) == EXIT_FAILURE
+    assert f"no storage root at file://{tmp_path}/typo" in capsys.readouterr().err
+    (tmp_path / ".miles").symlink_to(tmp_path)  # the default root now holds the run
+    assert main(["runs", "list"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("r ")
+
+
+def test_runs_show_on_a_storage_root_says_so(run, tmp_path, capsys):
+    """Guards: `miles runs show STORAGE_ROOT` answering only "no run at ..." with no hint."""
+    assert main(["runs", "show", str(tmp_path)]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "is a storage root, not a run" in err and f"miles runs list {tmp_path}" in err
+
+
+def test_trace_steps_with_nothing_in_them_is_a_usage_error(run, capsys):
+    """Guards: `miles trace --steps 5:2` exiting 1 with a bare ValueError."""
+    assert main(["trace", run.uri, "--steps", "5:2"]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "usage: miles trace" in err and "--steps '5:2': no step is in it" in err
+
+
+def test_engines_add_refuses_a_finished_run(run, capsys):
+    """Guards: `miles engines add` on a finished run succeeding silently (no driver will ever read it)."""
+    from miles_core.storage.run_root import FINISHED, write_status
+
+    write_status(Store(run.uri), FINISHED, last_step=3, segment=0)
+    assert main(["engines", "add", run.uri, "1"]) == EXIT_FAILURE
+    assert "is finished" in capsys.readouterr().err
+    assert not Store(run.uri).exists("engines/target.json")
+
+
+def test_engines_show_defines_its_version_column(capsys):
+    """Guards: a VERSION column nothing defines."""
+    assert main(["engines", "show", "--help"]) == 0
+    assert "VERSION is the weight version" in " ".join(capsys.readouterr().out.split())

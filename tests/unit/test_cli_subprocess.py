@@ -61,9 +61,24 @@ def test_unreachable_storage_gives_up_after_the_storage_timeout():
     started = time.monotonic()
     proc = _miles("buffer", "inspect", "--storage-timeout", "2", "s3://bucket/run", env=env)
     elapsed = time.monotonic() - started
-    assert proc.returncode == 1, proc.stderr
+    assert proc.returncode == 2, proc.stderr  # an endpoint, network or credentials to fix (issue 36)
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line: no retry warnings before it
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("miles buffer: StorageUnavailable: storage at s3://bucket/run unreachable"), proc.stderr
     assert "--storage-timeout=2 s" in last and "Traceback" not in proc.stderr
     assert "fake-secret-never-printed" not in proc.stderr
     assert elapsed < 40, elapsed  # start-up included; the storage layer alone would retry for 60 s
+
+
+def test_gs_without_credentials_is_one_line_within_the_storage_timeout(tmp_path):
+    """Guards (issue 36): gs:// without credentials printing a 60-line gcsfs traceback with S3 hints after
+    34 s against --storage-timeout 5 (google-auth probing a metadata server, gcsfs retrying)."""
+    env = _env(HOME=str(tmp_path), CLOUDSDK_CONFIG=str(tmp_path / "gcloud"))
+    env.pop("GOOGLE_APPLICATION_CREDENTIALS", None)
+    started = time.monotonic()
+    proc = _miles("runs", "show", "gs://bucket/run", "--storage-timeout", "5", env=env)
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in proc.stderr and "AWS" not in proc.stderr
+    assert elapsed < 30, elapsed  # start-up included

@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import threading
+import time
 import types
 import uuid
 
@@ -447,3 +448,49 @@ def test_file_commits_fsync_the_directories_they_change(tmp_path, monkeypatch):
     s.move("a/b/c.arrow", "q/c.arrow")
     assert synced == [root, f"{root}/q"], synced
     assert s.get_bytes("q/c.arrow") == b"x"
+
+
+def test_an_attempt_that_never_answers_is_cut_at_the_deadline():
+    """Guards (issue 36): an s3:// or gs:// client whose own retries, credential chain or name lookup
+    outlast --storage-timeout (34 s against 5): one attempt on an asynchronous filesystem is cut at what
+    is left of the deadline, and StorageUnavailable names the scheme's settings, not S3's for gs://."""
+    import asyncio
+
+    import fsspec.asyn
+
+    class Hanging(fsspec.asyn.AsyncFileSystem):
+        async def _exists(self, path, **kwargs):
+            await asyncio.sleep(60)
+
+    s = Store("memory://hang")
+    s.fs, s.protocol, s.root_uri = Hanging(), "gs", "gs://bucket/hang"
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable) as info:
+        s.deadline_seconds = 2
+        s.exists("config.json")
+    assert time.monotonic() - started < 6
+    assert "storage.googleapis.com" in str(info.value) and "MILES_S3_ENDPOINT_URL" not in str(info.value)
+
+
+def test_gs_without_credentials_is_refused_before_any_request(tmp_path, monkeypatch):
+    """Guards (issue 36): gs:// without credentials reaching gcsfs, which probes a metadata server and
+    retries for half a minute before a traceback."""
+    from miles_core.storage import StorageNotConfigured
+
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST", "GCE_METADATA_HOST"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))
+    monkeypatch.setattr("builtins.open", _no_dmi(open))
+    with pytest.raises(StorageNotConfigured, match="GOOGLE_APPLICATION_CREDENTIALS"):
+        Store("gs://bucket/run")
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    with pytest.raises(StorageNotConfigured, match="missing.json is not a file"):
+        Store("gs://bucket/run")
+
+
+def _no_dmi(real_open):
+    def fake(path, *args, **kwargs):
+        if str(path) == "/sys/class/dmi/id/product_name":
+            raise OSError("no DMI here")
+        return real_open(path, *args, **kwargs)
+    return fake
