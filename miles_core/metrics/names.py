@@ -53,6 +53,8 @@ METRIC_NAMES: tuple[str, ...] = tuple(PERF_METRICS) + tuple(RUN_METRICS) + tuple
 
 # Names the report reads (owned by other components; listed so the report has one place to change).
 REWARD = "rollout/reward/mean"
+REWARD_FAILED = "rollout/reward_failed"
+GENERATE_FAILED = "rollout/generate_failed"
 QUEUE_SIZE = "rollout/fully_async/queue_size"
 AVG_STALENESS = "rollout/fully_async/avg_staleness"
 MAX_STALENESS = "rollout/fully_async/max_staleness"

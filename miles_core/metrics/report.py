@@ -24,7 +24,6 @@ import fsspec
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.metrics.sink import _as_store, metric_names, read_metrics, series
-from miles_core.rollout import metrics as RM
 from miles_core.storage import StorageError, StorageUnavailable, Store
 from miles_core.storage.run_root import read_config, read_status
 
@@ -358,7 +357,7 @@ def _summary_rows(uri: str, events: list[dict], status, capacity: int | None) ->
 def _failure_rows(events: list[dict]) -> list[tuple[str, str]]:
     """One row per kind of failed sample (reward, custom generate function): how many, over how many steps."""
     rows = []
-    for kind, name in (("reward", RM.REWARD_FAILED), ("generate", RM.GENERATE_FAILED)):
+    for kind, name in (("reward", N.REWARD_FAILED), ("generate", N.GENERATE_FAILED)):
         steps, counts = series(events, name)
         total = sum(counts)
         if total:
