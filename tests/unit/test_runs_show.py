@@ -61,7 +61,7 @@ def test_lineage_names_the_consuming_step_the_versions_and_the_evals_around_it(t
     assert "consumed     trained at step 1" in capsys.readouterr().out
 
 
-def test_a_missing_run_or_group_is_a_clear_error(tmp_path, capsys):
+def test_a_missing_run_or_group_is_a_clear_error(tmp_path, capsys, monkeypatch):
     uri = _run_root(tmp_path)
     assert main(["lineage", uri, "g0009"]) == 1
     err = capsys.readouterr().err
@@ -69,7 +69,11 @@ def test_a_missing_run_or_group_is_a_clear_error(tmp_path, capsys):
     assert main(["runs", "show", f"file://{tmp_path}/runs/typo"]) == 1
     assert "no run at" in capsys.readouterr().err
     assert main(["lineage", f"file://{tmp_path}/runs/typo", "g0000"]) == 1
-    assert main(["runs", "list"]) == 2
+    capsys.readouterr()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # `runs list` defaults to the root a run uses: ./.miles, absent here
+    assert main(["runs", "list"]) == 1
+    assert "no storage root at" in capsys.readouterr().err
 
 
 def test_runs_show_says_a_lease_record_that_does_not_parse(tmp_path, capsys):
