@@ -20,6 +20,7 @@ from typing import Any
 
 from miles_core.config.presets import PresetError, preset_values
 from miles_core.config.rules import rule_problems, type_problems
+from miles_core.config.sections import default_eval_interval, default_eval_prompt_data
 from miles_core.config.tree import (
     SPECS_BY_NAME,
     ConfigError,
@@ -57,7 +58,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _convert(s: FlagSpec, text: Any) -> Any:
     """The value of flag `s` from its text; ValueError naming the flag when it is malformed."""
-    if s.kind in ("bool", "list"):
+    if s.kind == "list":
+        if any(t.lower() == "none" for t in text):  # `--flag none`: the empty list, as with no value
+            if len(text) > 1:
+                raise ValueError(f"argument {s.flag}: none means no values; it cannot be given with others "
+                                 f"({' '.join(text)})")
+            return []
+        return text
+    if s.kind == "bool":
         return text
     if text is _MISSING:
         raise ValueError(f"argument {s.flag}: expected one argument")
@@ -95,7 +103,25 @@ def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfi
             base = replace_fields(base, **preset_values(values["preset"]))
         except PresetError as e:
             problems.append(str(e))
-    return replace_fields(base, **values), problems
+    cfg = replace_fields(base, **values)
+    return replace_fields(cfg, **_evals_follow_data(base, cfg, set(values))), problems
+
+
+def _evals_follow_data(base: RunConfig, cfg: RunConfig, given: set[str]) -> dict[str, Any]:
+    """The eval fields the command line leaves to follow its --prompt-data: --eval-prompt-data, when
+    not given and `base` (the default, a preset, or a forked run's config) has the eval set of its own
+    prompt data, becomes that of `cfg`'s (`default_eval_prompt_data`: a builtin task's held-out split,
+    none for other data); --eval-interval, when not given, is none without eval datasets and the
+    declared default when they appear where `base` had none."""
+    out: dict[str, Any] = {}
+    data = cfg.eval.eval_prompt_data
+    if "eval_prompt_data" not in given and data == default_eval_prompt_data(base.data.prompt_data):
+        data = out["eval_prompt_data"] = default_eval_prompt_data(cfg.data.prompt_data)
+    if "eval_interval" not in given and cfg.eval.eval_interval == default_eval_interval(base.eval.eval_prompt_data):
+        out["eval_interval"] = default_eval_interval(data)
+    elif "eval_interval" not in given and not data:
+        out["eval_interval"] = None  # nothing to evaluate
+    return out
 
 
 def config_problems(cfg: RunConfig, flag_problems: list[str] = ()) -> list[str]:

@@ -186,12 +186,12 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class EvalSection:
-    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin: datasets allowed, e.g. builtin:reverse4-heldout, builtin:arith-heldout); none to disable evals.",
+    eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin: datasets allowed, e.g. builtin:reverse4-heldout, builtin:arith-heldout); none (or no value) to disable evals. Default: follows --prompt-data: a builtin task's held-out split (builtin:reverse4 -> heldout=builtin:reverse4-heldout, builtin:arith -> heldout=builtin:arith-heldout), none for any other data.",
                                            default=("heldout=builtin:reverse4-heldout",))
     n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (pass@k for k up to this).")
     eval_max_response_len: Optional[int] = opt(None, "Maximum new tokens in eval; default: --rollout-max-response-len.")
     eval_temperature: float = opt(0.0, "Eval sampling temperature (0 = greedy).")
-    eval_interval: Optional[int] = opt(40, "Evaluate every N steps (and always at the last step).")
+    eval_interval: Optional[int] = opt(40, "Evaluate every N steps (and always at the last step). Not given: 40 when the run has eval datasets, none when it has none (--eval-prompt-data none, or data without a default eval set).")
     eval_mode: str = opt("tasks", "Where evals run: tasks (separate Flyte eval tasks on snapshots), shared (the rollout engines), dedicated (--eval-num-gpus engines).", choices=("tasks", "shared", "dedicated"))
     eval_hf_dir: str = opt("", "Where exported snapshots go; default: {run root}/snapshots.")
     eval_keep_snapshots: int = opt(3, "Exported snapshots kept beyond those still pending (ring retirement).")
@@ -218,6 +218,25 @@ class MetricsSection:
     trace_window_steps: int = opt(1000, "The trace keeps the spans of the last this many steps: the driver deletes older trace chunks every 100 steps. 0 keeps everything.")
     trace_flush_seconds: float = opt(10.0, "How often each process writes its buffered trace events to the run root (one object per process per interval).")
     prometheus_port: Optional[int] = opt(None, "Serve the run's live metrics for Prometheus on this port of the driver's host (/metrics, text format): every step's metrics as gauges named miles_<metric> (queue size, staleness, tokens/s, in-flight groups, step seconds, engines), plus counters miles_steps_total, miles_weight_pushes_total, miles_groups_aborted_total and miles_groups_recycled_total. 0 picks a free port (logged). Default: not served.")
+
+
+# The eval datasets a run gets when --eval-prompt-data is not given: the held-out split of the builtin
+# task it trains on, nothing for any other --prompt-data (a builtin eval set scored by the user's own
+# reward means nothing). EvalSection's declared default is the entry of DataSection's default.
+DEFAULT_EVAL_PROMPT_DATA: dict[str, tuple[str, ...]] = {
+    "builtin:reverse4": ("heldout=builtin:reverse4-heldout",),
+    "builtin:arith": ("heldout=builtin:arith-heldout",),
+}
+
+
+def default_eval_prompt_data(prompt_data: str) -> list[str]:
+    """The eval datasets that follow `prompt_data` when --eval-prompt-data is not given."""
+    return list(DEFAULT_EVAL_PROMPT_DATA.get(prompt_data, ()))
+
+
+def default_eval_interval(eval_prompt_data: list[str]):
+    """--eval-interval when not given: EvalSection's default with eval datasets, none without."""
+    return EvalSection.__dataclass_fields__["eval_interval"].default if eval_prompt_data else None
 
 
 SECTIONS = {

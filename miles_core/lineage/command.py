@@ -4,7 +4,8 @@
     continue_command(cfg)          # the `pyflyte run ... --flags '...'` that trains that run
     changed_fields(a, b), overrides(base, cfg)   # what a derived config changes, by field / by flag
 
-`flags_of` lists every field that differs from its default (never `--preset`: the resolved values
+`flags_of` lists every field that differs from its default (the eval datasets and interval: from
+those that follow its --prompt-data; never `--preset`: the resolved values
 are listed instead, so a preset cannot re-set what the user changed back). Strings go as
 `--flag=value`, so a value that starts with `--` is not read as a flag.
 """
@@ -15,6 +16,7 @@ import shlex
 from typing import Any
 
 from miles_core.config import RunConfig, config_to_dict, flag_table
+from miles_core.config.sections import default_eval_interval, default_eval_prompt_data
 from miles_core.driver.plan import WORKFLOW
 
 FLAGS = {s.name: s.flag for s in flag_table()}  # field name -> --flag
@@ -22,10 +24,13 @@ FLAGS = {s.name: s.flag for s in flag_table()}  # field name -> --flag
 
 def flags_of(cfg: RunConfig) -> list[str]:
     d = config_to_dict(cfg)
+    # the eval fields' defaults follow the data (`parse_flags` resolves them from --prompt-data)
+    followed = {"eval_prompt_data": default_eval_prompt_data(cfg.data.prompt_data),
+                "eval_interval": default_eval_interval(cfg.eval.eval_prompt_data)}
     out: list[str] = []
     for spec in flag_table():
         value = d[spec.section][spec.name]
-        if spec.name != "preset" and value != spec.default:
+        if spec.name != "preset" and value != followed.get(spec.name, spec.default):
             out += _flag(spec, value)
     return out
 
