@@ -2,7 +2,8 @@
 
 The config's own rules (`miles_core.config.rules`) plus the checks that need what lives above the
 config: every `--*-path` plug-in is imported and checked against its slot's contract (the reward's
-signature, and that the local datasets' rows are ones it can score: `scoring`), a packaged
+signature, and that the local datasets' rows are ones it can score: `scoring`; and ones the model
+can read: `readable`), a packaged
 `--hf-checkpoint` is one this install knows, a local one of a family the project handles
 (docs/models.md) whose experts the expert-parallel size divides and which the --moe-* model flags
 describe, and engines bound beyond loopback have their API
@@ -29,6 +30,7 @@ from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare import memory
 from miles_core.prepare.memory import GIB, budget_fit, memory_fit
 from miles_core.prepare.model_import import check_supported
+from miles_core.prepare.readable import readability_problems
 from miles_core.prepare.resources import ClusterShape, fit_problems
 from miles_core.prepare.scoring import reward_problems
 from miles_core.rollout.episodes import load_generate_function
@@ -50,6 +52,7 @@ def validation_problems(cfg: RunConfig, cluster: ClusterShape | None = None) -> 
     if types:  # the other checks compare values; a wrong type would raise TypeError
         return types
     problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + reward_problems(cfg)
+    problems += readability_problems(cfg, local_hf_config(cfg)) if not problems else []
     problems += _memory(cfg) if not problems else []
     exposure = _engine_exposure(cfg, cluster)  # reads only the bind host and the node count
     return problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else [])

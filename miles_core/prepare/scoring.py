@@ -32,7 +32,7 @@ _SHOWN = 3  # rows named per problem
 def reward_problems(cfg: RunConfig) -> list[str]:
     """Every reason the run's reward cannot score it (see the module docstring)."""
     problems = _signature(cfg.rollout.custom_rm_path)
-    for flag, source in _local_datasets(cfg):
+    for flag, source in local_datasets(cfg):
         problems += _rows_problems(cfg, flag, source)
     return problems
 
@@ -47,7 +47,7 @@ def _signature(path: str) -> list[str]:
     return [problem] if problem else []
 
 
-def _local_datasets(cfg: RunConfig) -> list[tuple[str, str]]:
+def local_datasets(cfg: RunConfig) -> list[tuple[str, str]]:
     """(flag, source) of each dataset on this machine's filesystem."""
     named = [("--prompt-data", cfg.data.prompt_data)]
     named += [(f"--eval-prompt-data {item.partition('=')[0]}", item.partition("=")[2])

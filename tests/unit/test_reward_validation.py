@@ -83,14 +83,14 @@ def test_rows_the_builtin_reward_cannot_score_are_refused(tmp_path):
 
 
 def test_a_custom_reward_or_generate_function_lifts_the_task_rule(tmp_path, rewards):
-    data = _write(tmp_path / "p.jsonl", [{"prompt": "a", "label": "1", "task": "poem"}, {"prompt": "b", "label": "2"}])
+    data = _write(tmp_path / "p.jsonl", [{"prompt": "1 2", "label": "1", "task": "poem"}, {"prompt": "3 4", "label": "2"}])
     validate(parse_flags(["--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample"]))
     validate(parse_flags(["--prompt-data", data, "--custom-generate-function-path",
                           "miles_core.rollout.calculator_tool:calculator_episode"]))
 
 
 def test_rows_without_the_prompt_or_label_column_are_refused(tmp_path, rewards):
-    data = _write(tmp_path / "p.jsonl", [{"question": "a", "answer": "1"}] * 5)
+    data = _write(tmp_path / "p.jsonl", [{"question": "1 2", "answer": "1"}] * 5)  # digits: what the tiny model reads
     message = _problems(["--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample"])
     assert "rows with no prompt column 'prompt' (line 1; line 2; line 3, ... (5 rows)): set --input-key" in message
     assert "no label column 'label'" in message and "--label-key" in message
