@@ -168,6 +168,10 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
         model.rotary_pos_emb.inv_freq = rope_inv_freq(spec)
     model.miles_transformer_impl = impl  # forward_hidden passes packed rows to TE as THD
     mark_qk_norms(model, tensor_model_parallel_size)
+    if spec.moe:  # Megatron's aux-loss tracker is global, sized by the first model's layers: a new model starts it anew
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        get_moe_layer_wise_logging_tracker().clear()
     for router in routers(model):  # the aux loss is weighted per micro-batch by `scale_moe_aux_loss`
         router.calculate_per_token_loss = False
     if bf16:  # as Megatron's Float16Module does: the torch norms (no Apex/TE) are built in fp32

@@ -289,3 +289,21 @@ def test_trainer_reports_the_aux_loss(checkpoints, recompute):
     assert metrics["train/moe_aux_loss"] == pytest.approx(float((values * weights).sum() / weights.sum()), rel=RTOL)
     with Trainer(cfg, checkpoints["qwen3"]) as tr:
         assert "train/moe_aux_loss" not in tr.train_step(0, [Group("g", 0, samples)])
+
+
+def test_a_deeper_moe_model_after_a_shallower_one_trains(tmp_path):
+    """Megatron's aux-loss tracker is process-global and sized by the layers of the first model that
+    logged into it: a 4-layer MoE model trained after a 2-layer one indexed past its end (IndexError in
+    the full suite's order). Each model built starts it anew."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    samples = [Sample("g", 0, i, [1, 2, 3, 4], [5, 6, 7], [-1.0] * 3, [1] * 3, [1] * 3, reward=float(i),
+                      status=SampleStatus.COMPLETED) for i in range(2)]
+    cfg = dataclasses.replace(TrainSection(), micro_batch_size=1, lr=0.0)
+    for layers in (2, 4):
+        path = str(tmp_path / f"l{layers}")
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(Qwen3MoeConfig(**{**COMMON, "num_hidden_layers": layers}, **MOE,
+                                                        num_experts=8, norm_topk_prob=True)).save_pretrained(path)
+        with Trainer(cfg, path) as tr:
+            assert tr.train_step(0, [Group("g", 0, samples)])["train/moe_aux_loss"] > 0
