@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_core.models.families import ADAPTERS, FAMILIES, ModelSpec, UnsupportedModel, spec_of
+from miles_core.models.families.rope import rope_inv_freq
 from miles_core.models.safetensors_dir import MissingWeights, load_safetensors_dir
 
 __all__ = ["CausalLM", "ModelLoadError", "ModelSpec", "fused_layout", "read_eos_token_ids", "read_safetensors",
@@ -121,7 +122,7 @@ class CausalLM:
         except KeyError as e:
             raise ModelLoadError(f"{source}: missing tensor {e.args[0]!r} for a {spec.family} model.") from e
         if spec.positions == "rope":
-            freqs = torch.outer(torch.arange(spec.max_positions, dtype=torch.float32), _inv_freq(spec))
+            freqs = torch.outer(torch.arange(spec.max_positions, dtype=torch.float32), rope_inv_freq(spec))
             self.cos, self.sin = freqs.cos(), freqs.sin()  # [positions, rotary_dim / 2]
 
     @staticmethod
@@ -277,23 +278,6 @@ def _route(spec: ModelSpec, w: dict, h: torch.Tensor) -> tuple[torch.Tensor, tor
     if spec.routed_scaling_factor != 1.0:
         weights = weights * spec.routed_scaling_factor
     return weights, chosen
-
-
-def _inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE's inverse frequencies over the rotary dims, as transformers computes them (default, and
-    `llama3`: `_compute_llama3_parameters`, low frequencies divided by `factor`, the middle band smoothed)."""
-    dim = spec.rotary_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if spec.rope_type != "llama3":
-        return inv
-    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
-    old = spec.rope_original_max_positions
-    wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / factor, inv)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
-    return torch.where(medium, smoothed, scaled)
 
 
 def _rms_norm(x, w, eps):

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from miles_core.config.rules import recompute_layers_problem
 from miles_core.models.families import FAMILIES, ModelSpec, UnsupportedModel  # noqa: F401 - re-exported
+from miles_core.models.families.rope import rope_inv_freq
 from miles_core.train.cpu_shim import (define_missing_te_names, install_cpu_shim, megatron_on_cpu,
                                       seed_model_parallel_rng)
 from miles_core.train.process_groups import ensure_process_groups
@@ -275,30 +276,6 @@ def moe_aux_loss_value(model) -> float | None:
 
         value = collectives.all_reduce(value.reshape(1), ps.get_tensor_model_parallel_group())[0]
     return float(value)
-
-
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """RoPE's inverse frequencies [rotary_dim / 2] (fp32) as transformers computes them: the default
-    ones over the rotated dims (partial rotary: the first `rotary_dim` of each head), and under
-    `llama3` scaling Llama 3.1's rescaled ones with the checkpoint's factor, low/high frequency
-    factors and original context length (transformers' `_compute_llama3_parameters`; Megatron's own
-    `rope_scaling` fixes all but the factor). Set on the model's rotary embedding, which rotates
-    the first `rotary_dim` dims by halves, as transformers' `rotate_half` does."""
-    import math
-
-    dim = spec.rotary_dim
-    inv_freq = 1.0 / (spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
-    if spec.rope_type != "llama3":
-        return inv_freq
-    factor, low, high = spec.rope_factor, spec.rope_low_freq_factor, spec.rope_high_freq_factor
-    old = spec.rope_original_max_positions
-    low_wavelen, high_wavelen = old / low, old / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-    return torch.where(medium, smoothed, scaled)
 
 
 def mark_qk_norms(model, tp: int) -> None:
