@@ -360,10 +360,10 @@ class Producer:
         """Run the custom generate function on `sample`. Its failure fails only this group: the
         sample is aborted with the error (naming the function) in its metadata, so the group is
         rejected at put and the unused-samples handler (drop or retry) applies."""
-        self.tally.tried("generate")
         try:
             samples = await self.generate_fn(self.generate_args, sample, params)
         except GenerateFunctionError as e:
+            self.tally.tried("generate")  # counted with its outcome (a step's tally never splits them)
             self._generate_failed += 1
             message = self.tally.failed("generate", e, f"group {sample.group_id}")
             log.debug("group %s failed", sample.group_id, exc_info=e.__cause__)
@@ -374,6 +374,7 @@ class Producer:
             if self.generate_failure_limit is not None and self._generate_streak >= self.generate_failure_limit:
                 raise streak_error("generate", self._generate_streak, self._streak_first)
             return None
+        self.tally.tried("generate")
         self._generate_streak = 0
         for s in samples:
             s.generation_seconds = s.generation_seconds or time.monotonic() - t0

@@ -212,7 +212,6 @@ class Rewarder:
                    if s.status in (SampleStatus.COMPLETED, SampleStatus.TRUNCATED) and s.reward is None]
         if not samples:
             return
-        self.tally.tried("reward", len(samples))
         if self.batched:
             try:
                 rewards = list(await self._evaluate(lambda: self._batch_args(samples)))
@@ -265,10 +264,12 @@ class Rewarder:
         except (TypeError, ValueError) as e:
             self._fail(sample, RewardError(f"reward function returned {value!r}, not a number ({e})"))
             return
+        self.tally.tried("reward")  # counted with its outcome, so a step's tally never holds one without it
         sample.reward = reward
 
     def _fail(self, sample: Sample, error: BaseException) -> None:
         self.failed += 1
+        self.tally.tried("reward")
         reason = self.tally.failed("reward", error, f"{sample.group_id}/{sample.sample_index}")
         meta = _meta(sample)
         meta["reward_error"] = reason

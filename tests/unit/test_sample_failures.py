@@ -159,6 +159,38 @@ def test_rewarder_counts_tried_and_failed_samples():
     assert json.loads(samples[1].metadata)["reward_error"] == "ValueError: no label"
 
 
+def test_a_tally_taken_while_a_reward_runs_holds_neither_its_try_nor_its_outcome():
+    """A step boundary (take) lands while a reward is running: that sample is counted in the next
+    tally with its failure, never as tried in one step and failed in the next (CI saw 34 of 36, 94%,
+    for a reward that fails every time)."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+
+    def reward(s):
+        started.set()
+        release.wait(10)
+        raise ValueError("no label")
+
+    r = Rewarder(reward)
+    sample = Sample(group_id="g", prompt_index=0, sample_index=0, prompt_ids=[1], response_ids=[2], loss_mask=[1],
+                    label="", metadata="{}", status=SampleStatus.COMPLETED)
+
+    async def main():
+        task = asyncio.create_task(r.score_group(Group("g", 0, [sample])))
+        await asyncio.to_thread(started.wait, 10)
+        during = r.tally.take()["reward"]
+        release.set()
+        await task
+        return during
+
+    during = asyncio.run(main())
+    r.close()
+    after = r.tally.take()["reward"]
+    assert (during["tried"], during["failed"]) == (0, 0)
+    assert (after["tried"], after["failed"]) == (1, 1)
+
+
 def test_an_eval_whose_every_reward_fails_is_marked_failed_and_reported_without_stopping(tmp_path, caplog):
     """The eval result says failed (with the first error), the console says so at ERROR, `runs show`
     prints FAILED instead of a mean reward of 0.000, and evaluate() returns (the run goes on)."""
