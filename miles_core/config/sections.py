@@ -35,7 +35,7 @@ class RunSection:
     segment_steps: Optional[int] = opt(None, "Run at most this many steps in this segment, then checkpoint and exit (scheduled continuation).")
     deadline_seconds: Optional[float] = opt(None, "Stop this segment cleanly after this many seconds (checkpoint first).")
     seed: int = opt(1, "Global seed (model init, data shuffling, sampling).")
-    preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
+    preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): tiny-reverse4 = the embedded default, a 2-layer random model learning to reverse 4 digits on CPU in about two minutes (docs/quickstart.md); smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
     fully_async: bool = opt(True, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer.")
     one_step_off: bool = opt(False, "One-step-off driver: generate batch k+1 while training on batch k.")
     colocate: bool = opt(False, "Not supported (refused): place engines and trainer on the same devices (time-shared).")
