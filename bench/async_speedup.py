@@ -78,6 +78,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import results_file  # noqa: E402
+from miles_core.config import embedded_default
 from miles_core.buffer.metrics import STALE_GROUPS_FILTERED  # noqa: E402
 from miles_core.config import RunConfig, replace_fields  # noqa: E402
 from miles_core.driver.handles import LocalHandle  # noqa: E402
@@ -99,7 +100,7 @@ from miles_core.rollout.manager import RolloutManager, digit_decode  # noqa: E40
 
 DRIVERS = ("sync", "one-step-off", "fully-async")
 AREAL_SPEEDUP = 2.77
-PRODUCT_MAX_WEIGHT_STALENESS = RunConfig().rollout.max_weight_staleness
+PRODUCT_MAX_WEIGHT_STALENESS = embedded_default().rollout.max_weight_staleness
 
 
 # ----------------------------------------------------------------------------- push costs
@@ -445,7 +446,7 @@ class DriverRun:
 def bench_config(w: Workload, driver: str, *, storage_root: str, async_max_concurrent_samples: int | None = None,
                  buffer_capacity_factor: float = 2.0, max_weight_staleness: int | None = None) -> RunConfig:
     cfg = replace_fields(
-        RunConfig(), run_id=f"bench-{driver}-{uuid.uuid4().hex[:8]}", storage_root=storage_root,
+        embedded_default(), run_id=f"bench-{driver}-{uuid.uuid4().hex[:8]}", storage_root=storage_root,
         num_rollout=w.steps, seed=w.seed, fully_async=driver == "fully-async", one_step_off=driver == "one-step-off",
         progress=False, save="", save_interval=None, rollout_batch_size=w.batch_size, n_samples_per_prompt=w.n,
         rollout_max_response_len=w.cap_tokens, async_max_concurrent_samples=async_max_concurrent_samples,

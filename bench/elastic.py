@@ -77,7 +77,7 @@ RECOVERY_STEPS = 3  # ... over this many consecutive steps
 TRAINER_SCRIPT = """import sys
 from miles_core.config import parse_flags
 from miles_core.driver.segment import run_training
-run_training(parse_flags(sys.argv[1:]))
+run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))
 """
 # The producer task's call (tasks/producer.py), plus an observer of the job's in-flight groups.
 PRODUCER_SCRIPT = """import json, os, sys, threading, time

@@ -163,6 +163,7 @@ def make_batch(plan: Plan, seed: int, ragged: bool = False):
     """GRPO groups with rewards and rollout log-probs (deterministic in seed): every sample
     prompt_len + response_len tokens, or with `ragged` a prompt of 1/2..1 of prompt_len tokens per
     group and a response of 1/4..1 of response_len tokens per sample."""
+    from miles_core.config import embedded_default
     from miles_core.samples import Group, Sample, SampleStatus
 
     rng = random.Random(seed)
@@ -220,7 +221,7 @@ def run_config(plan: Plan, train):
     """The RunConfig the memory estimate reads: `train` plus the batch shape of the train phase."""
     from miles_core.config import RunConfig, replace_fields
 
-    return replace_fields(dataclasses.replace(RunConfig(), train=train), rollout_batch_size=plan.groups,
+    return replace_fields(dataclasses.replace(embedded_default(), train=train), rollout_batch_size=plan.groups,
                           n_samples_per_prompt=plan.samples_per_group, max_seq_len=plan.prompt_len + plan.response_len)
 
 

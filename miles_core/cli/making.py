@@ -15,7 +15,7 @@ from miles_core.cli.parsing import Command, CommandParser, ParserExit, UsageErro
 from miles_core.config import config_to_json, flag_table
 from miles_core.config.flags import raise_flag_problems, read_flags, unrelated
 from miles_core.models.source import ModelSourceError, import_source
-from miles_core.prepare.checks import local_hf_config, model_fit, validation_problems
+from miles_core.prepare.checks import local_hf_config, model_fit, setting_warnings, validation_problems
 from miles_core.prepare.memory import estimate
 from miles_core.prepare.model_import import import_model
 
@@ -46,6 +46,8 @@ def _validate_run(ns) -> int:
     cfg, flag_problems = read_flags(ns.run_flags)  # every problem at once: the command line's and the checks'
     raise_flag_problems(flag_problems, unrelated(validation_problems(cfg), flag_problems))
     print(config_to_json(cfg))
+    for warning in setting_warnings(cfg):  # a pretrained model with settings only a toy wants
+        print(f"miles validate: warning: {warning}", file=sys.stderr)
     hf_config = local_hf_config(cfg) if cfg.engine.engine_backend == "sglang" else None
     if hf_config is not None:
         print(f"miles validate: trainer memory per GPU (estimate): {estimate(hf_config, cfg).describe()}",

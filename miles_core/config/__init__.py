@@ -4,11 +4,12 @@ nothing here loads a plug-in, reads a model or touches a cluster.
     cfg = parse_flags(["--rollout-batch-size", "16"])   # -> RunConfig, checked by the config's own rules
     cfg.rollout.rollout_batch_size
 
-`check_config(cfg)` raises one `ConfigError` listing every problem with the values. The full check
+`embedded_default()` is the config of `./dev run`: preset tiny-reverse4 (a 2-layer random model on
+CPU) over miles' defaults. `check_config(cfg)` raises one `ConfigError` listing every problem with the values. The full check
 before a run starts, plug-ins and model specs included, is `miles_core.prepare.checks.validate`.
 """
 
-from miles_core.config.flags import parse_flags
+from miles_core.config.flags import embedded_default, parse_flags
 from miles_core.config.rules import check as check_config
 from miles_core.config.tree import (
     ConfigError,
@@ -29,6 +30,7 @@ __all__ = [
     "config_from_json",
     "config_to_dict",
     "config_to_json",
+    "embedded_default",
     "flag_table",
     "parse_flags",
     "replace_fields",

@@ -82,6 +82,14 @@ def _convert(s: FlagSpec, text: Any) -> Any:
         raise ValueError(f"argument {s.flag}: invalid {s.kind} value: {text!r}") from None
 
 
+EMBEDDED_DEFAULT = "tiny-reverse4"
+
+
+def embedded_default(**fields: Any) -> RunConfig:
+    """The embedded default (`./dev run`): preset tiny-reverse4 over the flag defaults, then `fields`."""
+    return replace_fields(RunConfig(), preset=EMBEDDED_DEFAULT, **{**preset_values(EMBEDDED_DEFAULT), **fields})
+
+
 def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = True) -> RunConfig:
     """Flags -> RunConfig (on top of `base`, default: the embedded default), checked by the config's own
     rules unless check=False; one ConfigError listing every problem."""

@@ -43,7 +43,31 @@ def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
     """`cfg` when every check passes (with `cluster`: also that the run fits it), else one ConfigError
     listing every problem."""
     raise_problems(validation_problems(cfg, cluster))
+    for warning in setting_warnings(cfg):
+        log.warning("%s", warning)
     return cfg
+
+
+def setting_warnings(cfg: RunConfig) -> list[str]:
+    """Settings only a toy wants, met with a pretrained model (anything but a builtin tiny one): one
+    line each, naming the flag, its value and what a pretrained model wants. `miles validate` prints
+    them; a run logs them. Values a preset sets for its own model (tiny-reverse4's lr 2e-3 on a random
+    2-layer model) are never judged: the builtin tiny models are the toy."""
+    if is_builtin(cfg.model.hf_checkpoint) or not cfg.model.hf_checkpoint:
+        return []
+    t, r, out = cfg.train, cfg.rollout, []
+    if t.lr >= 1e-4:
+        out.append(f"--lr {t.lr:g} on a pretrained model: RL post-training uses 1e-6 (miles' default) to 1e-5; "
+                   f"at {t.lr:g} Adam moves every weight by about that much per step and wipes out what the model knows.")
+    if r.rollout_max_response_len is not None and r.rollout_max_response_len <= 8:
+        out.append(f"--rollout-max-response-len {r.rollout_max_response_len}: answers of at most "
+                   f"{r.rollout_max_response_len} tokens are cut before a pretrained model says anything; "
+                   "give the length its task needs (e.g. 1024-8192 for math).")
+    if not t.use_dynamic_batch_size and t.micro_batch_size >= 64:
+        out.append(f"--micro-batch-size {t.micro_batch_size}: a pretrained model's activations for that many "
+                   "samples at once rarely fit a GPU; use 1-8 (miles' default 1) or --use-dynamic-batch-size "
+                   "with --max-tokens-per-gpu.")
+    return out
 
 
 def validation_problems(cfg: RunConfig, cluster: ClusterShape | None = None) -> list[str]:

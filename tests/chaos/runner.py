@@ -28,7 +28,7 @@ from miles_core.config import parse_flags
 from miles_core.driver.segment import run_training
 from miles_core.failures import is_infrastructure
 try:
-    run_training(parse_flags(sys.argv[1:]))
+    run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))
 except Exception as e:
     import traceback
     traceback.print_exc()

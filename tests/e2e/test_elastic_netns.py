@@ -121,7 +121,7 @@ def _env(s3: SeaweedS3, **extra: str) -> dict[str, str]:
 
 
 def _start_trainer(setup: Setup, storage: str, log: Path, cache: Path) -> subprocess.Popen:
-    flags = (f"--allow-rollout-producers --rollout-num-engines 0 --num-rollout {STEPS} --run-id {RUN_ID} "
+    flags = (f"--preset tiny-reverse4 --allow-rollout-producers --rollout-num-engines 0 --num-rollout {STEPS} --run-id {RUN_ID} "
              f"--save-interval {STEPS // 2} --eval-interval none --eval-prompt-data")
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", flags, "--storage_root", storage]
     env = _env(setup.s3, RAY_TMPDIR=setup.ray_tmp, MILES_CACHE_DIR=str(cache))

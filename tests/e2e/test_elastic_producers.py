@@ -41,7 +41,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, BATCH = 160, 32
-FLAGS = ("--allow-rollout-producers --rollout-num-engines 0 --prompt-claim-ttl-seconds 30 "
+FLAGS = ("--preset tiny-reverse4 --allow-rollout-producers --rollout-num-engines 0 --prompt-claim-ttl-seconds 30 "
          "--eval-interval none --eval-prompt-data")
 
 

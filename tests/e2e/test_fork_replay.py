@@ -37,7 +37,7 @@ from miles_core import cli
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
+TINY = ["--preset", "tiny-reverse4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
         "--no-progress", "--save-interval", "1"]
 # The source run, the fork (through the CLI), a copy of the prepared fork, then the printed command.
 SCRIPT = """

@@ -40,7 +40,7 @@ def _metric_by_step(run_uri: str, name: str) -> dict[int, float]:
 def test_two_rank_moe_trainer_with_expert_parallelism_and_routing_replay_learns(tmp_path):
     flags = (f"--num-rollout {STEPS} --actor-num-gpus-per-node 2 --weight-transport distributed "
              "--hf-checkpoint builtin:tiny-qwen3-moe --prompt-data builtin:copy4 --expert-model-parallel-size 2 "
-             "--use-rollout-routing-replay "
+             "--use-rollout-routing-replay --no-fully-async --one-step-off "
              "--num-cpus-trainer 0.5 --num-cpus-per-engine 0.5 --save-interval 50 --eval-interval none "
              "--eval-prompt-data --run-id dp2")
     _run(tmp_path, flags, timeout=1200)

@@ -38,7 +38,7 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
 
     cleaner = threading.Thread(target=clean, daemon=True)
     env = {**__import__("os").environ, **seaweed.env(), "MILES_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    flags = "--num-rollout 25 --run-id cache --save-interval 10 --eval-interval none --eval-prompt-data"
+    flags = "--preset tiny-reverse4 --num-rollout 25 --run-id cache --save-interval 10 --eval-interval none --eval-prompt-data"
     cmd = [str(Path(sys.executable).with_name("pyflyte")), "run", "workflows/fully_async.py", "fully_async_rl",
            "--flags", flags, "--storage_root", storage]
     cleaner.start()

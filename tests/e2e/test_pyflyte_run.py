@@ -31,6 +31,8 @@ RAY_TMP = tempfile.mkdtemp(prefix="mr", dir="/tmp")
 
 
 def _run(storage: Path, flags: str, segment_steps: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+    if "--preset" not in flags:  # the embedded default's settings, as `./dev run` names them
+        flags = f"--preset tiny-reverse4 {flags}"
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", flags,
            "--storage_root", str(storage)]
     if segment_steps:

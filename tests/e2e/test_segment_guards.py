@@ -33,8 +33,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 RUN = ("import sys, ray; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-       "r = run_training(parse_flags(sys.argv[1:])); print('RESULT', r.state, r.steps_run, 'ray', ray.is_initialized())")
-TINY = ["--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
+       "r = run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]])); print('RESULT', r.state, r.steps_run, 'ray', ray.is_initialized())")
+TINY = ["--preset", "tiny-reverse4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
         "--no-progress", "--save-interval", "1"]
 
 KILL_TRAINER_AFTER_STEP_2 = """
@@ -54,7 +54,7 @@ def save_then_lose_the_trainer(self, step, *args, **kwargs):
 Checkpointer.save = save_then_lose_the_trainer
 try:
     with recoverable_infrastructure():
-        run_training(parse_flags(sys.argv[1:]))
+        run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))
 except Exception as e:
     print("FAILED", type(e).__name__, type(e.__cause__).__name__, is_infrastructure(e.__cause__), flush=True)
     sys.exit(3)

@@ -107,7 +107,7 @@ def test_engine_node_shares_nothing_local_with_the_head_and_the_run_learns(clust
     assert _on_engine_node(cluster, None) == cluster.engine_ip
 
     storage = f"s3://{BUCKET}/two-nodes-{uuid.uuid4().hex[:8]}"
-    flags = ("--trainer-custom-resource head_node --engine-custom-resource engine_node --num-cpus-per-engine 1 "
+    flags = ("--preset tiny-reverse4 --trainer-custom-resource head_node --engine-custom-resource engine_node --num-cpus-per-engine 1 "
              "--num-cpus-trainer 1 --save-interval 50 --eval-interval none --eval-prompt-data")
     # Without the token the driver refuses the run once it sees two nodes, before any role starts.
     refused = _pyflyte(cluster, storage, f"{flags} --num-rollout 1 --run-id refused", {TOKEN_ENV: ""})

@@ -38,11 +38,11 @@ def test_the_device_check_reads_the_gpu_and_refuses_only_what_cannot_fit(tmp_pat
     allocated = torch.cuda.memory_allocated()  # what earlier tests in this process left (512 B after the NCCL ones)
     total = device_memory_bytes()
     assert total == torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory > 0
-    small = parse_flags(["--engine-backend", "sglang", "--max-seq-len", "512", "--micro-batch-size", "2"], check=False)
+    small = parse_flags(["--preset", "tiny-reverse4", "--engine-backend", "sglang", "--max-seq-len", "512", "--micro-batch-size", "2"], check=False)
     assert estimate(SMOLLM2_135M, small).total < 5 * GIB
     check_device_memory(small, _model(tmp_path, "smollm2", SMOLLM2_135M))
 
-    absurd = parse_flags(["--engine-backend", "sglang", "--actor-num-gpus-per-node", "1"], check=False)
+    absurd = parse_flags(["--preset", "tiny-reverse4", "--engine-backend", "sglang", "--actor-num-gpus-per-node", "1"], check=False)
     with pytest.raises(ConfigError) as refused:
         check_device_memory(absurd, _model(tmp_path, "llama7b", LLAMA_7B))
     message = str(refused.value)

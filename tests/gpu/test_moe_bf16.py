@@ -59,7 +59,7 @@ def test_tiny_moe_trains_a_step_in_bf16(tmp_path):
     from tests.unit.test_train import make_groups
 
     ckpt = materialize_checkpoint("builtin:tiny-qwen3-moe", 0, str(tmp_path / "hf"))
-    cfg = parse_flags(["--run-id", "gpu", "--storage-root", f"file://{tmp_path}", "--engine-backend", "sglang",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--run-id", "gpu", "--storage-root", f"file://{tmp_path}", "--engine-backend", "sglang",
                        "--hf-checkpoint", "builtin:tiny-qwen3-moe", "--lr", "1e-3", "--save", "",
                        "--save-interval", "none", "--eval-interval", "none", "--eval-prompt-data"])
     with Trainer(cfg.train, ckpt) as tr:

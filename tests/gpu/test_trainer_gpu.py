@@ -32,7 +32,7 @@ def cuda_present():
 
 
 def _cfg(tmp, ranks, tp=1, save="", extra=()):
-    return parse_flags(["--run-id", "gpu", "--storage-root", f"file://{tmp}", "--engine-backend", "sglang",
+    return parse_flags(["--preset", "tiny-reverse4", "--run-id", "gpu", "--storage-root", f"file://{tmp}", "--engine-backend", "sglang",
                         "--actor-num-gpus-per-node", str(ranks), "--tensor-model-parallel-size", str(tp),
                         "--save", save, "--save-interval", "none", "--eval-interval", "none", *extra,
                         "--eval-prompt-data"])

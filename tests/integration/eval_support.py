@@ -13,7 +13,7 @@ EVAL_FLAGS = ["--eval-prompt-data", "held=builtin:reverse4-heldout", "--eval-max
 
 
 def config(tmp_path, *flags: str):
-    return parse_flags(["--storage-root", str(tmp_path / "store"), "--run-id", "r1", *EVAL_FLAGS, *flags])
+    return parse_flags(["--preset", "tiny-reverse4", "--storage-root", str(tmp_path / "store"), "--run-id", "r1", *EVAL_FLAGS, *flags])
 
 
 def copy_snapshot(model_dir: str, dest_dir: str, marker: str | None = ".complete") -> None:

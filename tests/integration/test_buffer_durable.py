@@ -16,6 +16,7 @@ import threading
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.buffer import DropUnused, DurableBuffer, RetryUnused, build_buffer, build_unused_handler
 from miles_core.buffer import metrics as M
 from miles_core.buffer.inspect import inspect_buffer
@@ -311,7 +312,7 @@ def test_inspect_counts_and_cli(storage_root, capsys):
 
 def test_build_buffer_from_config(storage_root):
     """build_buffer wires the config: capacity from the factor, staleness, coalescing, run root store."""
-    cfg = replace_fields(RunConfig(), storage_root=storage_root, run_id="r1", rollout_batch_size=2,
+    cfg = replace_fields(embedded_default(), storage_root=storage_root, run_id="r1", rollout_batch_size=2,
                          async_data_buffer_capacity_factor=1.5, max_weight_staleness=3)
     buf = build_buffer(cfg, build_unused_handler("drop"), consumed_through_step=-1)
     try:

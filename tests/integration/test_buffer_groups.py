@@ -16,6 +16,7 @@ import threading
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.buffer import BufferTimeout, DataBufferError, DropUnused, DurableBuffer, build_buffer
 from miles_core.buffer import metrics as M
 from miles_core.buffer import objects as O
@@ -174,7 +175,7 @@ def test_retention_deletes_only_objects_consumed_entirely(storage_root):
 
 
 def test_the_resume_step_is_required(storage_root):
-    cfg = replace_fields(RunConfig(), storage_root=storage_root)
+    cfg = replace_fields(embedded_default(), storage_root=storage_root)
     with pytest.raises(TypeError, match="consumed_through_step"):
         build_buffer(cfg, DropUnused())  # noqa - the missing argument is the point
     with pytest.raises(ValueError, match="consumed_through_step=None"):
@@ -200,7 +201,7 @@ class PlainBuffer(StoreAwareBuffer):
 
 
 def test_a_plugin_gets_the_store_and_the_resume_step_or_a_warning(tmp_path, caplog):
-    cfg = replace_fields(RunConfig(), storage_root=str(tmp_path),
+    cfg = replace_fields(embedded_default(), storage_root=str(tmp_path),
                          custom_async_data_buffer_path=f"{__name__}:StoreAwareBuffer")
     buf = build_buffer(cfg, DropUnused(), consumed_through_step=7)
     assert buf.step == 7 and buf.store.uri() == Store(cfg.run_uri).uri()

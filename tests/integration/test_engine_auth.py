@@ -100,10 +100,10 @@ def test_a_client_without_the_token_is_refused(guarded_engine, monkeypatch):
 def test_binding_beyond_loopback_needs_a_token(monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     with pytest.raises(ConfigError, match=rf"--engine-bind-host=0.0.0.0 .*{TOKEN_ENV}"):
-        validate(parse_flags(["--engine-bind-host", "0.0.0.0"]))
-    validate(parse_flags(["--engine-bind-host", "127.0.0.1"]))
+        validate(parse_flags(["--preset", "tiny-reverse4", "--engine-bind-host", "0.0.0.0"]))
+    validate(parse_flags(["--preset", "tiny-reverse4", "--engine-bind-host", "127.0.0.1"]))
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    validate(parse_flags(["--engine-bind-host", "0.0.0.0"]))
+    validate(parse_flags(["--preset", "tiny-reverse4", "--engine-bind-host", "0.0.0.0"]))
 
 
 def test_sglang_gets_the_token_as_api_key_and_the_log_masks_it(monkeypatch):

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from miles_core.engines.client import EngineClient, GenerateResult
+from miles_core.engines.client import EngineClient, GenerateResult, _sse_data, _Stream
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer, free_port
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.weights.distributed import broadcast_bucket, destroy_custom_process_group, init_custom_process_group
@@ -286,28 +286,49 @@ def test_pause_abort_mode_aborts_in_flight(gpt_engine):
     assert after.finish_reason == "length"
 
 
-def test_retract_keeps_requests_and_flush_cache_works(llama_engines, ckpts):
+def test_retract_keeps_requests_and_flush_cache_works(ckpts, monkeypatch):
     """pause(retract) -> flush_cache -> update -> continue: requests are re-queued, their cache is
-    recomputed, and they all finish at full length (none aborted). The flush is allowed: while paused,
-    SGLang 0.5.23 does not count waiting (retracted) requests."""
-    url = llama_engines[1].url
+    recomputed, and they all finish at full length (none aborted), their last tokens from the new
+    weights. The flush is allowed: while paused, SGLang 0.5.23 does not count waiting (retracted)
+    requests. The pause goes out once every request has streamed a token (a condition, not a sleep),
+    on an engine paced at 20 ms a token, so none can finish before it."""
+    monkeypatch.setenv("MILES_CPU_ENGINE_SECONDS_PER_TOKEN", "0.02")
+    server = start(ckpts["llama"])
+    url = server.url
+
+    async def one(session, started: asyncio.Event) -> GenerateResult:
+        rid = os.urandom(8).hex()
+        payload = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 60, "ignore_eos": True},
+                   "rid": rid, "return_logprob": True, "stream": True}
+        st, t0 = _Stream(prompt_tokens=len(PROMPT)), time.monotonic()
+        async with session.post(f"{url}/generate", json=payload) as resp:
+            assert resp.status == 200
+            async for data in _sse_data(resp.content):
+                if data == b"[DONE]":
+                    break
+                st.absorb(json.loads(data))
+                if st.output_ids:
+                    started.set()
+        assert st.finish is not None, "the stream ended without a finish_reason"
+        return st.result(rid, url, t0)
 
     async def go():
-        async with EngineClient([url]) as c:
-            tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 60, "ignore_eos": True}))
-                     for _ in range(8)]
-            await asyncio.sleep(0.05)
+        async with EngineClient([url]) as c, aiohttp.ClientSession() as session:
+            started = [asyncio.Event() for _ in range(8)]
+            tasks = [asyncio.create_task(one(session, e)) for e in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
             await c.pause_generation("retract")
             await c.flush_cache()
             await c.update_weights_from_disk(ckpts["llama_other"], 5)
             await c.continue_generation()
-            res = await asyncio.gather(*tasks)
-            await c.update_weights_from_disk(ckpts["llama"], 1)
-            return res
+            return await asyncio.gather(*tasks)
 
-    res = run(go())
+    try:
+        res = run(go())
+    finally:
+        server.stop()
     assert all(r.finish_reason == "length" and len(r.output_ids) == 60 for r in res)
-    assert all(r.token_versions[-1] == 5 for r in res)
+    assert all(r.token_versions[0] == 1 and r.token_versions[-1] == 5 for r in res)
 
 
 def test_timed_out_request_is_aborted_and_freed(gpt_engine, ckpts):

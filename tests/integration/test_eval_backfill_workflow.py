@@ -33,7 +33,7 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
         from tests.integration.eval_support import copy_snapshot
         from workflows.eval_backfill import eval_backfill
 
-        cfg = parse_flags(["--storage-root", {str(tmp_path / "store")!r}, "--eval-prompt-data",
+        cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", {str(tmp_path / "store")!r}, "--eval-prompt-data",
                            "held=builtin:reverse4-heldout", "--eval-max-prompts", "8", "--eval-interval", "2"])
         store = Store(cfg.run_uri)
         write_config(store, cfg)

@@ -79,8 +79,8 @@ def test_an_eight_gpu_worker_with_engines(logical_cluster):
     logical_cluster([{"num_cpus": 4, "num_gpus": 0}, {"num_cpus": 16, "num_gpus": 8}])
     shape = cluster_shape()
     assert sorted((n.cpus, n.gpus) for n in shape.nodes) == [(4, 0), (16, 8)]
-    fits = parse_flags([*SGLANG, "--actor-num-gpus-per-node", "6", "--rollout-num-engines", "2"], check=False)
-    too_big = parse_flags([*SGLANG, "--actor-num-gpus-per-node", "8"], check=False)
+    fits = parse_flags(["--preset", "tiny-reverse4", *SGLANG, "--actor-num-gpus-per-node", "6", "--rollout-num-engines", "2"], check=False)
+    too_big = parse_flags(["--preset", "tiny-reverse4", *SGLANG, "--actor-num-gpus-per-node", "8"], check=False)
     assert fit_problems(fits, shape) == [] and ray_places(fits)
     assert "trainer rank 7" in fit_problems(too_big, shape)[0]
     assert not ray_places(too_big, timeout_seconds=5)
@@ -93,8 +93,8 @@ def test_two_eight_gpu_workers_tp2_dp8_with_an_engine_node(logical_cluster):
     assert sum(n.gpus for n in shape.nodes) == 18 and any("engine_node" in n.custom for n in shape.nodes)
     flags = [*SGLANG, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
              "--rollout-num-engines", "2", "--engine-custom-resource", "engine_node"]
-    fits = parse_flags(flags, check=False)
+    fits = parse_flags(["--preset", "tiny-reverse4", *flags], check=False)
     assert fit_problems(fits, shape) == [] and ray_places(fits)
-    one_more = parse_flags([*flags, "--rollout-num-engines", "3"], check=False)
+    one_more = parse_flags(["--preset", "tiny-reverse4", *flags, "--rollout-num-engines", "3"], check=False)
     assert "engine 2" in fit_problems(one_more, shape)[0]
     assert not ray_places(one_more, timeout_seconds=5)

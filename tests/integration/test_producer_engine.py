@@ -13,6 +13,7 @@ import json
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import RunConfig, replace_fields
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
@@ -43,7 +44,7 @@ def config(tmp_path, **fields) -> RunConfig:
                 n_samples_per_prompt=4, rollout_max_response_len=5, max_weight_staleness=2,
                 async_unused_samples_handler="retry")
     base.update(fields)
-    return replace_fields(RunConfig(), **base)
+    return replace_fields(embedded_default(), **base)
 
 
 ROWS = builtin_rows("builtin:reverse4")[:40]

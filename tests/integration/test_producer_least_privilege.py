@@ -134,7 +134,7 @@ def feed(cfg, uri: str, version: int, step: int) -> Feed:
 
 def run_root(tmp_path):
     """A run that allows producers, as its trainer leaves it before the first step ends."""
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r", "--allow-rollout-producers",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r", "--allow-rollout-producers",
                        "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
                        "--producer-poll-seconds", "0.1"])
     store = Store(cfg.run_uri)

@@ -16,6 +16,7 @@ import asyncio
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.buffer import DropUnused
 from miles_core.buffer.build import build_buffer
 from miles_core.config import RunConfig, replace_fields
@@ -40,7 +41,7 @@ def engine(tmp_path_factory):
 
 
 def _config(tmp_path, replay: bool):
-    return replace_fields(RunConfig(), run_id="r3", storage_root=str(tmp_path / "store"), hf_checkpoint=MODEL,
+    return replace_fields(embedded_default(), run_id="r3", storage_root=str(tmp_path / "store"), hf_checkpoint=MODEL,
                           rollout_batch_size=2, n_samples_per_prompt=2, rollout_max_response_len=4,
                           use_rollout_routing_replay=replay)
 

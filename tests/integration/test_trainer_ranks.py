@@ -37,7 +37,7 @@ def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, ex
     flags = [*extra, "--run-id", "ranks", "--storage-root", f"file://{tmp}", "--actor-num-gpus-per-node", str(ranks),
              "--tensor-model-parallel-size", str(tp), "--num-cpus-trainer", "0.25", "--micro-batch-size", "3",
              "--save", save or "", "--save-interval", "none"]
-    return parse_flags(flags + (["--balance-data"] if balance else []))
+    return parse_flags(["--preset", "tiny-reverse4", *flags + (["--balance-data"] if balance else [])])
 
 
 def _weights(group: TrainerGroup, out) -> dict[str, torch.Tensor]:
@@ -193,7 +193,7 @@ def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_t
 def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, tiny_gpt):
     from miles_core.driver.placement import TrainerPlacementError
 
-    cfg = parse_flags(["--run-id", "big", "--storage-root", f"file://{tmp_path}", "--actor-num-gpus-per-node", "8",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--run-id", "big", "--storage-root", f"file://{tmp_path}", "--actor-num-gpus-per-node", "8",
                        "--num-cpus-trainer", "1", "--save", "", "--save-interval", "none"])
     with pytest.raises(TrainerPlacementError, match="8 ranks .* could not be placed within 2 s"):
         TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=2)

@@ -10,6 +10,7 @@ import math
 import re
 from pathlib import Path
 
+from miles_core.config import embedded_default
 from miles_core.config import RunConfig, replace_fields
 from miles_core.metrics import MetricsSink, trace
 from miles_core.metrics.report import PANELS
@@ -30,7 +31,7 @@ def panel_metrics() -> list[str]:
 def write_full_run(run_uri: str, steps: int = 24) -> Store:
     """Fill `run_uri` with `steps` steps of every panel's metrics and eval every 4 steps."""
     store = Store(run_uri)
-    write_config(store, replace_fields(RunConfig(), rollout_batch_size=4))  # capacity 8
+    write_config(store, replace_fields(embedded_default(), rollout_batch_size=4))  # capacity 8
     with MetricsSink(store, "trainer", background=False) as sink:
         for k in range(steps):
             sink.log(k, {name: 1.0 + i + math.sin(k / 3 + i) for i, name in enumerate(panel_metrics())})

@@ -32,7 +32,7 @@ class SmallRun:
 
 def small_run(tmp_path, run_id: str = "r") -> SmallRun:
     root = f"file://{tmp_path}"
-    cfg = parse_flags(["--storage-root", root, "--run-id", run_id, "--num-rollout", "4", "--max-weight-staleness", "1"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", root, "--run-id", run_id, "--num-rollout", "4", "--max-weight-staleness", "1"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     with DurableBuffer.open(store, capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=-1,

@@ -28,7 +28,7 @@ BAD = {"truncated": b'{"step": 0, "consumed": ["g00', "empty": b"", "garbage": b
 def _run_root(tmp_path, bad: bytes = BAD["truncated"]) -> tuple[str, dict[int, str]]:
     """Steps 0-3 consume one group each, compaction through step 1; steps 0 (covered) and 3 (after
     the compaction) then have a bad manifest. Returns (run uri, step -> the group it consumed)."""
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     by_step = {}

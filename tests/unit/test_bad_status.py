@@ -17,7 +17,7 @@ from miles_core.storage.run_root import FINISHED, SEGMENT_DONE, STATUS_KEY, next
 
 
 def _run_root(tmp_path, *flags: str, checkpoint: int | None, manifests: int, segments: int = 1) -> tuple:
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r", *flags])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r", *flags])
     store = Store(cfg.run_uri)
     for segment in range(segments):
         write_config(store, cfg, segment)

@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.buffer import (
     METRIC_NAMES,
     BufferClosed,
@@ -79,7 +80,7 @@ def open_buffer(root, capacity=4, **kw):
 
 def test_custom_buffer_path_is_built_with_config_and_handler(tmp_path):
     """--custom-async-data-buffer-path module:Class replaces the buffer; built as Class(config, handler)."""
-    cfg = replace_fields(RunConfig(), storage_root=str(tmp_path), custom_async_data_buffer_path=f"{__name__}:ListBuffer")
+    cfg = replace_fields(embedded_default(), storage_root=str(tmp_path), custom_async_data_buffer_path=f"{__name__}:ListBuffer")
     validate(cfg)
     handler = DropUnused()
     buf = build_buffer(cfg, handler, consumed_through_step=-1)
@@ -97,7 +98,7 @@ def test_custom_buffer_path_is_built_with_config_and_handler(tmp_path):
 ])
 def test_bad_custom_buffer_path_errors_clearly(tmp_path, path, expected):
     """A bad custom buffer path fails with the flag's name and what is wrong, at validate and at build."""
-    cfg = replace_fields(RunConfig(), storage_root=str(tmp_path), custom_async_data_buffer_path=path)
+    cfg = replace_fields(embedded_default(), storage_root=str(tmp_path), custom_async_data_buffer_path=path)
     with pytest.raises(PluginError, match="--custom-async-data-buffer-path") as e:
         build_buffer(cfg, DropUnused(), consumed_through_step=-1)
     assert expected in str(e.value)

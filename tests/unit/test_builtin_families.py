@@ -67,4 +67,4 @@ def test_builtin_light_config_is_the_built_one(name):
 @pytest.mark.parametrize("name", NEW)
 def test_builtin_family_models_validate(name):
     assert name in BUILTIN_MODELS
-    validate(parse_flags(["--hf-checkpoint", name]))
+    validate(parse_flags(["--preset", "tiny-reverse4", "--hf-checkpoint", name]))

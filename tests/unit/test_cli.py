@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.cli import main
 from miles_core.config import RunConfig, config_from_json, parse_flags
 
@@ -45,7 +46,7 @@ def test_script_validate_no_args_prints_default_json():
     Guards: the embedded default drifting from what the CLI reports."""
     proc = _run_script("validate")
     assert proc.returncode == 0, proc.stderr
-    assert config_from_json(proc.stdout) == RunConfig() == parse_flags([])
+    assert config_from_json(proc.stdout) == embedded_default() == parse_flags(["--preset", "tiny-reverse4"])
 
 
 def test_main_validate_conflict(capsys):
@@ -63,7 +64,7 @@ def test_main_validate_round_trips_flags(capsys):
     assert main(["validate", *argv]) == 0
     out = capsys.readouterr().out
     cfg = config_from_json(out)
-    assert cfg == parse_flags(argv)
+    assert cfg == parse_flags(["--preset", "tiny-reverse4", *argv])
     assert cfg.rollout.rollout_batch_size == 8 and cfg.run.one_step_off and cfg.run.seed == 3
     assert json.loads(out)["rollout"]["rollout_batch_size"] == 8
 

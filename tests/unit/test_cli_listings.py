@@ -27,7 +27,7 @@ def _json(capsys, argv: list[str]):
 def test_runs_list_names_every_run_with_state_steps_and_update(tmp_path, capsys):
     run = small_run(tmp_path)
     small_run(tmp_path, "a-second")
-    fresh = parse_flags(["--storage-root", run.storage_root, "--run-id", "fresh"])
+    fresh = parse_flags(["--preset", "tiny-reverse4", "--storage-root", run.storage_root, "--run-id", "fresh"])
     write_config(Store(fresh.run_uri), fresh)  # a run that never started a segment
     runs = _json(capsys, ["runs", "list", "--json", run.storage_root])
     assert [r["run_id"] for r in runs] == ["a-second", "fresh", "r"]

@@ -99,7 +99,7 @@ def test_parse_flags_reproduces_every_field(values):
 def test_parse_flags_valid_values_pass_validation(values):
     """Pins: random values inside the documented ranges parse, validate and come back unchanged.
     Guards: a validation rule narrower than the documented range."""
-    cfg = parse_flags(_to_flags(values))
+    cfg = parse_flags(["--preset", "tiny-reverse4", *_to_flags(values)])
     got = _field_values(cfg)
     assert {k: got[k] for k in values} == values
 
@@ -159,7 +159,7 @@ def test_unknown_flag_suggests_closest(argv, suggestion):
     """Pins: an unknown flag is a ConfigError with 'Did you mean <closest>?'.
     Guards: argparse's bare 'unrecognized arguments' or silently accepted prefixes (allow_abbrev)."""
     with pytest.raises(ConfigError) as info:
-        parse_flags(argv)
+        parse_flags(["--preset", "tiny-reverse4", *argv])
     assert f"Did you mean {suggestion}?" in str(info.value)
 
 
@@ -167,11 +167,11 @@ def test_all_unknown_flags_reported_and_abbreviations_refused():
     """Pins: every unknown flag is listed at once; prefixes of real flags are not accepted.
     Guards: a typo'd flag shadowed by argparse abbreviation matching."""
     with pytest.raises(ConfigError) as info:
-        parse_flags(["--rollout-batch-sise", "3", "--zzzzqqq"])
+        parse_flags(["--preset", "tiny-reverse4", "--rollout-batch-sise", "3", "--zzzzqqq"])
     assert "--rollout-batch-sise" in str(info.value) and "--zzzzqqq" in str(info.value)
     assert "docs/reference/flags.md" in str(info.value)  # no close match: point at the reference
     with pytest.raises(ConfigError):
-        parse_flags(["--rollout-batch", "3"])
+        parse_flags(["--preset", "tiny-reverse4", "--rollout-batch", "3"])
 
 
 @pytest.mark.parametrize("argv", [["--rollout-batch-size", "many"], ["--pause-generation-mode", "stop"],
@@ -180,13 +180,13 @@ def test_bad_flag_values_are_config_errors(argv):
     """Pins: a bad value, a missing value or a stray positional is a ConfigError (never SystemExit).
     Guards: argparse calling sys.exit inside a Flyte task or a library caller."""
     with pytest.raises(ConfigError):
-        parse_flags(argv)
+        parse_flags(["--preset", "tiny-reverse4", *argv])
 
 
 def test_flag_forms():
     """Pins: the accepted spellings: `--x v`, `--x=v`, `--no-x`, `none` for optionals, lists by nargs,
     negative numbers, a base config underneath. Guards: regressions in the user-facing flag syntax."""
-    cfg = parse_flags(["--rollout-top-k", "-1", "--save-interval=none", "--no-rollout-shuffle",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--rollout-top-k", "-1", "--save-interval=none", "--no-rollout-shuffle",
                        "--eval-prompt-data", "a=builtin:copy4", "b=builtin:reverse4-heldout",
                        "--rollout-submission-granularity", "none", "--tis-clip", "3"])
     assert cfg.rollout.rollout_top_k == -1 and cfg.train.save_interval is None

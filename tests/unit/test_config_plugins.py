@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.config.plugins import PLUGIN_SLOTS, PluginError, load_plugin
 from miles_core.prepare.checks import validate
@@ -64,7 +65,7 @@ def plugin_module(tmp_path, monkeypatch):
 
 
 def _config_with(field: str, path: str) -> RunConfig:
-    return replace_fields(RunConfig(), **{field: path})
+    return replace_fields(embedded_default(), **{field: path})
 
 
 def _error(field: str, path: str) -> str:
@@ -164,7 +165,7 @@ def test_dotted_attribute_and_all_plugin_errors_reported_together(plugin_module)
     Guards: plugin errors stopping validation at the first bad slot."""
     mod = plugin_module(GOOD_MODULE)
     assert load_plugin(f"{mod}:Buffer.put", "--custom-rm-path") is not None
-    cfg = replace_fields(RunConfig(), custom_rm_path="nomod_abc:fn", dynamic_sampling_filter_path=f"{mod}:nope")
+    cfg = replace_fields(embedded_default(), custom_rm_path="nomod_abc:fn", dynamic_sampling_filter_path=f"{mod}:nope")
     with pytest.raises(ConfigError) as info:
         validate(cfg)
     assert "--custom-rm-path" in str(info.value) and "--dynamic-sampling-filter-path" in str(info.value)

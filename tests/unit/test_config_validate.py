@@ -2,7 +2,7 @@
 
 Each case is (overrides that break the rule, overrides that satisfy it, flags the error must name).
 The valid side must pass `validate` with no problem at all, so a case also guards against a rule
-that fires too eagerly. Cases start from the embedded default (RunConfig()), which is itself valid.
+that fires too eagerly. Cases start from the embedded default (embedded_default()), which is itself valid.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import dataclasses
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
 from miles_core.prepare.checks import validate
 
@@ -159,7 +160,7 @@ RANGES = [
 
 
 def _cfg(**overrides) -> RunConfig:
-    return replace_fields(RunConfig(), **overrides)
+    return replace_fields(embedded_default(), **overrides)
 
 
 def _problems(cfg: RunConfig) -> str:
@@ -171,7 +172,7 @@ def _problems(cfg: RunConfig) -> str:
 def test_embedded_default_is_valid():
     """Pins: the empty command line is a valid, runnable config (DESIGN §10).
     Guards: a new field or rule that makes `pyflyte run ... fully_async_rl` with no args fail."""
-    cfg = RunConfig()
+    cfg = embedded_default()
     assert validate(cfg) is cfg
     assert cfg.driver == "fully-async"
 
@@ -241,8 +242,8 @@ def test_parse_flags_validates_by_default():
     """Pins: parse_flags runs validate unless check=False, so the CLI and Flyte inputs share the rules.
     Guards: a parse path that returns an unchecked config to a launcher."""
     with pytest.raises(ConfigError, match="--colocate"):
-        parse_flags(["--colocate"])
-    assert parse_flags(["--colocate"], check=False).run.colocate is True
+        parse_flags(["--preset", "tiny-reverse4", "--colocate"])
+    assert parse_flags(["--preset", "tiny-reverse4", "--colocate"], check=False).run.colocate is True
 
 
 def test_wrong_value_types_are_config_errors():

@@ -14,6 +14,7 @@ import logging
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config.sections import DataSection
 from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
 from miles_core.rollout.prompts import DatasetError, load_prompts, stored_dataset_info
@@ -174,7 +175,7 @@ def test_eval_datasets_use_the_training_template_settings(tmp_path, chat_tok):
     from miles_core.config import parse_flags
     from miles_core.eval.datasets import load_eval_datasets
 
-    cfg = parse_flags(["--hf-checkpoint", chat_tok, "--apply-chat-template", "--max-seq-len", "64",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--hf-checkpoint", chat_tok, "--apply-chat-template", "--max-seq-len", "64",
                        "--eval-prompt-data", "held=builtin:arith-heldout", "--storage-root", f"file://{tmp_path}"])
     (held,) = load_eval_datasets(cfg, run_uri=f"file://{tmp_path}/run")
     assert len(held.rows) == 500 and {r.task for r in held.rows} == {"arith"}
@@ -191,7 +192,7 @@ def test_eval_builtin_reward_reads_arith_answers_through_the_run_tokenizer(chat_
     from miles_core.eval.datasets import builtin_reward
     from miles_core.samples import Sample, SampleStatus
 
-    score = builtin_reward(replace_fields(RunConfig(), hf_checkpoint=chat_tok))
+    score = builtin_reward(replace_fields(embedded_default(), hf_checkpoint=chat_tok))
     meta = json.dumps({"task": "arith"})
     samples = [Sample("g", 0, i, ids("what is"), ids(text), status=SampleStatus.COMPLETED, label="7", metadata=meta)
                for i, text in enumerate(["7 <eos>", "3", "what is 7"])]

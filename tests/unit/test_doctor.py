@@ -51,7 +51,7 @@ class FakeTrainer:
 @pytest.fixture(scope="module")
 def template(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("doctor-template")
-    cfg = parse_flags(["--storage-root", f"file://{root}", "--run-id", "r", "--num-rollout", "8"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{root}", "--run-id", "r", "--num-rollout", "8"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     mgr = CheckpointManager.from_config(cfg.train, store)
@@ -275,7 +275,7 @@ def test_a_deleted_unconsumed_group_object_is_lost(run, capsys):
 def test_a_deleted_partly_consumed_object_is_lost(tmp_path, capsys):
     """Two groups in one object, one consumed before the compaction: the compaction names it as consumed in an
     object not done; the object deleted, the other group is lost."""
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     with DurableBuffer.open(store, capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=-1,

@@ -94,7 +94,7 @@ def test_the_feed_is_rewritten_while_a_step_waits_and_never_without_the_lease(tm
     from miles_core.driver.feed import feed_publisher
 
     store = Store(f"file://{tmp_path}")
-    cfg = parse_flags(["--allow-rollout-producers", "--producer-poll-seconds", "0.05"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--allow-rollout-producers", "--producer-poll-seconds", "0.05"])
     rollout, lost = _Rollout(), []
 
     def check():

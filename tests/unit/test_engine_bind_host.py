@@ -60,13 +60,13 @@ def test_the_url_of_an_engine_on_a_multi_node_cluster_names_its_node(monkeypatch
 
 def test_validation_refuses_auto_on_more_than_one_node_without_the_token(monkeypatch):
     monkeypatch.delenv(TOKEN_ENV, raising=False)
-    cfg = parse_flags([])
+    cfg = parse_flags(["--preset", "tiny-reverse4"])
     assert cfg.engine.engine_bind_host == "auto"
     validate(cfg)  # the node count unknown: decided where it is known
     validate(cfg, cluster=ONE_NODE)
     with pytest.raises(ConfigError, match=rf"--engine-bind-host=auto on this 2-node cluster .*{TOKEN_ENV}"):
         validate(cfg, cluster=TWO_NODES)
-    validate(parse_flags(["--engine-bind-host", "127.0.0.1"]), cluster=TWO_NODES)
+    validate(parse_flags(["--preset", "tiny-reverse4", "--engine-bind-host", "127.0.0.1"]), cluster=TWO_NODES)
     monkeypatch.setenv(TOKEN_ENV, "t")
     validate(cfg, cluster=TWO_NODES)
 
@@ -76,9 +76,9 @@ def test_the_driver_refuses_auto_on_more_than_one_node_without_the_token(monkeyp
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.setattr(placement, "cluster_shape", lambda: TWO_NODES)
     with pytest.raises(ConfigError, match=TOKEN_ENV):
-        placement.check_fits(parse_flags([]))
+        placement.check_fits(parse_flags(["--preset", "tiny-reverse4"]))
     monkeypatch.setattr(placement, "cluster_shape", lambda: ONE_NODE)
-    placement.check_fits(parse_flags([]))
+    placement.check_fits(parse_flags(["--preset", "tiny-reverse4"]))
     monkeypatch.setattr(placement, "cluster_shape", lambda: TWO_NODES)
     monkeypatch.setenv(TOKEN_ENV, "t")
-    placement.check_fits(parse_flags([]))
+    placement.check_fits(parse_flags(["--preset", "tiny-reverse4"]))

@@ -86,7 +86,7 @@ def test_cli_add_remove_show(tmp_path, capsys):
 
 def test_cli_remove_to_zero_only_with_producers(tmp_path, capsys):
     uri = f"file://{tmp_path}/runs/p"
-    write_config(Store(uri), parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "p",
+    write_config(Store(uri), parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "p",
                                           "--allow-rollout-producers", "--rollout-num-engines", "0"]))
     assert main(["engines", "add", uri, "1"]) == 0 and read_target(Store(uri)) == 1
     assert main(["engines", "remove", uri, "1"]) == 0 and read_target(Store(uri)) == 0

@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.config.plugins import PluginError
 from miles_core.models.builtin import EOS_ID, SEP_ID
@@ -307,7 +308,7 @@ async def two_params(args, sample):
 
 def _validate_error(path: str) -> str:
     with pytest.raises(ConfigError) as info:
-        validate(replace_fields(RunConfig(), custom_generate_function_path=path))
+        validate(replace_fields(embedded_default(), custom_generate_function_path=path))
     return str(info.value)
 
 
@@ -315,7 +316,7 @@ def test_validation_resolves_and_signature_checks_the_function():
     """Pins: the path is resolved and checked in validate: async, callable as (args, sample,
     sampling_params); `evaluation` is detected. Errors name the flag and the expected signature.
     Guards: a typo or a sync function found only when the first episode runs in the worker."""
-    validate(replace_fields(RunConfig(), custom_generate_function_path="tests.unit.test_episodes:good"))
+    validate(replace_fields(embedded_default(), custom_generate_function_path="tests.unit.test_episodes:good"))
     assert not load_generate_function("tests.unit.test_episodes:good").accepts_evaluation
     assert load_generate_function("tests.unit.test_episodes:good_eval").accepts_evaluation
     assert load_generate_function("") is None
@@ -330,8 +331,8 @@ def test_validation_resolves_and_signature_checks_the_function():
 
 def test_generate_args_reads_flags_through_to_the_config():
     """Pins: code written against miles' `args` reads flags by field name (args.rollout_max_response_len)."""
-    args = GenerateArgs(engine="E", config=RunConfig())
-    assert args.engine == "E" and args.rollout_max_response_len == RunConfig().rollout.rollout_max_response_len
+    args = GenerateArgs(engine="E", config=embedded_default())
+    assert args.engine == "E" and args.rollout_max_response_len == embedded_default().rollout.rollout_max_response_len
     with pytest.raises(AttributeError, match="no_such_flag"):
         args.no_such_flag
 
@@ -412,7 +413,7 @@ def test_eval_runs_the_function_with_evaluation_true_and_keeps_its_reward():
     from miles_core.eval.evaluate import evaluate
     from miles_core.eval.metric_names import mean_reward_metric
 
-    cfg = replace_fields(RunConfig(), custom_generate_function_path="miles_core.rollout.multiturn:reverse4_two_turns",
+    cfg = replace_fields(embedded_default(), custom_generate_function_path="miles_core.rollout.multiturn:reverse4_two_turns",
                          eval_prompt_data=["held=builtin:reverse4-heldout"], eval_max_prompts=2)
     (ds,) = load_eval_datasets(cfg)
     assert ds.episode is not None

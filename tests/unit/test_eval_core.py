@@ -11,6 +11,7 @@ from math import comb
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, parse_flags
 from miles_core.eval import EVAL_METRIC_PATTERNS, SKIP_REASONS, aggregate, evaluate, pass_at_k, pass_ks
 from miles_core.eval.datasets import EvalDataError, EvalDataset, EvalRow, EvalSampling, load_eval_datasets, sampling_from_config
@@ -93,7 +94,7 @@ def test_evaluate_scores_with_the_dataset_reward_and_reports_versions():
     rows = [EvalRow([1, 2, 3, 4, 10], "4321", "reverse4"), EvalRow([5, 6, 7, 8, 10], "8765", "reverse4")]
     from miles_core.eval.datasets import builtin_reward
 
-    ds = EvalDataset("held", "builtin:x", rows, builtin_reward(RunConfig()))
+    ds = EvalDataset("held", "builtin:x", rows, builtin_reward(embedded_default()))
     client = ScriptedClient([([4, 3, 2, 1, 11], "stop"), ([0, 0, 0, 0, 0], "length")])
     out = asyncio.run(evaluate(client, ds, EvalSampling(n_samples_per_prompt=2, max_response_len=5)))
     assert client.calls == 4
@@ -108,7 +109,7 @@ def test_evaluate_retries_aborts_then_gives_up():
     from miles_core.eval.datasets import builtin_reward
     from miles_core.eval.evaluate import EvalAborted
 
-    ds = EvalDataset("held", "builtin:x", [EvalRow([1, 10], "1", "reverse4")], builtin_reward(RunConfig()))
+    ds = EvalDataset("held", "builtin:x", [EvalRow([1, 10], "1", "reverse4")], builtin_reward(embedded_default()))
     with pytest.raises(EvalAborted):
         asyncio.run(evaluate(ScriptedClient([([], "abort")]), ds, EvalSampling()))
 
@@ -116,7 +117,7 @@ def test_evaluate_retries_aborts_then_gives_up():
 def test_datasets_and_sampling_from_flags():
     """--eval-prompt-data name=uri, --n-samples-per-eval-prompt, --eval-max-response-len,
     --eval-temperature and --eval-max-prompts reach the eval datasets and sampling."""
-    cfg = parse_flags(["--eval-prompt-data", "held=builtin:reverse4-heldout", "copy=builtin:copy4",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "held=builtin:reverse4-heldout", "copy=builtin:copy4",
                        "--n-samples-per-eval-prompt", "4", "--eval-max-response-len", "6",
                        "--eval-temperature", "0.7", "--eval-max-prompts", "10", "--eval-interval", "5"])
     ds = load_eval_datasets(cfg)
@@ -127,7 +128,7 @@ def test_datasets_and_sampling_from_flags():
     assert (s.n_samples_per_prompt, s.max_response_len, s.temperature) == (4, 6, 0.7)
     assert s.sampling_params() == {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6}
     # the eval length falls back on the rollout length
-    assert sampling_from_config(parse_flags(["--rollout-max-response-len", "7"])).max_response_len == 7
+    assert sampling_from_config(parse_flags(["--preset", "tiny-reverse4", "--rollout-max-response-len", "7"])).max_response_len == 7
 
 
 def test_heldout_is_disjoint_from_training_prompts():
@@ -142,13 +143,13 @@ def test_eval_flags_validated():
     """validate() owns the eval rules: a dataset without name, --eval-interval without datasets,
     and the reuse-mode constraint (eval_interval % save_interval == 0) name their flags."""
     with pytest.raises(ConfigError, match="name=uri"):
-        parse_flags(["--eval-prompt-data", "builtin:reverse4-heldout"])
+        parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "builtin:reverse4-heldout"])
     with pytest.raises(ConfigError, match="--eval-interval needs eval datasets"):
-        parse_flags(["--eval-interval", "5", "--eval-prompt-data"])
+        parse_flags(["--preset", "tiny-reverse4", "--eval-interval", "5", "--eval-prompt-data"])
     with pytest.raises(ConfigError, match=r"--eval-interval % --save-interval == 0"):
-        parse_flags(["--eval-prompt-data", "h=builtin:reverse4-heldout", "--eval-interval", "5",
+        parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "h=builtin:reverse4-heldout", "--eval-interval", "5",
                      "--save-interval", "2", "--save-hf", "/tmp/hf"])
-    parse_flags(["--eval-prompt-data", "h=builtin:reverse4-heldout", "--eval-interval", "4",
+    parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "h=builtin:reverse4-heldout", "--eval-interval", "4",
                  "--save-interval", "2", "--save-hf", "/tmp/hf"])
 
 
@@ -156,7 +157,7 @@ def test_unscored_dataset_needs_a_reward(tmp_path):
     """A dataset whose rows have no builtin reward fails at load time naming --custom-rm-path."""
     src = tmp_path / "p.jsonl"
     src.write_text(json.dumps({"prompt": [1, 2, 3], "label": "x"}) + "\n")
-    cfg = parse_flags(["--eval-prompt-data", f"mine={src}", "--storage-root", str(tmp_path / "store")])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", f"mine={src}", "--storage-root", str(tmp_path / "store")])
     with pytest.raises(EvalDataError, match="--custom-rm-path"):
         load_eval_datasets(cfg)
 

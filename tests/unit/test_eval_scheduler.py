@@ -259,7 +259,7 @@ def test_shared_mode_always_resumes_submission(tmp_path):
     from miles_core.engines.launcher import free_port
     from miles_core.eval import build_eval_scheduler
 
-    cfg = parse_flags(["--storage-root", str(tmp_path), "--eval-prompt-data", "h=builtin:reverse4-heldout",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", str(tmp_path), "--eval-prompt-data", "h=builtin:reverse4-heldout",
                        "--eval-max-prompts", "2", "--eval-mode", "shared", "--eval-interval", "1"])
     calls, sink = [], Sink()
 

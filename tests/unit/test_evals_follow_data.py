@@ -31,7 +31,7 @@ def mine(tmp_path):
 
 
 def _evals(argv):
-    cfg = parse_flags(argv)
+    cfg = parse_flags(["--preset", "tiny-reverse4", *argv])
     return cfg.eval.eval_prompt_data, cfg.eval.eval_interval
 
 
@@ -70,17 +70,17 @@ def test_explicit_values_win(mine):
     assert _evals(["--prompt-data", mine, "--eval-prompt-data", "a=" + mine, "--eval-interval", "5"]) == (
         ["a=" + mine], 5)
     with pytest.raises(ConfigError, match="--eval-interval needs eval datasets"):
-        parse_flags(["--eval-interval", "5", "--eval-prompt-data", "none"])
+        parse_flags(["--preset", "tiny-reverse4", "--eval-interval", "5", "--eval-prompt-data", "none"])
     with pytest.raises(ConfigError, match="none means no values"):
-        parse_flags(["--eval-prompt-data", "none", *REVERSE])
+        parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "none", *REVERSE])
 
 
 def test_a_fork_base_keeps_an_explicit_eval_set_and_follows_a_default_one(mine):
-    explicit = parse_flags(["--eval-prompt-data", "a=builtin:copy4"])
+    explicit = parse_flags(["--preset", "tiny-reverse4", "--eval-prompt-data", "a=builtin:copy4"])
     assert parse_flags(["--prompt-data", mine], base=explicit).eval.eval_prompt_data == ["a=builtin:copy4"]
-    followed = parse_flags([])
+    followed = parse_flags(["--preset", "tiny-reverse4"])
     assert parse_flags(["--prompt-data", mine], base=followed).eval.eval_prompt_data == []
-    no_evals = parse_flags(["--prompt-data", mine])  # evals appear with an interval where the base had none
+    no_evals = parse_flags(["--preset", "tiny-reverse4", "--prompt-data", mine])  # evals appear with an interval where the base had none
     assert _evals_of(parse_flags(["--eval-prompt-data", "a=" + mine], base=no_evals)) == (["a=" + mine], 40)
 
 
@@ -96,6 +96,6 @@ def _evals_of(cfg):
 def test_lineage_flags_round_trip(argv, mine):
     """Guards: `flags_of` leaving out an eval set equal to the old fixed default, which a replay of
     the command line would then drop (it follows the data)."""
-    cfg = validate(parse_flags([mine if a == "MINE" else a for a in argv]))
-    again = parse_flags(flags_of(cfg))
+    cfg = validate(parse_flags(["--preset", "tiny-reverse4", mine if a == "MINE" else a for a in argv]))
+    again = parse_flags(["--preset", "tiny-reverse4", *flags_of(cfg)])
     assert _evals_of(again) == _evals_of(cfg) and again.data == cfg.data

@@ -58,7 +58,7 @@ def _llama():
 
 
 def _train(*flags: str, ranks: int = 1):
-    return parse_flags([*flags, "--actor-num-gpus-per-node", str(ranks)]).train
+    return parse_flags(["--preset", "tiny-reverse4", *flags, "--actor-num-gpus-per-node", str(ranks)]).train
 
 
 def test_miles_recipes_model_flags_pass_on_the_checkpoints_they_describe():
@@ -137,7 +137,7 @@ def test_expert_parallel_layout_rules():
 ])
 def test_performance_flags_the_trainer_does_not_implement_are_refused_by_name(flags, refused):
     with pytest.raises(ConfigError, match=refused.replace("(", r"\(").replace(")", r"\)")):
-        parse_flags(flags)
+        parse_flags(["--preset", "tiny-reverse4", *flags])
 
 
 def test_load_balancing_types_other_than_aux_loss_only_without_an_aux_loss():

@@ -23,6 +23,7 @@ import sys
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import RunConfig, replace_fields
 from miles_core.driver.loop import run_loop
 from miles_core.driver.segment import run_training
@@ -31,7 +32,7 @@ from tests.unit.test_driver_loop import Recorder, build_roles
 
 
 def _cfg(tmp_path, **kw) -> RunConfig:
-    return replace_fields(RunConfig(), storage_root=str(tmp_path), run_id="r", lease_ttl_seconds=2.0,
+    return replace_fields(embedded_default(), storage_root=str(tmp_path), run_id="r", lease_ttl_seconds=2.0,
                           lease_renew_seconds=0.5, **kw)
 
 

@@ -132,7 +132,7 @@ def test_every_flag_is_read_or_refused(spec, read_names):
     if spec.name in APPLIED_AT_PARSE:
         from miles_core.config import parse_flags
 
-        assert parse_flags([spec.flag, _other_value(spec)], check=False) != parse_flags([], check=False)
+        assert parse_flags(["--preset", "tiny-reverse4", spec.flag, _other_value(spec)], check=False) != parse_flags(["--preset", "tiny-reverse4"], check=False)
         return
     for driver in ({}, {"fully_async": False}):
         assert _refusal(spec, **driver), (

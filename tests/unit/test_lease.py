@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.prepare.checks import validate
 from miles_core.storage import StorageUnavailable, Store, conditional
@@ -241,7 +242,7 @@ def test_file_create_is_exclusive_and_never_half_written(tmp_path):
 
 def test_lease_timings_are_validated():
     with pytest.raises(ConfigError, match="--lease-renew-seconds=30.0: lease renewal interval 30.0 s must be <= TTL/3"):
-        validate(replace_fields(RunConfig(), lease_ttl_seconds=60.0, lease_renew_seconds=30.0))
+        validate(replace_fields(embedded_default(), lease_ttl_seconds=60.0, lease_renew_seconds=30.0))
     with pytest.raises(ConfigError, match="--lease-ttl-seconds=0.0"):
-        validate(replace_fields(RunConfig(), lease_ttl_seconds=0.0))
-    validate(replace_fields(RunConfig(), lease_ttl_seconds=8.0, lease_renew_seconds=2.0))
+        validate(replace_fields(embedded_default(), lease_ttl_seconds=0.0))
+    validate(replace_fields(embedded_default(), lease_ttl_seconds=8.0, lease_renew_seconds=2.0))

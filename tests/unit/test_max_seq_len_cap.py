@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.prepare.checks import validate
 from miles_core.rollout.data_source import DataSource
@@ -73,8 +74,8 @@ def test_the_producer_caps_each_sample_by_its_prompt_length():
 
 
 def test_max_seq_len_range_check():
-    cfg = replace_fields(RunConfig(), max_seq_len=1)
+    cfg = replace_fields(embedded_default(), max_seq_len=1)
     with pytest.raises(ConfigError, match="--max-seq-len=1 must be >= 2"):
         validate(cfg)
-    validate(replace_fields(RunConfig(), max_seq_len=2))
-    validate(replace_fields(RunConfig(), max_seq_len=None))
+    validate(replace_fields(embedded_default(), max_seq_len=2))
+    validate(replace_fields(embedded_default(), max_seq_len=None))

@@ -23,7 +23,7 @@ GPU = ["--engine-backend", "sglang"]
 
 
 def cfg(*flags):
-    return parse_flags(list(flags), check=False)
+    return parse_flags(["--preset", "tiny-reverse4", *list(flags)], check=False)
 
 
 def test_parameter_counts_are_the_real_models():
@@ -96,7 +96,7 @@ def test_the_run_checks_a_model_it_could_not_read_at_validation_once_it_is_prese
     c = cfg(*GPU, "--actor-num-gpus-per-node", "8", "--max-seq-len", "2048", "--micro-batch-size", "1")
     check_memory(c, f"file://{tmp_path}")  # no --gpu-memory-gb: nothing to compare
     with pytest.raises(ConfigError, match="--gpu-memory-gb is 40"):
-        check_memory(parse_flags([*GPU, "--actor-num-gpus-per-node", "8", "--gpu-memory-gb", "40"], check=False),
+        check_memory(parse_flags(["--preset", "tiny-reverse4", *GPU, "--actor-num-gpus-per-node", "8", "--gpu-memory-gb", "40"], check=False),
                      f"file://{tmp_path}")
 
 
@@ -300,7 +300,7 @@ def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
 
     code = ("import sys; from miles_core.config import parse_flags; "
             "from miles_core.prepare.checks import validation_problems; "
-            "assert validation_problems(parse_flags([])) == []; "
+            "assert validation_problems(parse_flags(["--preset", "tiny-reverse4"])) == []; "
             "import miles_core.driver.segment, miles_core.train.worker; "  # the driver defines the trainer's actor class
             "print(sorted(m for m in ('transformers', 'megatron.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -60,7 +60,7 @@ def _groups(samples: int, length: int, vocab: int, prompt: int = 8) -> list[Grou
 
 def _config(flags: list[str], samples: int, length: int):
     """One micro-batch of `samples` samples of `length` tokens (MemTracker measures one pass)."""
-    return parse_flags([*flags, "--max-seq-len", str(length), "--micro-batch-size", str(samples),
+    return parse_flags(["--preset", "tiny-reverse4", *flags, "--max-seq-len", str(length), "--micro-batch-size", str(samples),
                         "--rollout-batch-size", str(samples // 4), "--n-samples-per-prompt", "4"], check=False)
 
 

@@ -31,7 +31,7 @@ FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--r
 
 
 def cfg(*flags):
-    return parse_flags(list(flags), check=False)
+    return parse_flags(["--preset", "tiny-reverse4", *list(flags)], check=False)
 
 
 def test_parameter_counts_are_the_published_ones():

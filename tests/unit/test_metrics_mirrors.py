@@ -41,7 +41,7 @@ def test_tensorboard_gets_every_component_and_not_the_earlier_segments(tmp_path)
 
 def test_tensorboard_files_are_copied_into_a_remote_run_root(tmp_path):
     store = Store("memory://mirrors-copy/run")
-    with mirror_feed(parse_flags(["--use-tensorboard", "--metrics-mirror-interval-seconds", "0.2"]), store) as feed:
+    with mirror_feed(parse_flags(["--preset", "tiny-reverse4", "--use-tensorboard", "--metrics-mirror-interval-seconds", "0.2"]), store) as feed:
         _log_two_components(store)
         sent = feed.sweep()
     assert sent == 3
@@ -54,13 +54,13 @@ def test_tensorboard_files_are_copied_into_a_remote_run_root(tmp_path):
 
 def test_a_file_run_root_gets_its_event_files_in_place(tmp_path):
     store = Store(f"file://{tmp_path}/run")
-    with mirror_feed(parse_flags(["--use-tensorboard"]), store):
+    with mirror_feed(parse_flags(["--preset", "tiny-reverse4", "--use-tensorboard"]), store):
         _log_two_components(store)
     assert scalars(str(tmp_path / "run" / "tensorboard"))["rollout/reward/mean"] == [(1, 0.5)]
 
 
 def test_no_mirror_flag_no_feed(tmp_path):
-    with mirror_feed(parse_flags([]), Store(f"file://{tmp_path}/run")) as feed:
+    with mirror_feed(parse_flags(["--preset", "tiny-reverse4"]), Store(f"file://{tmp_path}/run")) as feed:
         assert feed is None
 
 
@@ -69,7 +69,7 @@ def test_wandb_offline_gets_every_event_against_the_step_metric_and_never_the_ke
     monkeypatch.setenv("WANDB_API_KEY", canary)
     monkeypatch.setenv("WANDB_SILENT", "true")
     store = Store(f"file://{tmp_path}/runs/r1")
-    cfg = parse_flags(["--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"),
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--use-wandb", "--wandb-mode", "offline", "--wandb-dir", str(tmp_path / "wb"),
                        "--wandb-project", "p", "--run-id", "r1", "--storage-root", f"file://{tmp_path}"])
     with mirror_feed(cfg, store):
         _log_two_components(store)
@@ -94,7 +94,7 @@ def test_wandb_online_without_a_key_fails_naming_the_flag(tmp_path, monkeypatch)
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "cfg"))  # no stored login
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
-    cfg = parse_flags(["--use-wandb", "--wandb-dir", str(tmp_path / "wb")])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--use-wandb", "--wandb-dir", str(tmp_path / "wb")])
     with pytest.raises(MirrorError, match="--use-wandb: wandb.init failed.*WANDB_API_KEY"):
         WandbMirror(cfg, f"file://{tmp_path}/run")
 
@@ -105,14 +105,14 @@ def test_the_key_is_refused_as_a_flag_and_a_missing_package_is_named(monkeypatch
     from miles_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="--wandb-key .*not supported.*WANDB_API_KEY") as e:
-        parse_flags(["--wandb-key", "secret-value-77"])
+        parse_flags(["--preset", "tiny-reverse4", "--wandb-key", "secret-value-77"])
     assert "secret-value-77" not in str(e.value)
     with pytest.raises(ConfigError, match="--metrics-mirror-interval-seconds"):
-        parse_flags(["--metrics-mirror-interval-seconds", "0"])
+        parse_flags(["--preset", "tiny-reverse4", "--metrics-mirror-interval-seconds", "0"])
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     with pytest.raises(ConfigError, match=r"--use-wandb needs the `wandb` package: pip install 'miles-flyte\[wandb\]'"):
-        parse_flags(["--use-wandb"])
+        parse_flags(["--preset", "tiny-reverse4", "--use-wandb"])
 
 
 def test_a_failing_mirror_is_logged_and_never_fails_the_run(tmp_path, caplog):

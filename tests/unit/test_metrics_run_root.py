@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import RunConfig, replace_fields
 from miles_core.config.record import read_run_config
 from miles_core.storage import Store
@@ -30,7 +31,7 @@ def store(tmp_path):
 
 def test_config_per_segment(store):
     assert read_config(store) is None
-    first = RunConfig()
+    first = embedded_default()
     assert write_config(store, first, 0) == "config.json"
     second = replace_fields(first, lr=1e-4)
     assert write_config(store, second, 1) == "config_segment_0001.json"

@@ -64,11 +64,11 @@ def test_global_batch_size_gives_that_many_optimizer_steps_each_over_its_slice(t
 
 
 def test_global_batch_size_from_the_command_line():
-    cfg = parse_flags(["--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "8"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "8"])
     assert cfg.optimizer_steps_per_rollout == 4
-    assert parse_flags([]).optimizer_steps_per_rollout == 1
+    assert parse_flags(["--preset", "tiny-reverse4"]).optimizer_steps_per_rollout == 1
     with pytest.raises(ConfigError, match="must divide"):
-        parse_flags(["--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "12"])
+        parse_flags(["--preset", "tiny-reverse4", "--rollout-batch-size", "8", "--n-samples-per-prompt", "4", "--global-batch-size", "12"])
 
 
 def test_ref_load_from_a_checkpoint_location_sets_initial_and_reference_weights(tiny, tmp_path):
@@ -133,7 +133,7 @@ def recipe(tmp_path) -> list[str]:
 
 
 def test_a_miles_fully_async_recipe_parses_with_miles_meaning(tmp_path):
-    cfg = parse_flags(recipe(tmp_path))
+    cfg = parse_flags(["--preset", "tiny-reverse4", *recipe(tmp_path)])
     root = f"{tmp_path}/root"
     assert (cfg.model.hf_checkpoint, cfg.train.ref_load, cfg.train.load, cfg.train.save, cfg.train.save_interval) == (
         f"{root}/Qwen3-4B", f"{root}/Qwen3-4B_torch_dist", f"{root}/Qwen3-4B_slime/", f"{root}/Qwen3-4B_slime/", 20)
@@ -148,17 +148,17 @@ def test_the_recipe_flags_not_implemented_are_refused_by_name(tmp_path):
     flags = recipe(tmp_path)
     extra = ["--rm-type", "dapo", "--kl-loss-type", "k1", "--adam-beta2", "0.98"]
     with pytest.raises(ConfigError) as e:
-        parse_flags(flags + extra)
+        parse_flags(["--preset", "tiny-reverse4", *flags + extra])
     msg = str(e.value)
     for flag in ("--rm-type", "--kl-loss-type", "--adam-beta2"):
         assert f"{flag} (a miles flag) is not supported" in msg
     with pytest.raises(ConfigError, match="--rollout-function-path.*not supported"):
-        parse_flags(flags + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"])
+        parse_flags(["--preset", "tiny-reverse4", *flags + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"]])
 
 
 def test_preset_sets_its_flags_and_explicit_flags_win():
-    cfg = parse_flags(["--preset", "smollm2-arith", "--num-rollout", "3"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--preset", "smollm2-arith", "--num-rollout", "3"])
     assert cfg.model.hf_checkpoint == "import:smollm2-135m-instruct" and cfg.data.apply_chat_template
     assert cfg.run.num_rollout == 3 and cfg.rollout.rollout_top_k == 50
     with pytest.raises(ConfigError, match="--preset: invalid choice"):
-        parse_flags(["--preset", "nope"])
+        parse_flags(["--preset", "tiny-reverse4", "--preset", "nope"])

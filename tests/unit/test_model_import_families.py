@@ -112,7 +112,7 @@ def test_the_checks_read_the_experts_of_the_model():
     """--expert-model-parallel-size against the model's experts, before the run (the trainer's rules)."""
     moe = {"model_type": "qwen3_moe", **TINY, "num_experts": 8, **MOE}
     dense = {"model_type": "qwen3", **TINY}
-    flags = lambda ep: parse_flags(["--actor-num-gpus-per-node", "16", "--expert-model-parallel-size", str(ep)],
+    flags = lambda ep: parse_flags(["--preset", "tiny-reverse4", "--actor-num-gpus-per-node", "16", "--expert-model-parallel-size", str(ep)],
                                    check=False)
     assert model_problems(moe, flags(4)) == [] and model_problems(dense, flags(1)) == []
     assert "--expert-model-parallel-size=16 must divide the checkpoint's 8 routed experts" in \

@@ -43,7 +43,7 @@ def table_rows() -> list[list[str]]:
 
 def computed(model: str, flags: list[str]) -> list[str]:
     """A row's figures and verdict, as the page writes them."""
-    cfg = parse_flags([*common_flags(), *flags], check=False)
+    cfg = parse_flags(["--preset", "tiny-reverse4", *common_flags(), *flags], check=False)
     est = estimate(hf_config(model), cfg)
     problems, warnings = memory_fit(hf_config(model), cfg, GPU_GB, f"--gpu-memory-gb is {GPU_GB}")
     verdict = "refused" if problems else "warns" if warnings else "fits"

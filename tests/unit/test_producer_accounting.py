@@ -48,7 +48,7 @@ def beat(producer_id: str, writer: str, committed: int, started_ago: float, sile
 
 
 def fed_run(tmp_path) -> str:
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r", "--allow-rollout-producers",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r", "--allow-rollout-producers",
                        "--max-weight-staleness", "1"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)

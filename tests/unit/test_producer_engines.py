@@ -36,7 +36,7 @@ def test_no_engine_no_group_until_one_joins():
 
 
 def test_a_manager_without_urls_waits_for_set_engine_urls(tmp_path):
-    cfg = parse_flags(["--storage-root", str(tmp_path), "--rollout-num-engines", "0", "--allow-rollout-producers"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", str(tmp_path), "--rollout-num-engines", "0", "--allow-rollout-producers"])
 
     async def main():
         mgr = RolloutManager(cfg, engine_urls=[], rows=rows(), buffer_factory=lambda handler: MemoryBuffer(),

@@ -18,7 +18,7 @@ from miles_core.storage.run_root import FAILED, FINISHED, RUNNING, write_config,
 @pytest.fixture
 def run(tmp_path):
     store = Store(f"file://{tmp_path}/runs/r")
-    write_config(store, parse_flags(["--allow-rollout-producers"]), 0)
+    write_config(store, parse_flags(["--preset", "tiny-reverse4", "--allow-rollout-producers"]), 0)
     write_status(store, RUNNING, last_step=3, segment=0)
     return store
 
@@ -27,7 +27,7 @@ def test_a_run_without_producers_is_refused_by_name(tmp_path):
     store = Store(f"file://{tmp_path}/runs/r")
     with pytest.raises(ValueError, match="no run at"):
         run_producer(store.uri())
-    write_config(store, parse_flags([]), 0)
+    write_config(store, parse_flags(["--preset", "tiny-reverse4"]), 0)
     with pytest.raises(ProducerError, match="--allow-rollout-producers"):
         joined_config(store)
 
@@ -39,7 +39,7 @@ def test_the_producer_stops_when_the_run_ends_or_drops_producers(run):
     write_status(run, FAILED, last_step=9, segment=0)
     assert run_ended(run) == "the run failed"
     write_status(run, RUNNING, last_step=9, segment=1)
-    write_config(run, parse_flags([]), 1)  # the next segment continues without producers
+    write_config(run, parse_flags(["--preset", "tiny-reverse4"]), 1)  # the next segment continues without producers
     assert "does not allow producers" in run_ended(run)
 
 

@@ -18,10 +18,10 @@ from miles_core.config import ConfigError, parse_flags
 ])
 def test_producer_settings_that_cannot_work_are_refused_by_name(flags, said):
     with pytest.raises(ConfigError) as e:
-        parse_flags(["--allow-rollout-producers", *flags])
+        parse_flags(["--preset", "tiny-reverse4", "--allow-rollout-producers", *flags])
     assert said in str(e.value)
 
 
 def test_producers_with_no_engine_of_its_own_is_a_valid_run():
-    cfg = parse_flags(["--allow-rollout-producers", "--rollout-num-engines", "0"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--allow-rollout-producers", "--rollout-num-engines", "0"])
     assert cfg.engine.rollout_num_engines == 0 and cfg.buffer.prompt_claim_block_size is None

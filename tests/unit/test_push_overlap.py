@@ -71,7 +71,7 @@ def worker(tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_module, "Trainer", StubTrainer)
     (tmp_path / "model").mkdir()
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r", "--save", "", "--save-interval", "none"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r", "--save", "", "--save-interval", "none"])
     w = TrainerWorker(cfg, f"file://{tmp_path / 'model'}", 0, 1, ("127.0.0.1", 1), ["http://127.0.0.1:9"])
     w.told = []  # the versions the rollout side was told
     w.publish_version = w.told.append

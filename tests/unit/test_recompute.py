@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
 from miles_core.config.rules import check
 from miles_core.config.sections import TrainSection
@@ -129,7 +130,7 @@ def test_checkpoint_function_replays_the_forward_randomness_on_cpu():
 
 def _problems(**fields) -> str:
     with pytest.raises(ConfigError) as e:
-        check(replace_fields(RunConfig(), **fields))
+        check(replace_fields(embedded_default(), **fields))
     return str(e.value)
 
 
@@ -162,11 +163,11 @@ def test_rules_refuse_and_name_the_flags(fields, names):
     {"sequence_parallel": True, "tensor_model_parallel_size": 2, "actor_num_gpus_per_node": 2},
 ])
 def test_rules_accept_megatron_combinations(fields):
-    check(replace_fields(RunConfig(), **fields))
+    check(replace_fields(embedded_default(), **fields))
 
 
 def test_flags_parse_with_miles_meaning():
-    cfg = parse_flags(["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2",
                        "--sequence-parallel", "--tensor-model-parallel-size", "2", "--actor-num-gpus-per-node", "2"])
     t = cfg.train
     assert (t.recompute_granularity, t.recompute_method, t.recompute_num_layers, t.sequence_parallel) == (

@@ -11,6 +11,7 @@ import re
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import RunConfig, replace_fields
 from miles_core.metrics import MetricsSink
 from miles_core.metrics.report import diagnose_bottleneck, render_report, write_report
@@ -23,7 +24,7 @@ CURVES = ["rollout/reward/mean", "rollout/fully_async/avg_staleness", "rollout/f
 
 def fake_run(run_uri: str, queue: float, steps: int = 20) -> None:
     store = Store(run_uri)
-    write_config(store, replace_fields(RunConfig(), rollout_batch_size=4))  # capacity 8
+    write_config(store, replace_fields(embedded_default(), rollout_batch_size=4))  # capacity 8
     with MetricsSink(store, "trainer", background=False) as sink:
         for k in range(steps):
             sink.log(k, {"rollout/reward/mean": 0.07 + 0.04 * k, "rollout/fully_async/avg_staleness": 0.5,
@@ -99,7 +100,7 @@ def test_report_names_failed_samples_and_the_error_that_stopped_the_run(tmp_path
 
     run = f"file://{tmp_path}/run"
     store = Store(run)
-    write_config(store, replace_fields(RunConfig(), rollout_batch_size=4))
+    write_config(store, replace_fields(embedded_default(), rollout_batch_size=4))
     with MetricsSink(store, "trainer", background=False) as sink:
         for k in range(5):
             sink.log(k, {"rollout/reward_failed": 32.0, "rollout/fully_async/queue_size": 0.0})

@@ -20,7 +20,7 @@ SGLANG = ["--engine-backend", "sglang"]
 
 
 def cfg(*flags):
-    return parse_flags(list(flags), check=False)
+    return parse_flags(["--preset", "tiny-reverse4", *list(flags)], check=False)
 
 
 def test_the_embedded_default_fits_two_cores():
@@ -97,4 +97,4 @@ def test_every_documented_remote_command_fits_the_default_train_cluster():
                 for m in re.finditer(r'--flags "([^"]*)"', block.replace("\\\n", " "))]
     assert len(commands) >= 2
     for flags in commands:
-        assert fit_problems(parse_flags(shlex.split(flags), check=False), TRAIN_CLUSTER) == [], flags
+        assert fit_problems(parse_flags(["--preset", "tiny-reverse4", *shlex.split(flags)], check=False), TRAIN_CLUSTER) == [], flags

@@ -45,7 +45,7 @@ def rewards(monkeypatch):
 
 def _problems(flags: list[str]) -> str:
     with pytest.raises(ConfigError) as info:
-        validate(parse_flags(flags))
+        validate(parse_flags(["--preset", "tiny-reverse4", *flags]))
     return str(info.value)
 
 
@@ -61,7 +61,7 @@ def test_shutil_copy_is_refused_by_validate(capsys):
 def test_the_signature_rule(rewards, name, ok):
     flags = ["--custom-rm-path", f"{MODULE}:{name}"]
     if ok:
-        validate(parse_flags(flags))
+        validate(parse_flags(["--preset", "tiny-reverse4", *flags]))
         assert signature_problem(getattr(rewards, name)) is None
     else:
         assert f"--custom-rm-path: '{MODULE}:{name}' must take" in _problems(flags)
@@ -84,8 +84,8 @@ def test_rows_the_builtin_reward_cannot_score_are_refused(tmp_path):
 
 def test_a_custom_reward_or_generate_function_lifts_the_task_rule(tmp_path, rewards):
     data = _write(tmp_path / "p.jsonl", [{"prompt": "1 2", "label": "1", "task": "poem"}, {"prompt": "3 4", "label": "2"}])
-    validate(parse_flags(["--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample"]))
-    validate(parse_flags(["--prompt-data", data, "--custom-generate-function-path",
+    validate(parse_flags(["--preset", "tiny-reverse4", "--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample"]))
+    validate(parse_flags(["--preset", "tiny-reverse4", "--prompt-data", data, "--custom-generate-function-path",
                           "miles_core.rollout.calculator_tool:calculator_episode"]))
 
 
@@ -94,5 +94,5 @@ def test_rows_without_the_prompt_or_label_column_are_refused(tmp_path, rewards):
     message = _problems(["--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample"])
     assert "rows with no prompt column 'prompt' (line 1; line 2; line 3, ... (5 rows)): set --input-key" in message
     assert "no label column 'label'" in message and "--label-key" in message
-    validate(parse_flags(["--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample", "--input-key", "question",
+    validate(parse_flags(["--preset", "tiny-reverse4", "--prompt-data", data, "--custom-rm-path", f"{MODULE}:per_sample", "--input-key", "question",
                           "--label-key", "answer"]))

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config.plugins import PluginError
 from miles_core.models.builtin import EOS_ID
 from miles_core.rollout.rewards import (
@@ -183,8 +184,8 @@ def test_decoder_loads_the_run_tokenizer_lazily(monkeypatch, which):
 
     monkeypatch.setattr(owner, "load_tokenizer", lambda model: loaded.append(model) or FakeTokenizer())
     monkeypatch.setattr(owner, "tokenizer_source", lambda cfg: f"resolved:{cfg.model.hf_checkpoint}")
-    assert build(replace_fields(RunConfig(), hf_checkpoint="builtin:tiny-gpt")) is digit_decode
-    decode = build(replace_fields(RunConfig(), hf_checkpoint="s3://bucket/model.gguf"))
+    assert build(replace_fields(embedded_default(), hf_checkpoint="builtin:tiny-gpt")) is digit_decode
+    decode = build(replace_fields(embedded_default(), hf_checkpoint="s3://bucket/model.gguf"))
     assert loaded == []
     assert decode([1, 2]) == "1|2" and decode([3]) == "3"
     assert loaded == ["resolved:s3://bucket/model.gguf"]

@@ -29,14 +29,14 @@ def _llama():
 
 
 def test_the_flag_is_refused_by_name_where_it_cannot_work():
-    train = parse_flags(["--use-rollout-routing-replay"]).train
+    train = parse_flags(["--preset", "tiny-reverse4", "--use-rollout-routing-replay"]).train
     assert train.use_rollout_routing_replay
     assert any("--use-rollout-routing-replay" in p and "dense" in p for p in moe_flag_problems(_llama(), train))
     with pytest.raises(ConfigError, match="--use-rollout-routing-replay with --recompute-granularity=full is not "
                                           "supported"):
-        parse_flags(["--use-rollout-routing-replay", "--recompute-granularity", "full", "--recompute-method",
+        parse_flags(["--preset", "tiny-reverse4", "--use-rollout-routing-replay", "--recompute-granularity", "full", "--recompute-method",
                      "uniform", "--recompute-num-layers", "1"])
-    parse_flags(["--use-rollout-routing-replay", "--recompute-granularity", "selective"])  # core attention only
+    parse_flags(["--preset", "tiny-reverse4", "--use-rollout-routing-replay", "--recompute-granularity", "selective"])  # core attention only
 
 
 def test_both_engine_servers_are_launched_capturing_routes_only_with_the_flag():
@@ -45,7 +45,7 @@ def test_both_engine_servers_are_launched_capturing_routes_only_with_the_flag():
         assert "--enable-return-routed-experts" in server_command(on, "/m", 0, 1234)
         off = EngineLaunchSpec(backend=backend, model_path="/m")
         assert "--enable-return-routed-experts" not in server_command(off, "/m", 0, 1234)
-    engine = parse_flags([]).engine
+    engine = parse_flags(["--preset", "tiny-reverse4"]).engine
     assert EngineLaunchSpec.from_config(engine, "/m", routed_experts=True).return_routed_experts
 
 

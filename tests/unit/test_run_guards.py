@@ -17,6 +17,7 @@ import pytest
 
 import miles_core.driver.placement
 import miles_core.driver.segment
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, replace_fields
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import run_loop
@@ -47,7 +48,7 @@ def no_cluster(monkeypatch):
 
 
 def _cfg(tmp_path, **kw) -> RunConfig:
-    return replace_fields(RunConfig(), storage_root=str(tmp_path), run_id="r", lease_ttl_seconds=2.0,
+    return replace_fields(embedded_default(), storage_root=str(tmp_path), run_id="r", lease_ttl_seconds=2.0,
                           lease_renew_seconds=0.5, **kw)
 
 

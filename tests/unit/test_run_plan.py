@@ -23,7 +23,7 @@ from miles_core.storage.run_root import FINISHED, SEGMENT_DONE, require_first_co
 
 
 def _cfg(tmp_path, *flags: str, run_id: str = "x"):
-    return parse_flags(["--storage-root", str(tmp_path), "--run-id", run_id, *flags], check=False)
+    return parse_flags(["--preset", "tiny-reverse4", "--storage-root", str(tmp_path), "--run-id", run_id, *flags], check=False)
 
 
 def _recorded(cfg, steps: int, step_seconds: float, startup: float) -> None:
@@ -91,8 +91,8 @@ def test_a_finished_run_says_so_and_how_to_continue(tmp_path):
     words = shlex.split(command)
     assert words[:4] == ["pyflyte", "run", "workflows/fully_async.py", "fully_async_rl"]
     inputs = dict(zip(words[4::2], words[5::2]))
-    again = parse_flags(shlex.split(inputs["--flags"]) + ["--storage-root", inputs["--storage_root"],
-                                                           "--run-id", inputs["--run_id"]], check=False)
+    again = parse_flags(["--preset", "tiny-reverse4", *shlex.split(inputs["--flags"]) + ["--storage-root", inputs["--storage_root"],
+                                                           "--run-id", inputs["--run_id"]]], check=False)
     assert again.run.num_rollout == 12 and again.eval.eval_interval == 2 and again.train.lr == 1e-3
     assert "miles runs show" in plan and "report.html" in plan
 

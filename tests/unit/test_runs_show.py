@@ -17,7 +17,7 @@ from tests.integration.test_buffer_durable import make_group
 
 
 def _run_root(tmp_path) -> str:
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}", "--run-id", "r"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}", "--run-id", "r"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     write_config(store, cfg, 1)

@@ -16,6 +16,7 @@ import logging
 
 import pytest
 
+from miles_core.config import embedded_default
 from miles_core.config import ConfigError, RunConfig, check_config, replace_fields
 from miles_core.driver.loop import Batch, run_loop
 from miles_core.rollout.failures import (
@@ -110,10 +111,10 @@ def test_the_loop_fails_the_run_when_the_budget_trips():
 
 def test_flags_are_validated():
     with pytest.raises(ConfigError, match=r"--max-failed-sample-fraction=1.5 must be in \[0, 1\]"):
-        check_config(replace_fields(RunConfig(), max_failed_sample_fraction=1.5))
+        check_config(replace_fields(embedded_default(), max_failed_sample_fraction=1.5))
     with pytest.raises(ConfigError, match="--failed-sample-window-steps=0 must be >= 1"):
-        check_config(replace_fields(RunConfig(), failed_sample_window_steps=0))
-    cfg = RunConfig()
+        check_config(replace_fields(embedded_default(), failed_sample_window_steps=0))
+    cfg = embedded_default()
     assert (cfg.rollout.max_failed_sample_fraction, cfg.rollout.failed_sample_window_steps) == (0.5, 5)
 
 

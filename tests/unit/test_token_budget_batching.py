@@ -178,14 +178,14 @@ def test_trainer_step_with_a_token_budget_is_the_padded_step(trainer):
 
 
 def test_the_two_flags_go_together():
-    cfg = parse_flags(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "9216"])
     assert cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu == 9216
     with pytest.raises(ConfigError, match="--use-dynamic-batch-size needs --max-tokens-per-gpu"):
-        parse_flags(["--use-dynamic-batch-size"])
+        parse_flags(["--preset", "tiny-reverse4", "--use-dynamic-batch-size"])
     with pytest.raises(ConfigError, match="--max-tokens-per-gpu=9216 is only used with --use-dynamic-batch-size"):
-        parse_flags(["--max-tokens-per-gpu", "9216"])
+        parse_flags(["--preset", "tiny-reverse4", "--max-tokens-per-gpu", "9216"])
     with pytest.raises(ConfigError, match="--max-tokens-per-gpu=0 must be >= 1"):
-        parse_flags(["--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"])
+        parse_flags(["--preset", "tiny-reverse4", "--use-dynamic-batch-size", "--max-tokens-per-gpu", "0"])
 
 
 # ------------------------------------------------------------------ DP=2: each rank packs its shard

@@ -30,9 +30,9 @@ def test_auto_is_local_without_a_gpu_and_transformer_engine_is_refused_by_name()
 
 
 def test_the_flag_takes_megatrons_values_only():
-    assert parse_flags(["--transformer-impl", "local"]).train.transformer_impl == "local"
+    assert parse_flags(["--preset", "tiny-reverse4", "--transformer-impl", "local"]).train.transformer_impl == "local"
     with pytest.raises(ConfigError, match="--transformer-impl"):
-        parse_flags(["--transformer-impl", "te"])
+        parse_flags(["--preset", "tiny-reverse4", "--transformer-impl", "te"])
 
 
 class _FusedNormLinear(torch.nn.Module):

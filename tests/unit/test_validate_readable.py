@@ -27,7 +27,7 @@ def _jsonl(path, prompts, task="math"):
 
 
 def _problems(*argv):
-    return validation_problems(parse_flags(list(argv), check=False))
+    return validation_problems(parse_flags(["--preset", "tiny-reverse4", *list(argv)], check=False))
 
 
 def test_text_on_the_digit_vocabulary_is_refused_at_validate(tmp_path, capsys):
@@ -85,7 +85,7 @@ def test_a_local_hf_tokenizer_judges_text(tmp_path):
     naming the vocabulary's size; text it reads passes."""
     model = save_tokenizer(tmp_path / "model")
     (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
-    cfg = replace_fields(parse_flags([], check=False), hf_checkpoint=model, eval_prompt_data=[], eval_interval=None)
+    cfg = replace_fields(parse_flags(["--preset", "tiny-reverse4"], check=False), hf_checkpoint=model, eval_prompt_data=[], eval_interval=None)
     hf_config = {"model_type": "llama", "vocab_size": 32, "pad_token_id": None}
     bad = replace_fields(cfg, prompt_data=_jsonl(tmp_path / "bad.jsonl", ["ÿÿ ÿÿ ÿÿ"]))
     (problem,) = readable.readability_problems(bad, hf_config)
