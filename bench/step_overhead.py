@@ -34,7 +34,7 @@ from miles_core.metrics import trace  # noqa: E402
 from miles_core.storage import Store  # noqa: E402
 
 RUN = ("import sys; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-       "run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))")
+       "run_training(parse_flags(['--preset', 'tiny-reverse4', *sys.argv[1:]]))")
 COMPUTE = ("forward+backward", "optimizer")
 WARMUP_STEPS = 5
 

@@ -34,7 +34,7 @@ from miles_core.metrics.sink import read_metrics, series  # noqa: E402
 from miles_core.storage import Store  # noqa: E402
 
 RUN = ("import sys; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-       "run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))")
+       "run_training(parse_flags(['--preset', 'tiny-reverse4', *sys.argv[1:]]))")
 WARMUP_STEPS = 5
 SPANS = 50_000
 

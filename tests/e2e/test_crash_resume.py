@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ("import sys; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-          "run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]]))")
+          "run_training(parse_flags(['--preset', 'tiny-reverse4', *sys.argv[1:]]))")
 
 
 def _flags(storage: Path) -> list[str]:

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 RUN = ("import sys, ray; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-       "r = run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]])); print('RESULT', r.state, r.steps_run, 'ray', ray.is_initialized())")
+       "r = run_training(parse_flags(['--preset', 'tiny-reverse4', *sys.argv[1:]])); print('RESULT', r.state, r.steps_run, 'ray', ray.is_initialized())")
 TINY = ["--preset", "tiny-reverse4", "--rollout-batch-size", "4", "--n-samples-per-prompt", "2", "--eval-prompt-data", "--eval-interval", "none",
         "--no-progress", "--save-interval", "1"]
 

@@ -40,7 +40,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 RUN = ("import sys; from miles_core.config import parse_flags; from miles_core.driver.segment import run_training; "
-       "r = run_training(parse_flags(["--preset", "tiny-reverse4", *sys.argv[1:]])); print('RESULT', r.state, r.steps_run)")
+       "r = run_training(parse_flags(['--preset', 'tiny-reverse4', *sys.argv[1:]])); print('RESULT', r.state, r.steps_run)")
 GAUGES = ("miles_rollout_fully_async_queue_size", "miles_rollout_fully_async_avg_staleness",
           "miles_perf_tokens_per_second", "miles_rollout_producer_in_flight_groups", "miles_perf_step_seconds",
           "miles_rollout_engines")

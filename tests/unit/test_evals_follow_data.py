@@ -96,6 +96,6 @@ def _evals_of(cfg):
 def test_lineage_flags_round_trip(argv, mine):
     """Guards: `flags_of` leaving out an eval set equal to the old fixed default, which a replay of
     the command line would then drop (it follows the data)."""
-    cfg = validate(parse_flags(["--preset", "tiny-reverse4", mine if a == "MINE" else a for a in argv]))
+    cfg = validate(parse_flags(["--preset", "tiny-reverse4", *(mine if a == "MINE" else a for a in argv)]))
     again = parse_flags(["--preset", "tiny-reverse4", *flags_of(cfg)])
     assert _evals_of(again) == _evals_of(cfg) and again.data == cfg.data

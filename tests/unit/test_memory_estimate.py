@@ -300,7 +300,7 @@ def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
 
     code = ("import sys; from miles_core.config import parse_flags; "
             "from miles_core.prepare.checks import validation_problems; "
-            "assert validation_problems(parse_flags(["--preset", "tiny-reverse4"])) == []; "
+            "assert validation_problems(parse_flags(['--preset', 'tiny-reverse4'])) == []; "
             "import miles_core.driver.segment, miles_core.train.worker; "  # the driver defines the trainer's actor class
             "print(sorted(m for m in ('transformers', 'megatron.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
