@@ -134,7 +134,7 @@ class Tolerances:
 # the GPU tolerance).
 LR = 1e-3
 # The trainer flags of the train, checkpoint and memory phases, and those the packing phase adds.
-TRAIN_FLAGS = {"bf16": True, "use_distributed_optimizer": True}
+TRAIN_FLAGS = {"bf16": True, "use_distributed_optimizer": True, "actor_num_gpus_per_node": 1}  # one rank
 PACKING_FLAGS = ("use_dynamic_batch_size", "max_tokens_per_gpu")
 # Seconds each phase may take on CUDA before it is stopped (and fails); tests/gpu/check.sh bounds the whole run.
 GPU_PHASE_SECONDS = {"train": 150, "checkpoint": 120, "memory": 30, "engine": 90, "packing": 120, "baseline": 90}
@@ -163,7 +163,6 @@ def make_batch(plan: Plan, seed: int, ragged: bool = False):
     """GRPO groups with rewards and rollout log-probs (deterministic in seed): every sample
     prompt_len + response_len tokens, or with `ragged` a prompt of 1/2..1 of prompt_len tokens per
     group and a response of 1/4..1 of response_len tokens per sample."""
-    from miles_core.config import embedded_default
     from miles_core.samples import Group, Sample, SampleStatus
 
     rng = random.Random(seed)
@@ -221,7 +220,7 @@ def run_config(plan: Plan, train):
     """The RunConfig the memory estimate reads: `train` plus the batch shape of the train phase."""
     from miles_core.config import RunConfig, replace_fields
 
-    return replace_fields(dataclasses.replace(embedded_default(), train=train), rollout_batch_size=plan.groups,
+    return replace_fields(dataclasses.replace(RunConfig(), train=train), rollout_batch_size=plan.groups,
                           n_samples_per_prompt=plan.samples_per_group, max_seq_len=plan.prompt_len + plan.response_len)
 
 

@@ -1,7 +1,7 @@
 """Flyte inputs -> RunConfig: `flags` (the miles command line) plus a few typed inputs.
 
 The typed inputs exist for the UI and for LaunchPlans (a schedule fixes `run_id` and
-`segment_steps`); empty / 0 means "as in flags (or the embedded default)". Giving the same
+`segment_steps`); empty / 0 means "as in flags (or the flag's default)". Giving the same
 setting both ways is an error, never a silent override.
 """
 

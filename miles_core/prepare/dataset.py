@@ -430,6 +430,14 @@ def _check_text_builtin(source: str, tokenizer_source: str) -> None:
                            "--hf-checkpoint to an HF model directory (and --apply-chat-template).")
 
 
+BUILTIN_COLUMNS = ("prompt", "label")  # the columns of every builtin: dataset, whatever --input-key says
+
+
+def columns(source: str, input_key: str, label_key: str) -> tuple[str, str]:
+    """(prompt column, label column) of `source`: a builtin dataset's own, else --input-key/--label-key."""
+    return BUILTIN_COLUMNS if source.startswith("builtin:") else (input_key, label_key)
+
+
 def _settings(data) -> _Settings:
     """The normalization settings of a DataSection (or a namespace like one), or of a bare source string."""
     if isinstance(data, str):
@@ -437,7 +445,7 @@ def _settings(data) -> _Settings:
     max_seq_len = getattr(data, "max_seq_len", None)
     if max_seq_len is not None and max_seq_len < 2:
         raise DatasetError(f"--max-seq-len={max_seq_len}: must be at least 2 (one prompt and one response token).")
-    return _Settings(data.prompt_data, data.input_key, data.label_key,
+    return _Settings(data.prompt_data, *columns(data.prompt_data, data.input_key, data.label_key),
                      bool(getattr(data, "apply_chat_template", False)), max_seq_len)
 
 

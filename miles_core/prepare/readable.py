@@ -23,7 +23,7 @@ from typing import Any
 from miles_core.config import RunConfig
 from miles_core.models.builtin import DIGIT_VOCAB, PAD_ID
 from miles_core.models.source import is_builtin
-from miles_core.prepare.dataset import source_rows
+from miles_core.prepare.dataset import columns, source_rows
 from miles_core.prepare.scoring import local_datasets
 from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS
 from miles_core.rollout.prompts import DatasetError
@@ -86,8 +86,9 @@ class _Reader:
     def problems(self, flag: str, source: str) -> list[str]:
         text_rows, beyond, degenerate = [], [], []
         try:
+            key = columns(source, self.cfg.data.input_key, self.cfg.data.label_key)[0]
             for where, row in islice(source_rows(source), SAMPLE_ROWS):
-                value = row.get(self.cfg.data.input_key) if isinstance(row, dict) else None
+                value = row.get(key) if isinstance(row, dict) else None
                 text = _text_of(value)
                 if text is not None:
                     ids = self._ids(text)

@@ -95,7 +95,7 @@ def _miles(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("flags, named", CONFIG_CASES, ids=[" ".join(c[0]) for c in CONFIG_CASES])
 def test_bad_configuration_is_refused_by_name(flags, named, capsys, monkeypatch):
     monkeypatch.delenv("MILES_ENGINE_API_KEY", raising=False)
-    rc, err = _miles(["validate", *flags], capsys)
+    rc, err = _miles(["validate", "--preset", "tiny-reverse4", *flags], capsys)
     assert rc != 0 and named in err, err
     assert "Traceback" not in err
 

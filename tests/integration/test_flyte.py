@@ -3,7 +3,7 @@
 Pins: `pyflyte package` and `pyflyte register --non-fast --dry-run` succeed offline and the
 packaged train and producer tasks are Ray tasks; locally a Ray task starts its Ray instance without
 the dashboard; prepare_data is cached; every workflow input has an immutable
-default (so `pyflyte run ... fully_async_rl` runs with no arguments); the typed inputs and
+default (`pyflyte run ... fully_async_rl --flags "--preset tiny-reverse4"` needs no other input); the typed inputs and
 `flags` combine without silent overrides; the Arrow StructuredDataset decoder reads from S3
 (regression guard for flyte#5859); and, slow, the workflows run locally end to end with stand-in
 driver/eval bodies (the real ones are exercised by the e2e tests).
@@ -179,10 +179,10 @@ def test_run_config_from_inputs(tmp_path):
     from miles_core.config import ConfigError
     from tasks.inputs import run_config
 
-    cfg = run_config("--rollout-batch-size 16 --run-id a1", storage_root=str(tmp_path))
+    cfg = run_config("--preset tiny-reverse4 --rollout-batch-size 16 --run-id a1", storage_root=str(tmp_path))
     assert cfg.rollout.rollout_batch_size == 16 and cfg.run.run_id == "a1"
     assert cfg.run.storage_root == f"file://{tmp_path}"  # absolute: Ray workers need not share the cwd
-    cfg = run_config("", run_id="b2", segment_steps=5)
+    cfg = run_config("--preset tiny-reverse4", run_id="b2", segment_steps=5)
     assert (cfg.run.run_id, cfg.run.segment_steps) == ("b2", 5)
     assert cfg.run.storage_root.startswith("file:///")
     with pytest.raises(ConfigError, match="--run-id is given both in flags and as the workflow input run_id"):
@@ -204,8 +204,8 @@ def test_cluster_tasks_refuse_a_local_storage_root(tmp_path):
     state = ctx.execution_state.with_params(mode=ExecutionState.Mode.TASK_EXECUTION)
     with FlyteContextManager.with_context(ctx.with_execution_state(state)):
         with pytest.raises(ConfigError, match="object storage"):
-            run_config("", storage_root=str(tmp_path))
-        assert run_config("", storage_root="s3://bucket/prefix").run.storage_root == "s3://bucket/prefix"
+            run_config("--preset tiny-reverse4", storage_root=str(tmp_path))
+        assert run_config("--preset tiny-reverse4", storage_root="s3://bucket/prefix").run.storage_root == "s3://bucket/prefix"
 
 
 # ----------------------------------------------------------------------------- StructuredDataset decoder
@@ -292,10 +292,10 @@ def test_workflows_run_locally(tmp_path):
     store = tmp_path / "store"
     script.write_text(STUBS + textwrap.dedent(f'''
         from workflows.fully_async import fully_async_rl
-        page = fully_async_rl(storage_root={str(store)!r})
+        page = fully_async_rl(flags="--preset tiny-reverse4", storage_root={str(store)!r})
         html = open(page.path).read()
         assert "rollout-bound" in html, html[:500]
-        page2 = fully_async_rl(storage_root={str(store)!r})
+        page2 = fully_async_rl(flags="--preset tiny-reverse4", storage_root={str(store)!r})
         print("OK")
     '''))
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled",

@@ -35,24 +35,27 @@ def test_console_script_installed():
 def test_script_validate_conflict_exits_2_naming_both_flags():
     """Pins: `miles validate --fully-async --colocate` exits 2 and names both flags on stderr, no traceback.
     Guards: a stack trace or exit 1 as the answer to a bad config (§14)."""
-    proc = _run_script("validate", "--fully-async", "--colocate")
+    proc = _run_script("validate", "--preset", "tiny-reverse4", "--fully-async", "--colocate")
     assert proc.returncode == 2
     assert "--fully-async" in proc.stderr and "--colocate" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
-def test_script_validate_no_args_prints_default_json():
-    """Pins: `miles validate` with no args exits 0 and prints JSON that round-trips into the default RunConfig.
-    Guards: the embedded default drifting from what the CLI reports."""
-    proc = _run_script("validate")
+def test_script_validate_of_the_preset_prints_the_embedded_default_and_no_args_names_what_is_required():
+    """Pins: `miles validate --preset tiny-reverse4` exits 0 and prints JSON that round-trips into the
+    embedded default; with no args it exits 2 naming the flags miles requires and the preset.
+    Guards: the embedded default drifting from what the CLI reports; a run of nothing accepted."""
+    proc = _run_script("validate", "--preset", "tiny-reverse4")
     assert proc.returncode == 0, proc.stderr
     assert config_from_json(proc.stdout) == embedded_default() == parse_flags(["--preset", "tiny-reverse4"])
+    proc = _run_script("validate")
+    assert proc.returncode == 2 and "--hf-checkpoint" in proc.stderr and "--preset tiny-reverse4" in proc.stderr
 
 
 def test_main_validate_conflict(capsys):
     """Pins: main(['validate', '--fully-async', '--colocate']) returns 2 and prints both flags to stderr.
     Guards: in-process callers (Flyte tasks, tests) getting SystemExit instead of a return code."""
-    assert main(["validate", "--fully-async", "--colocate"]) == 2
+    assert main(["validate", "--preset", "tiny-reverse4", "--fully-async", "--colocate"]) == 2
     err = capsys.readouterr().err
     assert "--fully-async" in err and "--colocate" in err
 
@@ -60,7 +63,7 @@ def test_main_validate_conflict(capsys):
 def test_main_validate_round_trips_flags(capsys):
     """Pins: the printed JSON is the resolved config of the flags given.
     Guards: flags parsed but dropped before printing."""
-    argv = ["--rollout-batch-size", "8", "--no-fully-async", "--one-step-off", "--seed", "3"]
+    argv = ["--preset", "tiny-reverse4", "--rollout-batch-size", "8", "--no-fully-async", "--one-step-off", "--seed", "3"]
     assert main(["validate", *argv]) == 0
     out = capsys.readouterr().out
     cfg = config_from_json(out)

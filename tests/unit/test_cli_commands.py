@@ -76,7 +76,7 @@ def test_unknown_option_of_a_reading_command_is_a_usage_error(run, capsys):
 
 def test_every_bad_value_of_a_command_line_at_once(capsys):
     """Guards: parsing that stops at the first bad value."""
-    assert main(["validate", "--lr", "abc", "--n-samples-per-prompt", "x", "--engine-backend", "tpu",
+    assert main(["validate", "--preset", "tiny-reverse4", "--lr", "abc", "--n-samples-per-prompt", "x", "--engine-backend", "tpu",
                  "--rollout-batch-sise", "3", "--eps-clip", "-1"]) == EXIT_USAGE
     err = capsys.readouterr().err
     for needle in ("--lr: invalid float value: 'abc'", "--n-samples-per-prompt: invalid int value: 'x'",
@@ -88,7 +88,7 @@ def test_every_bad_value_of_a_command_line_at_once(capsys):
 
 def test_config_errors_exit_2_in_validate_fork_and_replay(run, capsys):
     """Guards: a ConfigError that exits 2 in validate but 1 in fork/replay."""
-    assert main(["validate", "--fully-async", "--colocate"]) == EXIT_USAGE
+    assert main(["validate", "--preset", "tiny-reverse4", "--fully-async", "--colocate"]) == EXIT_USAGE
     for argv in (["fork", run.uri, "--at-step", "1", "--new-run", "b", "--tiny-hidden-size", "64"],
                  ["fork", "--lr", "abc", run.uri, "--at-step", "1", "--new-run", "b"],
                  ["fork", run.uri, "--at-step", "1", "--new-run", "b", "--run-id", "z"],

@@ -20,6 +20,7 @@ from miles_core.config import (
     config_from_json,
     config_to_dict,
     config_to_json,
+    embedded_default,
     flag_table,
     parse_flags,
     replace_fields,
@@ -144,7 +145,7 @@ def test_frozen_tree():
         cfg.rollout = cfg.rollout  # type: ignore[misc]
     new = replace_fields(cfg, rollout_batch_size=3, lr=0.1)
     assert (new.rollout.rollout_batch_size, new.train.lr) == (3, 0.1)
-    assert cfg.rollout.rollout_batch_size == 32 and new.eval is cfg.eval
+    assert cfg.rollout.rollout_batch_size is None and new.eval is cfg.eval  # required: no default
     for section in dataclasses.fields(cfg):
         assert type(getattr(cfg, section.name)).__dataclass_params__.frozen
 
@@ -193,7 +194,7 @@ def test_flag_forms():
     assert cfg.data.rollout_shuffle is False and cfg.train.tis_clip == 3.0
     assert cfg.eval.eval_prompt_data == ["a=builtin:copy4", "b=builtin:reverse4-heldout"]
     assert cfg.rollout.rollout_submission_granularity is None
-    base = replace_fields(RunConfig(), lr=0.5)
+    base = replace_fields(embedded_default(), lr=0.5)
     assert parse_flags(["--seed", "7"], base=base).train.lr == 0.5
 
 
@@ -228,7 +229,7 @@ def test_flag_table_shape():
 def test_derived_values():
     """Pins: the derived values of DESIGN §5.2/§6.2 (budget in groups, granularity default, capacity).
     Guards: drift between the documented formulas and the properties components read."""
-    cfg = RunConfig()
+    cfg = embedded_default()
     assert cfg.budget_groups == 32 and cfg.submission_granularity == "sample"
     assert cfg.buffer_capacity_groups == 64
     cfg = replace_fields(cfg, async_max_concurrent_samples=20, n_samples_per_prompt=8,

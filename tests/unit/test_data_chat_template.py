@@ -58,7 +58,7 @@ def store(tmp_path):
 
 
 def section(src: str, **kw) -> DataSection:
-    return DataSection(prompt_data=src, **kw)
+    return DataSection(prompt_data=src, **{"input_key": "prompt", "label_key": "label", **kw})
 
 
 def test_string_and_message_prompts_render_with_the_template(tmp_path, store, chat_tok):

@@ -47,9 +47,9 @@ import pytest
 
 from miles_core.buffer import DropUnused, DurableBuffer
 from miles_core.cli import main as miles_main
-from miles_core.config import ConfigError, parse_flags
+from miles_core.config import ConfigError, embedded_default, parse_flags
 from miles_core.models.source import PACKAGED
-from miles_core.prepare.checks import validate
+from miles_core.prepare.checks import setting_warnings, validate
 from miles_core.prepare.resources import ClusterShape, Node
 from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, write_config, write_status
@@ -240,6 +240,8 @@ def check_workflow_run(cmd: Command, monkeypatch) -> None:
     argv = ["pyflyte", "run", *DEFAULT_WORKFLOW, *cmd.argv[2:]] if cmd.program == "./dev" else cmd.argv
     remote, file, name, words = _pyflyte_run(argv)
     inputs = _inputs(words)
+    if cmd.program == "./dev":  # ./dev run names the embedded default's preset first (flags given win)
+        inputs["flags"] = f"--preset tiny-reverse4 {inputs.get('flags', '')}".strip()
     unknown = set(inputs) - set(_workflow(file, name).python_interface.inputs)
     assert not unknown, f"{name} has no input(s) {sorted(unknown)}"
     if name == "fully_async_rl":
@@ -257,6 +259,7 @@ def _validate_run(cmd: Command, remote: bool, inputs: dict[str, str], monkeypatc
                                   int(inputs.get("segment_steps", 0)), cluster=_cluster(cmd) if remote else None)
     if not remote:  # locally the driver checks the machine's Ray before any actor starts
         validate(cfg, cluster=LOCAL_MACHINE)
+    assert setting_warnings(cfg) == [], f"the documented command gives its model settings only a toy wants: {setting_warnings(cfg)}"
 
 
 def _miles(argv: list[str]) -> tuple[int, str]:
@@ -279,6 +282,9 @@ def check_miles_validate(cmd: Command, tmp_path, monkeypatch) -> None:
     status, printed = _miles(cmd.argv[1:])
     want = 2 if cmd.shows_error() else 0
     assert status == want, f"exit {status}, the doc shows {'an error' if want else 'success'}:\n{printed}"
+    toy = [line for line in printed.splitlines() if re.match(r"miles validate: warning: --(lr|rollout-max-response-len|"
+                                                             r"micro-batch-size) ", line)]
+    assert not toy, f"the documented command gives its model settings only a toy wants: {toy}"
 
 
 def _readers_paths(argv: list[str], tmp_path: Path) -> None:
@@ -300,7 +306,7 @@ def check_lineage_flags(cmd: Command) -> None:
             del words[:OWN_OPTIONS[word]]
         else:
             flags.append(word)
-    validate(parse_flags(flags))
+    validate(parse_flags(flags, base=embedded_default()))  # on top of the reader's recorded run
 
 
 @pytest.fixture(scope="module")
@@ -308,7 +314,7 @@ def fixture_run(tmp_path_factory) -> tuple[str, str]:
     """A small finished run root (3 groups committed, 2 consumed at steps 0 and 1, a timeline trace of
     120 steps): (its URI, a group id)."""
     root = tmp_path_factory.mktemp("docs-run")
-    cfg = parse_flags(["--storage-root", f"file://{root}", "--run-id", "r"])
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{root}", "--run-id", "r"])
     store = Store(cfg.run_uri)
     write_config(store, cfg)
     with DurableBuffer.open(store, capacity_groups=8, unused_handler=DropUnused(), consumed_through_step=-1) as buf:
@@ -343,7 +349,7 @@ def check_engines_change(cmd: Command, tmp_path, monkeypatch) -> None:
     """`miles engines add|remove RUN_URI N` on a fresh run root of N + 1 engines: exit 0, the target moved by N."""
     args = cmd.argv[1:]
     count = int(args[3])
-    cfg = parse_flags(["--storage-root", f"file://{tmp_path}/store", "--run-id", "r",
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--storage-root", f"file://{tmp_path}/store", "--run-id", "r",
                        "--rollout-num-engines", str(count + 1)])
     write_config(Store(cfg.run_uri), cfg)
     args[2] = cfg.run_uri
@@ -426,7 +432,7 @@ def test_doc_command(cmd: Command, fixture_run, tmp_path, monkeypatch):
         elif kind == "lineage-flags":
             check_lineage_flags(cmd)
         elif kind == "flags":
-            validate(parse_flags(cmd.argv))
+            validate(parse_flags(cmd.argv, base=embedded_default()))  # the flags of a run, listed by topic
         elif kind == "inspect":
             check_inspection(cmd, fixture_run, tmp_path, monkeypatch)
         elif kind == "engines-change":

@@ -39,7 +39,7 @@ def test_your_prompt_data_has_no_builtin_eval_set(mine, capsys):
     """Guards: the default heldout=builtin:reverse4-heldout staying with a user's own data, where the
     user's reward scored it 0.000."""
     assert _evals(["--prompt-data", mine]) == ([], None)
-    assert main(["validate", "--prompt-data", mine]) == 0
+    assert main(["validate", "--preset", "tiny-reverse4", "--prompt-data", mine]) == 0
     printed = json.loads(capsys.readouterr().out)["eval"]
     assert printed["eval_prompt_data"] == [] and printed["eval_interval"] is None
 
@@ -62,7 +62,7 @@ def test_preset_keeps_its_eval_set_unless_the_data_changes(mine):
 def test_none_disables_evals(flag, capsys):
     """Guards: `--eval-prompt-data none` refused as 'expected name=uri' though the help offers it."""
     assert _evals(flag) == ([], None)
-    assert main(["validate", *flag]) == 0, capsys.readouterr().err
+    assert main(["validate", "--preset", "tiny-reverse4", *flag]) == 0, capsys.readouterr().err
 
 
 def test_explicit_values_win(mine):

@@ -120,11 +120,11 @@ def test_the_train_task_maps_a_lost_node(monkeypatch, tmp_path):
 
     monkeypatch.setattr(miles_core.driver.segment, "run_training", lost)
     with pytest.raises(FlyteRecoverableException, match="NodeDiedError"):
-        train.task_function(flags="", run_id="t", storage_root=str(tmp_path), segment_steps=0)
+        train.task_function(flags="--preset tiny-reverse4", run_id="t", storage_root=str(tmp_path), segment_steps=0)
 
     def held(cfg, **kwargs):
         raise LeaseHeld("held by someone", holder="someone")
 
     monkeypatch.setattr(miles_core.driver.segment, "run_training", held)
     with pytest.raises(LeaseHeld):
-        train.task_function(flags="", run_id="t", storage_root=str(tmp_path), segment_steps=0)
+        train.task_function(flags="--preset tiny-reverse4", run_id="t", storage_root=str(tmp_path), segment_steps=0)

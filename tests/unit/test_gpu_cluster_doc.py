@@ -95,7 +95,8 @@ def test_the_bigger_clusters_of_the_page_fit(monkeypatch):
     prose = " ".join(DOC.split())
     assert "`MILES_RAY_GPU_WORKERS=2`" in prose and "`--actor-num-nodes 2 --actor-num-gpus-per-node 6`" in prose
     flags = ("--hf-checkpoint s3://b/m --engine-backend sglang --rollout-num-engines 4 --actor-num-nodes 2 "
-             "--actor-num-gpus-per-node 6 --tensor-model-parallel-size 2")
+             "--actor-num-gpus-per-node 6 --tensor-model-parallel-size 2 --prompt-data s3://b/d.jsonl "
+             "--rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 100")
     cfg = parse_flags(shlex.split(flags))
     assert sum(b.gpus for b in demand(cfg)) == 16
     validate(cfg, cluster=train_cluster(2, 8))

@@ -33,9 +33,9 @@ PROMPTS = [[1, 2, 3, 4, SEP_ID], [5, 0, 7, 9, SEP_ID], [3, 3, 8, 1, SEP_ID], [6,
 TURNS = [([4, 3, SEP_ID], [2, 1, EOS_ID]), ([9, 7], [0, 5, EOS_ID]), ([1, 8, 0], [3, 3]), ([4, 0, SEP_ID], [2, 6, EOS_ID])]
 REWARDS = [1.0, 0.45, 0.2, 0.7]
 LOSSES = {
-    "rollout-logprobs": dict(use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+    "rollout-logprobs": dict(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
     "tis": dict(use_rollout_logprobs=False, use_tis=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
-    "decoupled": dict(use_decoupled_loss=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+    "decoupled": dict(use_rollout_logprobs=True, use_decoupled_loss=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
 }
 
 

@@ -76,7 +76,7 @@ def config(path: str) -> dict:
 @pytest.mark.parametrize("case", sorted(ACCEPTED))
 def test_supported_families_validate_and_normalise(case, tmp_path, capsys):
     path = written(tmp_path, *ACCEPTED[case])
-    assert main(["validate", "--hf-checkpoint", path]) == 0, capsys.readouterr().err
+    assert main(["validate", "--preset", "tiny-reverse4", "--hf-checkpoint", path]) == 0, capsys.readouterr().err
     out, changes = normalize_config(config(path), path)
     assert spec_of(out) == spec_of(config(path)) and changes == []
 
@@ -100,7 +100,7 @@ def test_llama31_legacy_rope_scaling_is_rewritten_and_kept(tmp_path):
 def test_unsupported_family_or_option_is_refused_by_validate_at_once(case, tmp_path, capsys):
     cls, fields, named = REFUSED[case]
     path = written(tmp_path, cls, fields)
-    assert main(["validate", "--hf-checkpoint", path]) == 2
+    assert main(["validate", "--preset", "tiny-reverse4", "--hf-checkpoint", path]) == 2
     err = capsys.readouterr().err
     assert f"--hf-checkpoint={path!r}" in err and "docs/models.md" in err
     assert re.search(named, err), err

@@ -51,7 +51,7 @@ def _problems(flags: list[str]) -> str:
 
 def test_shutil_copy_is_refused_by_validate(capsys):
     """Guards: `--custom-rm-path shutil:copy` passing validate and failing only at run start."""
-    assert main(["validate", "--custom-rm-path", "shutil:copy"]) == 2
+    assert main(["validate", "--preset", "tiny-reverse4", "--custom-rm-path", "shutil:copy"]) == 2
     err = capsys.readouterr().err
     assert "--custom-rm-path: 'shutil:copy' must take (sample)" in err and "(src, dst" in err
 

@@ -105,5 +105,5 @@ def test_rerun_command_replaces_either_spelling_of_num_rollout():
 def test_the_plan_task_prints_first_and_returns_the_text(tmp_path, capsys):
     from tasks.plan import plan
 
-    text = plan(flags="--num-rollout 3", run_id="t", storage_root=str(tmp_path), segment_steps=0)
+    text = plan(flags="--preset tiny-reverse4 --num-rollout 3", run_id="t", storage_root=str(tmp_path), segment_steps=0)
     assert "steps 0..2 of --num-rollout 3" in text and text in capsys.readouterr().err

@@ -33,7 +33,7 @@ def _problems(*argv):
 def test_text_on_the_digit_vocabulary_is_refused_at_validate(tmp_path, capsys):
     """Guards: text rows on builtin:tiny-gpt becoming all <pad> with `miles validate` exiting 0."""
     data = _jsonl(tmp_path / "gsm.jsonl", [f"Natalia sold {i} clips. How many?" for i in range(5)])
-    assert main(["validate", "--prompt-data", data]) == 2
+    assert main(["validate", "--preset", "tiny-reverse4", "--prompt-data", data]) == 2
     err = capsys.readouterr().err
     assert "holds text prompts" in err and "<pad> <pad> <pad>" in err
     assert "vocabulary of 13 digit tokens (0-9, <sep>, <eos>, <pad>)" in err
@@ -67,7 +67,7 @@ def test_eval_datasets_are_read_too(tmp_path):
 def test_digit_prompts_pass(tmp_path, capsys):
     data = _jsonl(tmp_path / "digits.jsonl", ["1 2 3 4 <sep>", [4, 3, 2, 1, 10], "5"], task="reverse4")
     assert _problems("--prompt-data", data) == []
-    assert main(["validate", "--prompt-data", data]) == 0, capsys.readouterr().err
+    assert main(["validate", "--preset", "tiny-reverse4", "--prompt-data", data]) == 0, capsys.readouterr().err
 
 
 def test_only_the_first_rows_of_a_large_dataset_are_read(tmp_path, monkeypatch):
