@@ -78,9 +78,8 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import results_file  # noqa: E402
-from miles_core.config import embedded_default
 from miles_core.buffer.metrics import STALE_GROUPS_FILTERED  # noqa: E402
-from miles_core.config import RunConfig, replace_fields  # noqa: E402
+from miles_core.config import RunConfig, embedded_default, replace_fields  # noqa: E402
 from miles_core.driver.handles import LocalHandle  # noqa: E402
 from miles_core.driver.loop import LoopResult, run_loop  # noqa: E402
 from miles_core.driver.roles import (  # noqa: E402

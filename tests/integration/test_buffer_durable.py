@@ -16,12 +16,11 @@ import threading
 
 import pytest
 
-from miles_core.config import embedded_default
 from miles_core.buffer import DropUnused, DurableBuffer, RetryUnused, build_buffer, build_unused_handler
 from miles_core.buffer import metrics as M
 from miles_core.buffer.inspect import inspect_buffer
 from miles_core.cli import main as cli_main
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.samples import Group, Sample, SampleStatus, groups_to_ipc, ipc_to_groups
 from miles_core.storage import Store
 

@@ -16,11 +16,10 @@ import threading
 
 import pytest
 
-from miles_core.config import embedded_default
 from miles_core.buffer import BufferTimeout, DataBufferError, DropUnused, DurableBuffer, build_buffer
 from miles_core.buffer import metrics as M
 from miles_core.buffer import objects as O
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.samples import ipc_to_groups
 from miles_core.storage import Store
 from tests.integration.test_buffer_durable import make_group

@@ -13,8 +13,7 @@ import json
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import RunConfig, embedded_default, replace_fields
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
 from miles_core.models.builtin import materialize_checkpoint

@@ -16,10 +16,9 @@ import asyncio
 
 import pytest
 
-from miles_core.config import embedded_default
 from miles_core.buffer import DropUnused
 from miles_core.buffer.build import build_buffer
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
 from miles_core.models.builtin import builtin_config, materialize_checkpoint
 from miles_core.models.families import spec_of

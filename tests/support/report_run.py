@@ -10,8 +10,7 @@ import math
 import re
 from pathlib import Path
 
-from miles_core.config import embedded_default
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.metrics import MetricsSink, trace
 from miles_core.metrics.report import PANELS
 from miles_core.storage import Store

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from miles_core.config import embedded_default
 from miles_core.buffer import (
     METRIC_NAMES,
     BufferClosed,
@@ -24,7 +23,7 @@ from miles_core.buffer import (
 )
 from miles_core.buffer import metrics as M
 from miles_core.buffer.contract import retry_group_id
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.config.plugins import PluginError
 from miles_core.prepare.checks import validate
 from miles_core.samples import Group, Sample, SampleStatus

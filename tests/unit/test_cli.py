@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.config import embedded_default
 from miles_core.cli import main
-from miles_core.config import RunConfig, config_from_json, parse_flags
+from miles_core.config import config_from_json, embedded_default, parse_flags
 
 MILES = Path(sys.executable).with_name("miles")
 

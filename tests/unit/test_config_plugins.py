@@ -12,8 +12,7 @@ import uuid
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, RunConfig, embedded_default, replace_fields
 from miles_core.config.plugins import PLUGIN_SLOTS, PluginError, load_plugin
 from miles_core.prepare.checks import validate
 

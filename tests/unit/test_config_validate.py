@@ -11,8 +11,7 @@ import dataclasses
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
+from miles_core.config import ConfigError, RunConfig, embedded_default, parse_flags, replace_fields
 from miles_core.prepare.checks import validate
 
 EVAL_DS = ["heldout=builtin:reverse4-heldout"]

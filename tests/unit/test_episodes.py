@@ -16,8 +16,7 @@ import json
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.config.plugins import PluginError
 from miles_core.models.builtin import EOS_ID, SEP_ID
 from miles_core.prepare.checks import validate

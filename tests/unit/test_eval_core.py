@@ -11,8 +11,7 @@ from math import comb
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, parse_flags
+from miles_core.config import ConfigError, embedded_default, parse_flags
 from miles_core.eval import EVAL_METRIC_PATTERNS, SKIP_REASONS, aggregate, evaluate, pass_at_k, pass_ks
 from miles_core.eval.datasets import EvalDataError, EvalDataset, EvalRow, EvalSampling, load_eval_datasets, sampling_from_config
 from miles_core.eval.metric_names import skipped_metric

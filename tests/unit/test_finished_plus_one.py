@@ -23,8 +23,7 @@ import sys
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import RunConfig, embedded_default, replace_fields
 from miles_core.driver.loop import run_loop
 from miles_core.driver.segment import run_training
 from miles_core.storage import Store, run_root

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.prepare.checks import validate
 from miles_core.storage import StorageUnavailable, Store, conditional
 from miles_core.storage.conditional import FileObject, ReadBackObject, S3Object, conditional_object

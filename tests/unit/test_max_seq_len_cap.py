@@ -7,8 +7,7 @@ import asyncio
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.prepare.checks import validate
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.producer import Producer, sample_params

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.config.record import read_run_config
 from miles_core.storage import Store
 from miles_core.storage.run_root import (

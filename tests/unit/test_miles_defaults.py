@@ -139,5 +139,9 @@ def test_builtin_datasets_read_their_own_columns_whatever_input_key_says():
 
     assert columns("builtin:reverse4", "input", "") == BUILTIN_COLUMNS
     assert columns("/data/mine.jsonl", "input", "") == ("input", "")
-    cfg = parse_flags(["--preset", "tiny-reverse4"])
-    assert (cfg.data.input_key, cfg.data.label_key) == ("input", "")  # miles' defaults stay
+    assert (RunConfig().data.input_key, RunConfig().data.label_key) == ("input", "")  # miles' defaults
+    from miles_core.prepare.dataset import prepare_dataset
+    from miles_core.storage import Store
+
+    info = prepare_dataset(parse_flags(A_RUN).data, Store("memory://defaults-columns"))
+    assert info.num_rows > 0  # builtin:copy4 read with its own columns, --input-key input notwithstanding

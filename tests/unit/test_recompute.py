@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, parse_flags, replace_fields
+from miles_core.config import ConfigError, embedded_default, parse_flags, replace_fields
 from miles_core.config.rules import check
 from miles_core.config.sections import TrainSection
 from miles_core.models.builtin import builtin_hf_config, materialize_checkpoint

@@ -11,8 +11,7 @@ import re
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import RunConfig, replace_fields
+from miles_core.config import embedded_default, replace_fields
 from miles_core.metrics import MetricsSink
 from miles_core.metrics.report import diagnose_bottleneck, render_report, write_report
 from miles_core.storage import Store

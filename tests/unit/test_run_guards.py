@@ -17,8 +17,7 @@ import pytest
 
 import miles_core.driver.placement
 import miles_core.driver.segment
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, replace_fields
+from miles_core.config import ConfigError, RunConfig, embedded_default, replace_fields
 from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import run_loop
 from miles_core.driver.segment import run_training

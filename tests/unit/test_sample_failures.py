@@ -16,8 +16,7 @@ import logging
 
 import pytest
 
-from miles_core.config import embedded_default
-from miles_core.config import ConfigError, RunConfig, check_config, replace_fields
+from miles_core.config import ConfigError, check_config, embedded_default, replace_fields
 from miles_core.driver.loop import Batch, run_loop
 from miles_core.rollout.failures import (
     FRACTION_FLAG,
