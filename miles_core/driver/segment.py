@@ -177,7 +177,7 @@ def live_exporters(cfg: RunConfig, stack: contextlib.ExitStack) -> list:
     """The Prometheus endpoint with --prometheus-port (stopped when the segment ends)."""
     if cfg.metrics.prometheus_port is None:
         return []
-    exporter = PrometheusExporter.start(cfg.metrics.prometheus_port)
+    exporter = PrometheusExporter.start(cfg.metrics.prometheus_port, run_id=cfg.run.run_id)
     stack.callback(exporter.close)
     print(f"[miles] live metrics for Prometheus: http://{socket.gethostname()}:{exporter.port}/metrics", flush=True)
     return [exporter]
@@ -187,7 +187,8 @@ def _random_policy_level(cfg: RunConfig) -> float:
     """The reward level learning must beat; NaN unless a builtin model runs a builtin task."""
     if not cfg.data.prompt_data.startswith("builtin:") or not cfg.model.hf_checkpoint.startswith("builtin:"):
         return float("nan")
-    return random_policy_reward(cfg.data.prompt_data, cfg.rollout.rollout_max_response_len)
+    # no --rollout-max-response-len: answers run to the position limit; random tokens end at EOS long before
+    return random_policy_reward(cfg.data.prompt_data, cfg.rollout.rollout_max_response_len or 64)
 
 
 def _end_step(cfg: RunConfig, start_step: int) -> tuple[int, str]:

@@ -1,6 +1,6 @@
 """The Flyte layer (tasks/, workflows/, images/; DESIGN §8).
 
-Pins: `pyflyte package` and `pyflyte register --non-fast --dry-run` succeed offline and the
+Pins: `pyflyte package` and `pyflyte register --copy none --dry-run` succeed offline and the
 packaged train and producer tasks are Ray tasks; locally a Ray task starts its Ray instance without
 the dashboard; prepare_data is cached; every workflow input has an immutable
 default (`pyflyte run ... fully_async_rl --flags "--preset tiny-reverse4"` needs no other input); the typed inputs and
@@ -120,7 +120,7 @@ def test_package_offline_with_imagespecs(tmp_path):
 
 
 def test_register_dry_run_offline():
-    proc = _pyflyte(["register", "--non-fast", "--dry-run", "--image", "ghcr.io/miles-flyte/default:ci",
+    proc = _pyflyte(["register", "--copy", "none", "--dry-run", "--image", "ghcr.io/miles-flyte/default:ci",
                      "--version", "ci", "workflows"], PREBUILT)
     text = proc.stdout + proc.stderr
     assert "Successfully registered" in text
