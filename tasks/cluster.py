@@ -16,6 +16,7 @@ Ray's node takes longer than its fixed 30 s to register on a loaded machine.
 
 from __future__ import annotations
 
+import logging
 import os
 
 from flytekit import FlyteContextManager, Resources
@@ -39,9 +40,13 @@ class RayJobTask(RayFunctionTask):
     """Flyte's Ray task (same type, same cluster spec when registered) for `RayJob` configs."""
 
     def pre_execute(self, user_params):
+        import ray
+
         if _new_local_ray(self.task_config):
-            start_local_ray(include_dashboard=False)
-        return super().pre_execute(user_params)  # the plugin's ray.init: a no-op on an instance started here
+            start_local_ray(include_dashboard=False, logging_level=logging.WARNING)
+        if ray.is_initialized():  # started here, or by the caller: the plugin's ray.init would only log
+            return user_params   # "Calling ray.init() again after it has already been called"
+        return super().pre_execute(user_params)
 
 
 def _new_local_ray(config: RayJobConfig) -> bool:

@@ -19,11 +19,22 @@ import time
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT = "timed out during startup"
+# Ray 2.60 turns token authentication on for every new local instance and says so on every run's
+# console ("Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=disabled to opt
+# out"): the default, nothing to act on. Setting RAY_AUTH_MODE=token here instead would not do: this
+# process's Ray config is read before, and it would then refuse its own instance's token.
+TOKEN_LOGGER = "ray._private.authentication.authentication_token_setup"
+TOKEN_DEFAULT_NOTICE = "Token authentication is enabled for this Ray cluster"
+
+
+def _token_default_notice(record: logging.LogRecord) -> bool:
+    return TOKEN_DEFAULT_NOTICE not in record.getMessage()
 
 
 def start_local_ray(attempts: int = 3, **init_kwargs) -> None:
     import ray
 
+    logging.getLogger(TOKEN_LOGGER).addFilter(_token_default_notice)
     for attempt in range(1, attempts + 1):
         before = _descendants(os.getpid())
         try:

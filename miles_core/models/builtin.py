@@ -19,6 +19,7 @@ model's experts are as wide as its hidden size, its dense MLPs 4x, as tiny-llama
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -102,8 +103,22 @@ def materialize_checkpoint(hf_checkpoint: str, seed: int, out_dir: str, *, num_l
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with _no_progress_bars():  # a one-shard "Writing model shards" bar on every new run's console
+        model.save_pretrained(out_dir, safe_serialization=True)
     digit_tokenizer().save_pretrained(out_dir)
     with open(os.path.join(out_dir, "miles_builtin.json"), "w") as f:
         json.dump({"hf_checkpoint": hf_checkpoint, "seed": seed}, f)
     return out_dir
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

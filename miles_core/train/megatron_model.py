@@ -90,6 +90,7 @@ def transformer_config(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, 
         # Fusions need CUDA kernels (or Apex/TE); the local spec runs the unfused paths.
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
         apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        cuda_graph_scope=[],  # Megatron's default "full", spelled as it asks (its "full scope is deprecated")
         **moe_options(spec, expert_model_parallel_size, moe_aux_loss_coeff),
     )
 

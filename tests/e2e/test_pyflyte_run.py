@@ -55,6 +55,18 @@ def _assert_no_canary(text: str, where: str) -> None:
     assert not leaked, f"{where} shows the secret(s) {leaked}"
 
 
+# Start-up noise a run's console used to show, none of it the user's to act on: Ray's notice that it
+# enabled its default token authentication, the plugin's second ray.init, Megatron's deprecation of its
+# own default, transformers' progress bar for one shard; and no traceback in a run that succeeded.
+NOISE = ("Token authentication is enabled for this Ray cluster", "Calling ray.init() again",
+         "full scope is deprecated", "UserWarning", "Writing model shards", "Traceback")
+
+
+def _assert_quiet(console: str) -> None:
+    found = [n for n in NOISE if n in console]
+    assert not found, f"the console of a successful run shows {found}:\n{console[-3000:]}"
+
+
 def _assert_no_canary_under(root: Path) -> None:
     for f in root.rglob("*"):
         if f.is_file():
@@ -129,7 +141,8 @@ def test_fully_async_rl_learns_and_leaves_a_complete_run_root(tmp_path):
     flags = ("--num-rollout 50 --save-interval 20 --eval-interval 25 "
              "--eval-prompt-data heldout=builtin:reverse4-heldout --run-id e2e "
              f"--use-tensorboard --use-wandb --wandb-mode offline --wandb-dir {tmp_path / 'wb'}")
-    _run(tmp_path, flags, segment_steps=30)
+    first = _run(tmp_path, flags, segment_steps=30)
+    _assert_quiet(first.stdout + first.stderr)
     run = tmp_path / "runs" / "e2e"
     status = json.loads((run / "STATUS.json").read_text())
     assert status["state"] == "segment_done" and status["last_step"] == 29, status
