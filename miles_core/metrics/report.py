@@ -108,12 +108,17 @@ def eval_metric_names(events: list[dict]) -> list[str]:
             and not n.startswith(("eval/skipped_", "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds"))]
 
 
-def _figure(title: str, names: list[str], events: list[dict], ytitle: str, hline: float | None = None):
+def _figure(title: str, names: list[str], events: list[dict], ytitle: str, hline: float | None = None,
+            per_step: tuple[str, ...] = ()):
+    """One panel; a series in `per_step` (logged every step it has a value for) is drawn with a gap
+    where steps are missing, not a straight line across them."""
     import plotly.graph_objects as go
 
     fig = go.Figure()
     for name in names:
         steps, values = series(events, name)
+        if name in per_step:
+            steps, values = with_gaps(steps, values)
         if steps:
             fig.add_trace(go.Scatter(x=steps, y=values, mode="lines+markers", name=name, marker={"size": 4}))
     if hline is not None:
@@ -123,21 +128,45 @@ def _figure(title: str, names: list[str], events: list[dict], ytitle: str, hline
     return fig
 
 
+def with_gaps(steps: list[int], values: list[float]) -> tuple[list[int | None], list[float | None]]:
+    """`steps`/`values` with a None point between two steps more than one apart (plotly breaks the line there)."""
+    xs: list[int | None] = []
+    ys: list[float | None] = []
+    for i, (step, value) in enumerate(zip(steps, values)):
+        if i and step - steps[i - 1] > 1:
+            xs.append(None)
+            ys.append(None)
+        xs.append(step)
+        ys.append(value)
+    return xs, ys
+
+
 def report_figures(events: list[dict], capacity: int | None = None) -> list:
     """The report's plotly figures (panels without any data are left out)."""
     figs = []
     present = set(metric_names(events))
     for title, names, ytitle in PANELS:
         names = [n for n in names if n in present]
+        per_step = tuple(names)  # the panels' own metrics are logged with steps; evals are sparse by design
         if title == "Reward":
             names += [n for n in eval_metric_names(events) if n.count("/") == 1]  # eval/{ds}: mean reward
         if names:
             hline = capacity if title.startswith("Buffer") else None
-            figs.append(_figure(title, names, events, ytitle, hline))
-    evals = eval_metric_names(events)
-    if evals:
-        figs.append(_figure("Eval", evals, events, "value"))
+            figs.append(_figure(title, names, events, ytitle, hline, per_step))
+    figs += eval_figures(events)
     return figs
+
+
+def eval_figures(events: list[dict]) -> list:
+    """The eval curves: rates and rewards on one panel, response lengths (tokens) on their own."""
+    rates, lengths = _eval_split(eval_metric_names(events))
+    return [f for f in (_figure("Eval", rates, events, "value") if rates else None,
+                        _figure("Eval response length", lengths, events, "tokens") if lengths else None) if f]
+
+
+def _eval_split(names: list[str]) -> tuple[list[str], list[str]]:
+    lengths = [n for n in names if "/response_len/" in n]
+    return [n for n in names if n not in lengths], lengths
 
 
 # Written by producer jobs (miles_core.elastic.heartbeat, a layer above this one): read here as plain records.
@@ -259,16 +288,34 @@ def _merge_busy(spans: list[tuple[str, str, float, float]]) -> list[tuple[str, s
     return out
 
 
-def swimlane_figure(spans: list[tuple[str, str, float, float]]):
-    """Horizontal bars of `spans`, one row per lane, one legend entry per phase; None without spans."""
-    import plotly.colors
+def swimlane_steps(events: list[tuple[str, dict]], steps: int = SWIMLANE_STEPS) -> list[tuple[int, float]]:
+    """(step, its start in seconds from the first's) of the last `steps` traced steps: the swimlane's
+    step boundaries."""
+    windows = trace.step_windows(events)
+    last = sorted(windows)[-steps:]
+    return [(step, (windows[step][0] - windows[last[0]][0]) / 1e6) for step in last]
+
+
+# Phase colours: the first eight a hue wheel apart (red, orange, olive, green, cyan, blue, purple,
+# magenta: at least 25 degrees between any two), then darker ones. The Alphabet palette put two
+# purples among its first four, and neighbouring phases looked the same.
+SWIMLANE_COLORS = ("#d62728", "#ff7f0e", "#bcbd22", "#2ca02c", "#17becf", "#3b3bd6", "#9467bd", "#e377c2",
+                   "#8c564b", "#7f7f7f", "#000000", "#7b1e1e", "#0b5d1e", "#0b3d91", "#5b2a86", "#b35806")
+
+
+def swimlane_figure(spans: list[tuple[str, str, float, float]], steps: list[tuple[int, float]] = ()):
+    """Horizontal bars of `spans`, one row per lane, one legend entry per phase, a dotted line where
+    each of `steps` starts; None without spans."""
     import plotly.graph_objects as go
 
     if not spans:
         return None
     lanes = list(dict.fromkeys(sorted((s[0] for s in spans), key=lambda lane: (not lane.startswith("engine"), lane))))
     fig = go.Figure()
-    colors = plotly.colors.qualitative.Alphabet  # 26: every phase its own colour (the default has 10)
+    colors = SWIMLANE_COLORS
+    for step, start in steps:
+        fig.add_vline(x=start, line_dash="dot", line_color="#444444", line_width=1,
+                      annotation_text=f"step {step}", annotation_position="top left")
     for i, phase in enumerate(dict.fromkeys(s[1] for s in spans)):
         mine = [s for s in spans if s[1] == phase]
         fig.add_trace(go.Bar(orientation="h", name=phase, y=[s[0] for s in mine], base=[s[2] for s in mine],
@@ -283,8 +330,8 @@ def swimlane_figure(spans: list[tuple[str, str, float, float]]):
 
 
 def eval_figure(events: list[dict]):
-    """Eval curves alone (the backfill Deck)."""
-    return _figure("Eval", eval_metric_names(events), events, "value")
+    """Eval curves alone (the backfill Deck): rates and rewards (lengths have their own panel in the report)."""
+    return _figure("Eval", _eval_split(eval_metric_names(events))[0], events, "value")
 
 
 # ----------------------------------------------------------------------------- HTML
@@ -298,18 +345,21 @@ def render_report(run, title: str | None = None) -> str:
     capacity = buffer_capacity(run_config)
     status = read_status(store)
     bottleneck = diagnose_bottleneck(events, capacity, staleness_limit(run_config))
+    aligned = trace.aligned_events(store)
     return render_html(events, title or f"miles run {store.uri()}", capacity=capacity, bottleneck=bottleneck,
                        summary=_summary_rows(store.uri(), events, status, capacity),
-                       producers=producer_histories(store), timeline=swimlane_spans(trace.aligned_events(store)))
+                       producers=producer_histories(store), timeline=swimlane_spans(aligned),
+                       timeline_steps=swimlane_steps(aligned))
 
 
 def render_html(events: list[dict], title: str, *, capacity: int | None = None,
                 bottleneck: Bottleneck | None = None, summary: list[tuple[str, str]] | None = None,
                 producers: dict[str, list[list[float]]] | None = None,
-                timeline: list[tuple[str, str, float, float]] | None = None) -> str:
+                timeline: list[tuple[str, str, float, float]] | None = None,
+                timeline_steps: list[tuple[int, float]] | None = None) -> str:
     bottleneck = bottleneck or diagnose_bottleneck(events, capacity)
     figs = report_figures(events, capacity)
-    extra = (throughput_figure(producers or {}), swimlane_figure(timeline or []))
+    extra = (throughput_figure(producers or {}), swimlane_figure(timeline or [], timeline_steps or []))
     figs += [f for f in extra if f is not None]
     # plotly.js inline exactly once (with the first figure): the file opens offline.
     divs = [f.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, f in enumerate(figs)]

@@ -7,6 +7,7 @@ rollout-bound and pinned at capacity reads train-bound; `miles report` writes th
 
 from __future__ import annotations
 
+import colorsys
 import re
 
 import pytest
@@ -110,3 +111,48 @@ def test_report_names_failed_samples_and_the_error_that_stopped_the_run(tmp_path
     assert "failed samples (reward)</th><td>160 in 5 of 5 steps (rollout/reward_failed)" in html
     assert "<th>reward</th><td>none: no sample was scored" in html
     assert "failed (segment 0, last step -1): SampleFailuresError: the reward function" in html
+
+
+def _ev(step: int, name: str, value: float) -> dict:
+    return {"step": step, "name": name, "value": value, "component": "trainer", "ts": float(step)}
+
+
+def test_sparse_per_step_series_break_instead_of_joining_far_points():
+    from miles_core.metrics import names as N
+    from miles_core.metrics.report import report_figures
+
+    events = [_ev(s, N.AVG_STALENESS, 1.0) for s in (0, 1, 2, 40, 41)] + [_ev(s, N.REWARD, 0.5) for s in range(42)]
+    events += [_ev(s, "eval/heldout", 0.3) for s in (19, 39)]
+    figs = {f.layout.title.text: f for f in report_figures(events)}
+    staleness = next(t for t in figs["Staleness (weight versions)"].data if t.name == N.AVG_STALENESS)
+    assert list(staleness.x) == [0, 1, 2, None, 40, 41]  # a gap where steps 3..39 logged nothing
+    reward = {t.name: t for t in figs["Reward"].data}
+    assert None not in list(reward[N.REWARD].x) and list(reward["eval/heldout"].x) == [19, 39]  # evals stay joined
+
+
+def test_eval_lengths_get_their_own_axis():
+    from miles_core.metrics.report import eval_figure, report_figures
+
+    events = [_ev(s, n, v) for s in (19, 39) for n, v in (("eval/heldout/pass@1", 0.4), ("eval/heldout/response_len/mean", 5.0))]
+    figs = {f.layout.title.text: f for f in report_figures(events)}
+    assert [t.name for t in figs["Eval"].data] == ["eval/heldout/pass@1"]
+    assert [t.name for t in figs["Eval response length"].data] == ["eval/heldout/response_len/mean"]
+    assert figs["Eval response length"].layout.yaxis.title.text == "tokens"
+    assert [t.name for t in eval_figure(events).data] == ["eval/heldout/pass@1"]
+
+
+def test_the_swimlane_marks_each_step_and_its_phases_are_far_apart_in_colour():
+    from miles_core.metrics.report import SWIMLANE_COLORS, swimlane_figure
+
+    def hue(c):
+        return colorsys.rgb_to_hsv(*(int(c[i:i + 2], 16) / 255 for i in (1, 3, 5)))[0] * 360
+
+    spans = [("trainer", f"phase{i}", float(i), i + 0.5) for i in range(8)]
+    fig = swimlane_figure(spans, [(7, 0.0), (8, 1.2), (9, 2.5)])
+    lines = [s for s in fig.layout.shapes if s.type == "line"]
+    assert [s.x0 for s in lines] == [0.0, 1.2, 2.5]
+    assert [a.text for a in fig.layout.annotations] == ["step 7", "step 8", "step 9"]
+    used = [hue(t.marker.color) for t in fig.data]
+    closest = min(min(abs(x - y), 360 - abs(x - y)) for i, x in enumerate(used) for y in used[i + 1:])
+    assert closest >= 25, closest  # no two of the first eight phases share a hue
+    assert len(set(SWIMLANE_COLORS)) == len(SWIMLANE_COLORS)
