@@ -1,9 +1,10 @@
-"""The figures of docs/benchmarks.md, rendered from bench/results/*.json: one source for every number.
+"""The figures of docs/benchmarks.md (and docs/quickstart.md's), rendered from bench/results/*.json:
+one source for every number.
 
     .venv/bin/python bench/figures.py           # after a bench run: rewrite the page's generated sections
     .venv/bin/python bench/figures.py --check   # write nothing; exit 1 naming each stale section (the tests)
 
-Each bench's figures sit in docs/benchmarks.md between `<!-- figures-{bench}:begin (generated ...) -->`
+Each bench's figures sit in its page (`PAGES`: docs/benchmarks.md but for the quickstart's) between `<!-- figures-{bench}:begin (generated ...) -->`
 and `<!-- figures-{bench}:end -->`: when and on what the bench ran, then its tables, rendered from
 bench/results/{bench}.json (the schema of bench/results_file.py). The prose around the sections says
 what is measured and how and quotes no figure; other pages link to the page rather than quote it. A
@@ -19,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = "docs/benchmarks.md"
+PAGES = {"quickstart": "docs/quickstart.md"}  # a bench whose figures are not on PAGE
 REGENERATE = ".venv/bin/python bench/figures.py"
 
 
@@ -391,7 +393,20 @@ def render_step_overhead(results: dict[str, dict]) -> list[str]:
 # ----------------------------------------------------------------------------- the page
 
 
+def render_quickstart(results: dict[str, dict]) -> list[str]:
+    rec = results["quickstart"]
+    fig = rec["figures"]
+    return [f"One run on an idle machine ({rec['started_at'][:10]}, {rec['machine']['cpus']} CPUs, "
+            f"Python {rec['machine']['python']}): `{fig['command']}` took {fig['wall_seconds']:,.0f} s with the "
+            f"venv in place, {fig['steps']} steps at a median {fig['median_step_seconds']:.2f} s per step after "
+            f"~{fig['startup_seconds']:,.0f} s of start-up; the training reward went from "
+            f"{fig['reward_first_5']:.3f} over the first 5 steps to {fig['reward_last_10_percent']:.3f} over the "
+            f"last 10%, and greedy exact match on the 500 held-out prompts (`eval/heldout/pass@1`) was "
+            f"{fig['heldout_pass_at_1']}."]
+
+
 RENDERERS = {
+    "quickstart": render_quickstart,
     "async_speedup": render_async_speedup,
     "buffer": render_buffer,
     "engine": render_engine,
@@ -419,33 +434,44 @@ def markers(bench: str) -> tuple[str, str]:
             f"<!-- figures-{bench}:end -->")
 
 
+def page_of(bench: str) -> str:
+    return PAGES.get(bench, PAGE)
+
+
 def with_section(text: str, bench: str, body: str) -> str:
     """`text` with bench's generated section replaced by `body`; ValueError when its markers are missing."""
     begin, end = markers(bench)
     head, found, rest = text.partition(begin)
     _, found_end, tail = rest.partition(end)
     if not found or not found_end:
-        raise ValueError(f"{PAGE} has no `{begin.strip()}` ... `{end}` section")
+        raise ValueError(f"{page_of(bench)} has no `{begin.strip()}` ... `{end}` section")
     return head + begin + body + end + tail
 
 
-def current_page(root: Path) -> str:
-    """What the page must hold: its hand-written text with every section rendered from the results now."""
-    text, results = (root / PAGE).read_text(), load_results(root / "bench" / "results")
+def current_pages(root: Path) -> dict[str, str]:
+    """What each page must hold: its hand-written text with its sections rendered from the results now."""
+    results = load_results(root / "bench" / "results")
+    texts = {page: (root / page).read_text() for page in {page_of(b) for b in RENDERERS}}
     for bench in RENDERERS:
-        text = with_section(text, bench, render(bench, results))
-    return text
+        texts[page_of(bench)] = with_section(texts[page_of(bench)], bench, render(bench, results))
+    return texts
+
+
+def current_page(root: Path) -> str:
+    """docs/benchmarks.md as it must be."""
+    return current_pages(root)[PAGE]
 
 
 def stale_sections(root: Path) -> list[str]:
-    """The benches whose section in the page differs from what their results file renders (or is missing)."""
-    text, results = (root / PAGE).read_text(), load_results(root / "bench" / "results")
+    """The benches whose section in its page differs from what their results file renders (or is missing)."""
+    results = load_results(root / "bench" / "results")
     stale = []
     for bench in RENDERERS:
         try:
+            text = (root / page_of(bench)).read_text()
             if with_section(text, bench, render(bench, results)) != text:
                 stale.append(bench)
-        except ValueError:
+        except (ValueError, FileNotFoundError):
             stale.append(bench)
     return stale
 
@@ -459,14 +485,16 @@ def main(argv: list[str] | None = None) -> int:
     stale = stale_sections(root)
     if args.check:
         for bench in stale:
-            print(f"{PAGE}: the {bench} figures are stale; regenerate with `{REGENERATE}`", file=sys.stderr)
+            print(f"{page_of(bench)}: the {bench} figures are stale; regenerate with `{REGENERATE}`", file=sys.stderr)
         return 1 if stale else 0
     try:
-        (root / PAGE).write_text(current_page(root))
+        pages = current_pages(root)
     except ValueError as e:
         print(e, file=sys.stderr)
         return 1
-    print(f"wrote {PAGE} ({', '.join(stale) or 'nothing'} changed)")
+    for page, text in pages.items():
+        (root / page).write_text(text)
+    print(f"wrote {', '.join(sorted(pages))} ({', '.join(stale) or 'nothing'} changed)")
     return 0
 
 

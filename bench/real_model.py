@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     root = a.root or tempfile.mkdtemp(prefix="miles-real-")
     run_id = f"real-{int(time.time())}"
     flags = f"--preset smollm2-arith --storage-root {root} --run-id {run_id} {a.flags}".strip()
-    cfg = parse_flags(["--preset", "tiny-reverse4", *shlex.split(flags)])
+    cfg = parse_flags(shlex.split(flags))
     from miles_core.prepare.initial_model import ensure_model
 
     t0 = time.perf_counter()
