@@ -360,7 +360,7 @@ class _Doctor:
         elif not complete:
             self.add(mgr.store.uri(), "checkpoints", OK, "no complete checkpoint: a resume starts at step 0")
         self._incomplete_dirs(mgr, complete, where)
-        self._latest(mgr, complete)
+        self._latest(mgr, complete, verified)
         return resume
 
     def _bad_checkpoint(self, mgr: CheckpointManager, step: int, wrong: list[str], resume: int) -> None:
@@ -395,7 +395,7 @@ class _Doctor:
                 self.add(key, "checkpoint", OK, "a step directory without COMPLETE (a save in progress or interrupted)",
                          "never read: the run writes that step again when it saves it")
 
-    def _latest(self, mgr: CheckpointManager, complete: list[int]) -> None:
+    def _latest(self, mgr: CheckpointManager, complete: list[int], verified: list[int]) -> None:
         key = mgr.store.uri(LATEST)
         try:
             named = mgr.store.get_bytes(LATEST).decode(errors="replace").strip()
@@ -405,8 +405,14 @@ class _Doctor:
                          "the run does not read it (a resume lists the checkpoints); tools that follow LATEST find "
                          "nothing", "the next checkpoint writes it")
             return
-        if named in {step_dir(s) for s in complete}:
+        if named in {step_dir(s) for s in verified}:
             self.add(key, "latest", OK, f"points at {named}")
+            return
+        if named in {step_dir(s) for s in complete}:
+            start = f"step {verified[-1]}, the newest that verifies" if verified else "none: no checkpoint verifies"
+            self.add(key, "latest", WARNING, f"points at {named}, which does not verify against its COMPLETE",
+                     f"a resume does not start from it but after {start}; tools that follow LATEST are misled",
+                     "the next checkpoint rewrites it")
             return
         newest = f" (the newest complete one is {step_dir(complete[-1])})" if complete else ""
         self.add(key, "latest", WARNING, f"points at {named[:80]!r}, which is not a complete checkpoint{newest}",

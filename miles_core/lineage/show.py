@@ -36,7 +36,7 @@ def run_summary(run_uri: str) -> dict:
         "num_rollout": run.cfg.run.num_rollout,
         "segments": _segments(run, 0 if status is None else status.segment),
         "lease": _lease(run),
-        "checkpoints": {"steps": run.complete_steps(), "latest": checkpoints.latest() if checkpoints.store else None},
+        "checkpoints": _checkpoints(checkpoints),
         "snapshots": SnapshotLayout.from_config(run.cfg, run.uri).complete_steps(),
         "buffer": inspect_buffer(run.uri),
         "eval": _evals(run),
@@ -148,10 +148,29 @@ def _lease_line(lease: dict | None) -> str:
     return f"lease        {state}: {lease['holder']} (expires {_when(lease['expires_at'])})"
 
 
+def _checkpoints(mgr) -> dict:
+    """Complete checkpoints, the newest (LATEST), those that do not verify against their COMPLETE
+    (sizes: nothing but the listing is read) and the one a resume starts from."""
+    steps = mgr.complete_steps() if mgr.store else []
+    wrong = {step: mgr.verify(step, checksums=False) for step in steps}
+    unverified = {str(step): "; ".join(w) for step, w in wrong.items() if w}
+    verified = [step for step in steps if not wrong[step]]
+    return {"steps": steps, "latest": steps[-1] if steps else None, "unverified": unverified,
+            "resume_from": verified[-1] if verified else None}
+
+
 def _checkpoints_line(c: dict) -> str:
     if not c["steps"]:
         return "checkpoints  none"
-    return f"checkpoints  {_steps(c['steps'])} (LATEST {c['latest']})"
+    latest, bad = c["latest"], c["unverified"]
+    if str(latest) in bad:
+        start = "none verifies" if c["resume_from"] is None else f"a resume starts after step {c['resume_from']}"
+        mark = f": DOES NOT VERIFY ({bad[str(latest)][:160]}); {start}"
+    else:
+        mark = ""
+    older = sorted(int(s) for s in bad if int(s) != latest)
+    more = f"; steps {_steps(older)} do not verify" if older else ""
+    return f"checkpoints  {_steps(c['steps'])} (LATEST {latest}{mark}){more}"
 
 
 def _buffer_line(b: dict) -> str:

@@ -203,9 +203,10 @@ class CheckpointManager:
         except ValueError as e:
             raise CheckpointError(str(e)) from e
 
-    def verify(self, step: int) -> list[str]:
+    def verify(self, step: int, checksums: bool | None = None) -> list[str]:
         """What is wrong with step `step` against its COMPLETE (empty: it verifies). Sizes always;
-        checksums with verify_checksums or when the checkpoint is under CHEAP_CHECKSUM_BYTES."""
+        checksums with verify_checksums or when the checkpoint is under CHEAP_CHECKSUM_BYTES, or as
+        `checksums` says (False: sizes only, nothing is read but the listing)."""
         try:
             files = self.listed_files(step)
         except CheckpointError as e:
@@ -214,7 +215,8 @@ class CheckpointManager:
             log.info("checkpoint %s has an empty %s (written by an older version): its files are not verified",
                      self.store.uri(step_dir(step)), MARKER)
             return []
-        checksums = self.verify_checksums or manifest.total_size(files) < CHEAP_CHECKSUM_BYTES
+        if checksums is None:
+            checksums = self.verify_checksums or manifest.total_size(files) < CHEAP_CHECKSUM_BYTES
         return manifest.problems(self.store, step_dir(step), files, checksums)
 
     def latest_verified(self) -> int | None:

@@ -436,3 +436,16 @@ def test_a_fork_without_the_objects_consumed_before_it_is_clean(run):
     assert forked.objects_copied == 4
     report = diagnose(forked.run_uri)
     assert kinds(report, "warning") == [] and kinds(report, "error") == []
+
+
+def test_latest_naming_a_checkpoint_that_does_not_verify_is_marked_by_doctor_and_runs_show(run, capsys):
+    assert (run / "checkpoints" / "LATEST").read_bytes().strip() == b"step_00000003"
+    model = run / "checkpoints" / "step_00000003" / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-10])
+    status, out = doctor(run, capsys)
+    [f] = [f for f in out["findings"] if f["kind"] == "latest"]
+    assert status == 0 and f["severity"] == "warning" and "does not verify" in f["what"]
+    assert "after step 1, the newest that verifies" in f["meaning"]
+    assert main(["runs", "show", uri(run)]) == 0
+    [line] = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("checkpoints")]
+    assert "LATEST 3: DOES NOT VERIFY (model.safetensors: size" in line and "a resume starts after step 1" in line
