@@ -49,7 +49,7 @@ from miles_core.buffer import DropUnused, DurableBuffer
 from miles_core.cli import main as miles_main
 from miles_core.config import ConfigError, embedded_default, parse_flags
 from miles_core.models.source import PACKAGED
-from miles_core.prepare.checks import setting_warnings, validate
+from miles_core.prepare.checks import model_problems, setting_warnings, validate
 from miles_core.prepare.resources import ClusterShape, Node
 from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, write_config, write_status
@@ -260,6 +260,43 @@ def _validate_run(cmd: Command, remote: bool, inputs: dict[str, str], monkeypatc
     if not remote:  # locally the driver checks the machine's Ray before any actor starts
         validate(cfg, cluster=LOCAL_MACHINE)
     assert setting_warnings(cfg) == [], f"the documented command gives its model settings only a toy wants: {setting_warnings(cfg)}"
+    check_against_the_model(cfg)
+
+
+# The config.json of each pretrained model a documented run names (by the last part of its
+# --hf-checkpoint), as the model's own repository has it (the fields the checks read).
+MODEL_CONFIGS = {
+    "Qwen2.5-1.5B": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536,
+                     "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 131072,
+                     "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "hidden_act": "silu"},
+    "Qwen2.5-1.5B-Instruct": {"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_size": 1536,
+                              "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+                              "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                              "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+                              "hidden_act": "silu"},
+    "Llama-2-7b": {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+                   "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+                   "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+                   "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"},
+}
+
+
+def check_against_the_model(cfg) -> None:
+    """A documented run of a pretrained model fits that model: its own config.json passes the trainer's
+    model checks (`model_problems`: TP/EP divide it, recompute fits its layers, --gpu-memory-gb holds
+    it), and --max-seq-len / --rollout-max-response-len stay within its context."""
+    name = cfg.model.hf_checkpoint.rstrip("/").rsplit("/", 1)[-1]
+    hf_config = MODEL_CONFIGS.get(name)
+    if hf_config is None:
+        return
+    assert model_problems(hf_config, cfg) == [], model_problems(hf_config, cfg)
+    context = hf_config["max_position_embeddings"]
+    for flag, value in (("--max-seq-len", cfg.data.max_seq_len),
+                        ("--rollout-max-response-len", cfg.rollout.rollout_max_response_len)):
+        assert value is None or value <= context, f"{flag} {value} is beyond {name}'s context ({context})"
+    heads = hf_config["num_attention_heads"]
+    assert heads % cfg.train.tensor_model_parallel_size == 0, f"{name}'s {heads} heads do not split over TP"
 
 
 def _miles(argv: list[str]) -> tuple[int, str]:
@@ -282,6 +319,8 @@ def check_miles_validate(cmd: Command, tmp_path, monkeypatch) -> None:
     status, printed = _miles(cmd.argv[1:])
     want = 2 if cmd.shows_error() else 0
     assert status == want, f"exit {status}, the doc shows {'an error' if want else 'success'}:\n{printed}"
+    if want == 0:
+        check_against_the_model(parse_flags(cmd.argv[2:], check=False))
     toy = [line for line in printed.splitlines() if re.match(r"miles validate: warning: --(lr|rollout-max-response-len|"
                                                              r"micro-batch-size) ", line)]
     assert not toy, f"the documented command gives its model settings only a toy wants: {toy}"
