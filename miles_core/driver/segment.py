@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import sys
+import traceback
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
@@ -27,7 +29,7 @@ from miles_core.driver.fenced import Fenced
 from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
-from miles_core.driver.plan import is_finished
+from miles_core.driver.plan import PREFIX, is_finished
 from miles_core.driver.prometheus import PrometheusExporter
 from miles_core.driver.roles import (
     Checkpointer,
@@ -103,6 +105,7 @@ def _train(cfg: RunConfig, store, lease, eval_follower_after: bool = False) -> T
             status = run_root.read_status(store)
             run_root.write_status(store, run_root.FAILED, last_step=status.last_step if status else -1,
                                   segment=segment, message=f"{type(e).__name__}: {e}"[:2000])
+            _keep_traceback(store, segment)
         raise
     lease.check()
     state = run_root.FINISHED if result.last_step == cfg.run.num_rollout - 1 else run_root.SEGMENT_DONE
@@ -110,6 +113,17 @@ def _train(cfg: RunConfig, store, lease, eval_follower_after: bool = False) -> T
                           segment=segment)
     return TrainResult(cfg.run_uri, state, result.first_step, result.last_step, result.steps_run,
                        version, result.seconds)
+
+
+def _keep_traceback(store, segment: int) -> None:
+    """The failure's whole traceback into the run root, and one line saying where: the console ends with
+    the error itself, not with the frames that led to it."""
+    try:
+        where = run_root.write_error(store, segment, traceback.format_exc())
+    except Exception as e:  # noqa: BLE001 - the failure being raised matters more than its record
+        log.warning("could not keep the traceback in the run root: %s", e)
+        return
+    print(f"{PREFIX} the traceback of this failure: {where}", file=sys.stderr, flush=True)
 
 
 def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after: bool = False,

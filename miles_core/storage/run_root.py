@@ -106,6 +106,17 @@ def require_first_config(store: Store) -> None:
         "of the run root.")
 
 
+def error_key(segment: int) -> str:
+    """Where a failed segment's traceback is kept (the console and STATUS.json carry its one line)."""
+    return f"errors/segment_{segment:04d}.txt"
+
+
+def write_error(store: Store, segment: int, text: str) -> str:
+    """Keep a failed segment's traceback in the run root; its URI."""
+    store.put_bytes(error_key(segment), text.encode())
+    return store.uri(error_key(segment))
+
+
 def write_status(store: Store, state: str, *, last_step: int, segment: int, message: str = "") -> RunStatus:
     if state not in STATES:
         raise ValueError(f"unknown run state {state!r}; known: {', '.join(STATES)}")

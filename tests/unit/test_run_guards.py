@@ -93,7 +93,8 @@ def test_a_second_writer_is_refused_before_writing_anything(tmp_path, no_cluster
     assert store.list("") == [LEASE_KEY, LEASE_KEY + ".lock"]  # no config, no STATUS
 
 
-def test_a_failed_segment_releases_its_lease_and_the_retry_takes_over_at_once(tmp_path, monkeypatch, no_cluster):
+def test_a_failed_segment_releases_its_lease_and_the_retry_takes_over_at_once(tmp_path, monkeypatch, no_cluster,
+                                                                          capsys):
     def storage_down(*a, **k):
         raise StorageUnavailable("storage at test unreachable")
 
@@ -104,6 +105,10 @@ def test_a_failed_segment_releases_its_lease_and_the_retry_takes_over_at_once(tm
     store = Store(cfg.run_uri)
     assert LeaseRecord.from_bytes(store.get_bytes(LEASE_KEY), LEASE_KEY).released
     assert run_root.read_status(store).state == run_root.FAILED
+    kept = store.get_bytes(run_root.error_key(0)).decode()  # the whole traceback, in the run root
+    assert kept.startswith("Traceback (most recent call last)") and "storage_down" in kept
+    assert "StorageUnavailable: storage at test unreachable" in kept
+    assert f"the traceback of this failure: {store.uri(run_root.error_key(0))}" in capsys.readouterr().err
     monkeypatch.setattr(miles_core.driver.segment, "ensure_ray", lambda *a, **k: (_ for _ in ()).throw(Started()))
     t0 = time.monotonic()
     with pytest.raises(Started):
