@@ -5,7 +5,9 @@ Field names are unique across sections; the flag is the field name in kebab case
 generated flag reference (docs/reference/flags.md); `metadata["choices"]` lists the allowed values.
 Defaults are miles' (the flags a miles user knows mean the same here); the flags miles requires
 (--hf-checkpoint, --prompt-data, --rollout-batch-size, --num-rollout) are required here too, and a
-preset (`--preset tiny-reverse4`, the embedded default of `./dev run`) sets them. Each section checks only its own invariants (`problems()`); cross-section rules live in
+preset (`--preset tiny-reverse4`, the embedded default of `./dev run`) sets them
+(docs/configuration.md#defaults-and-presets). Each section checks only its own invariants
+(`problems()`); cross-section rules live in
 `miles_core.config.rules`.
 """
 
