@@ -36,9 +36,10 @@ def _engines(p: CommandParser) -> None:
     show = actions.add_parser("show", help="the target and the fleet the driver last recorded",
                               description="The engine target of RUN_URI and the fleet its driver last recorded: "
                                           "each engine's state, URL and weight version, and the recent changes. "
-                                          "VERSION is the weight version the engine serves: the version each "
-                                          "step's weight push makes (the `weights v` of the serving line), the "
-                                          "run's starting version until its first push reaches the engine.")
+                                          "VERSION is the newest weight version the engine answered a request "
+                                          "with when the record was made (each step's push makes one: the "
+                                          "`weights v` of the serving line); before it answered any, the version "
+                                          "it began serving with, marked `(joined)`.")
     show.add_argument("run_uri", metavar="RUN_URI", help=RUN_URI_HELP)
     show.add_argument("--json", action="store_true", help="print both records as JSON")
     add_storage_timeout(show, READ_TIMEOUT_SECONDS)
@@ -104,9 +105,17 @@ def _render(data: dict) -> str:
 
 def _engine_rows(engines: list[dict]) -> list[str]:
     rows = [("NAME", "STATE", "VERSION", "URL")]
-    rows += [(e["name"], e.get("phase", e["state"]), str(e.get("version", "-")), e.get("url") or "-") for e in engines]
+    rows += [(e["name"], e.get("phase", e["state"]), _version(e), e.get("url") or "-") for e in engines]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     return [f"{r[0]:<{width[0]}}  {r[1]:<{width[1]}}  {r[2]:<{width[2]}}  {r[3]}" for r in rows]
+
+
+def _version(engine: dict) -> str:
+    """The newest version the engine answered with; else the one it began serving with."""
+    served = (engine.get("served") or {}).get("max_version")
+    if served is not None:
+        return str(served)
+    return "-" if engine.get("version") is None else f"{engine['version']} (joined)"
 
 
 def _ago(at) -> str:

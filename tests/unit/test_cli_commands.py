@@ -174,4 +174,21 @@ def test_engines_add_refuses_a_finished_run(run, capsys):
 def test_engines_show_defines_its_version_column(capsys):
     """Guards: a VERSION column nothing defines."""
     assert main(["engines", "show", "--help"]) == 0
-    assert "VERSION is the weight version" in " ".join(capsys.readouterr().out.split())
+    assert "VERSION is the newest weight version the engine answered" in " ".join(capsys.readouterr().out.split())
+
+
+def test_engines_show_version_is_what_the_engine_served_not_what_it_joined_with(tmp_path, capsys):
+    """Guards: an engine that served v7 shown as VERSION 1 (the version it began serving with)."""
+    from miles_core.config import embedded_default
+    from miles_core.engines.registry import write_fleet
+    from miles_core.storage.run_root import write_config
+
+    store = Store(f"file://{tmp_path}/runs/r")
+    write_config(store, embedded_default(storage_root=f"file://{tmp_path}", run_id="r"))
+    engine = {"name": "engine-0", "url": "http://e:1", "state": "serving", "phase": "serving", "version": 1}
+    write_fleet(store, {"engines": [dict(engine, served={"min_version": 1, "max_version": 7, "requests": 9}),
+                                    dict(engine, name="engine-1", url="http://e:2", version=6)],
+                        "target": 2, "serving": 2, "step": 5, "version": 7, "events": []})
+    assert main(["engines", "show", store.uri()]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("engine-")}
+    assert rows["engine-0"][2] == "7" and rows["engine-1"][2:4] == ["6", "(joined)"]
