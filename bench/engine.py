@@ -14,7 +14,7 @@
    Throughput counts only the requested tokens (useful tokens / wall seconds).
    The CPU engine is timed twice: in-process (`BatchEngine`, compute only) and end to end over
    HTTP (a real server process, `EngineClient`, streaming with per-token versions).
-2. The embedded default (DESIGN §10): builtin:tiny-gpt (2 layers, width 128, 13-token vocab),
+2. The embedded default (docs/quickstart.md): builtin:tiny-gpt (2 layers, width 128, 13-token vocab),
    32 prompts x 8 samples = 256 requests, prompt 5 tokens, <= 5 new tokens: seconds per batch.
 
 Prints each throughput and the ratio engine / transformers against both baselines (target >= 2x

@@ -1,4 +1,4 @@
-"""Container images of the project, each defined once (DESIGN §8.2).
+"""Container images of the project, each defined once (docs/deployment.md).
 
 - `cpu_image`: Python 3.11 + torch (CPU wheel) + the pinned dependency set + this project.
   Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.

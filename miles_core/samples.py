@@ -1,4 +1,4 @@
-"""Samples and prompt groups, and their Arrow schema (DESIGN §4).
+"""Samples and prompt groups, and their Arrow schema (docs/data-path.md).
 
 One row per sample; a record batch holds one or more whole groups. The schema carries its
 version in the schema metadata (`miles.schema_version`, "MAJOR.MINOR"); readers accept any minor

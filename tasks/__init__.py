@@ -1,4 +1,4 @@
-"""Flyte task definitions: thin typed wrappers around miles_core (DESIGN §8.1).
+"""Flyte task definitions: thin typed wrappers around miles_core (docs/deployment.md).
 
 Importing this package registers the filesystem-aware Arrow StructuredDataset decoder once
 (`tasks.structured`), so every task module gets it.

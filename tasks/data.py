@@ -1,4 +1,4 @@
-"""prepare_data: normalize the prompt dataset into the run root, cached by content (DESIGN §8.1)."""
+"""prepare_data: normalize the prompt dataset into the run root, cached by content (docs/deployment.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Eval tasks: the follower that runs beside train, and the backfill pieces (DESIGN §7.1, §7.4).
+"""Eval tasks: the follower that runs beside train, and the backfill pieces (docs/evaluation.md).
 
 miles_core.eval does the work; it is imported on use (it pulls in engines and torch), so these
 definitions register without it. Contract with miles_core.eval:

@@ -1,4 +1,4 @@
-"""Infrastructure failures leave a task as FlyteRecoverableException, so its `retries` fire (DESIGN §15).
+"""Infrastructure failures leave a task as FlyteRecoverableException, so its `retries` fire (docs/training.md).
 
     with recoverable_infrastructure():
         run_training(cfg)

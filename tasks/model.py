@@ -1,4 +1,4 @@
-"""import_model: bring the model --hf-checkpoint names into object storage once (DESIGN §18).
+"""import_model: bring the model --hf-checkpoint names into object storage once (docs/real-model.md).
 
 A GGUF (a path or URI, or `import:NAME` for a packaged one) is converted into an HF safetensors
 directory with its tokenizer and chat template under {storage root}/models/; a builtin model or

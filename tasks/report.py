@@ -1,4 +1,4 @@
-"""report: the run's Deck and a self-contained HTML file, both from metrics/ (DESIGN §12)."""
+"""report: the run's Deck and a self-contained HTML file, both from metrics/ (docs/metrics.md)."""
 
 from __future__ import annotations
 

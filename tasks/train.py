@@ -1,4 +1,4 @@
-"""train: the Ray task that runs one training segment (DESIGN §8.1, §8.3).
+"""train: the Ray task that runs one training segment (docs/deployment.md).
 
 The cluster shape lives in tasks/cluster.py (read once, at registration, from MILES_RAY_* variables;
 see docs/deployment.md). Locally the plugin starts a local Ray instance itself (`ray.init`):

@@ -1,4 +1,4 @@
-"""eval_backfill: evaluate any set of past snapshots of a run on any datasets (DESIGN §7.4).
+"""eval_backfill: evaluate any set of past snapshots of a run on any datasets (docs/evaluation.md).
 
     pyflyte run workflows/eval_backfill.py eval_backfill --run_uri s3://bucket/miles/runs/r1 \\
         --steps '[100, 200]' --datasets '["heldout=builtin:reverse4-heldout"]'

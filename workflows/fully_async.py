@@ -1,4 +1,4 @@
-"""fully_async_rl: plan, import_model -> prepare_data -> (train || eval_follower) -> report (DESIGN §8.1).
+"""fully_async_rl: plan, import_model -> prepare_data -> (train || eval_follower) -> report (docs/deployment.md).
 
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--preset tiny-reverse4"   # the embedded default (CPU)
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--preset tiny-reverse4 --rollout-batch-size 16"

@@ -1,4 +1,4 @@
-"""Scheduled continuation of a run lineage (DESIGN §8.3).
+"""Scheduled continuation of a run lineage (docs/deployment.md).
 
 `fully_async_rl_nightly` runs `fully_async_rl` on a cron schedule with a fixed run id and a
 segment length: each execution resumes the run from its latest complete checkpoint (trainer,

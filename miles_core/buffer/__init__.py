@@ -1,4 +1,4 @@
-"""The data path between the producer and the trainer (DESIGN §6).
+"""The data path between the producer and the trainer (docs/data-path.md).
 
     handler = build_unused_handler(cfg.buffer.async_unused_samples_handler, recycle=data_source.recycle)
     buffer = build_buffer(cfg, handler, consumed_through_step=resume_step)

@@ -1,4 +1,4 @@
-"""The DataBuffer slot (DESIGN §6.1), the unused-samples handlers, and `build_buffer`.
+"""The DataBuffer slot (docs/data-path.md), the unused-samples handlers, and `build_buffer`.
 
     put(group) -> None        may store, reject or block (backpressure); never silently loses
     get(**context) -> group   waits until a group is available; context carries current_version;

@@ -1,4 +1,4 @@
-"""The default data buffer (DESIGN §6.2): a bounded FIFO of prompt groups, durable in object storage.
+"""The default data buffer (docs/data-path.md): a bounded FIFO of prompt groups, durable in object storage.
 
 What it owns:
 - admission at put: aborted groups go to the unused-samples handler, the dynamic filter drops by
@@ -487,7 +487,7 @@ class DurableBuffer:
         return max(0, version - entry.oldest_version)
 
     def fail(self, error: BaseException) -> None:
-        """The producer failed: the next get raises `error` before returning any queued group (§5.1)."""
+        """The producer failed: the next get raises `error` before returning any queued group (docs/fully-async.md)."""
         with self._lock:
             self._error = error
             self._not_empty.notify_all()

@@ -1,4 +1,4 @@
-"""Buffer metric names (DESIGN §6.3, §12) and the per-window accumulator behind `get_metrics()`.
+"""Buffer metric names (docs/data-path.md) and the per-window accumulator behind `get_metrics()`.
 
 The names are interface: plots, reports and users' dashboards read them. `METRIC_NAMES` is the
 single list the docs are checked against; `DYNAMIC_FILTER_DROP` is a pattern with `{reason}`.

@@ -1,4 +1,4 @@
-"""The buffer's layout in the run root and its object codec (DESIGN §3, §4).
+"""The buffer's layout in the run root and its object codec (docs/quickstart.md#where-the-run-lives).
 
     buffer/groups/{writer}/{seq:012d}.arrow      Arrow IPC stream of SAMPLE_SCHEMA record batches,
                                                  one batch per group; immutable once committed

@@ -1,5 +1,5 @@
 """Generated references in docs/reference/: the flag and metric tables come from the code,
-and so does the list of layers in docs/architecture.md (between its `layers` markers; DESIGN §13).
+and so does the list of layers in docs/architecture.md (between its `layers` markers; docs/architecture.md).
 
     python -m miles_core.cli.docs_gen            # rewrite docs/reference/*.md and the layers section
     python -m miles_core.cli.docs_gen --check    # exit 1 and name the stale files (what the tests do)
@@ -29,17 +29,17 @@ REGENERATE = "python -m miles_core.cli.docs_gen"
 # (module, attribute) of every exported metric-name constant. Order is irrelevant: the reference is
 # sorted by name. Keep every module that logs metrics here (the buffer, rollout, trainer, eval, driver).
 METRIC_SOURCES: list[tuple[str, str]] = [
-    ("miles_core.buffer.metrics", "METRIC_NAMES"),            # DESIGN §6.3
-    ("miles_core.rollout.metrics", "ROLLOUT_METRIC_NAMES"),   # DESIGN §12
-    ("miles_core.metrics.names", "PERF_METRICS"),             # DESIGN §12 perf/*
+    ("miles_core.buffer.metrics", "METRIC_NAMES"),            # docs/data-path.md
+    ("miles_core.rollout.metrics", "ROLLOUT_METRIC_NAMES"),   # docs/metrics.md
+    ("miles_core.metrics.names", "PERF_METRICS"),             # docs/metrics.md perf/*
     ("miles_core.metrics.names", "RUN_METRICS"),              # the random-policy level
     ("miles_core.metrics.names", "PRODUCER_METRICS"),         # who generated each step's batch
-    ("miles_core.train.losses", "METRIC_NAMES"),              # DESIGN §5.6
+    ("miles_core.train.losses", "METRIC_NAMES"),              # docs/fully-async.md
     ("miles_core.train.metric_names", "TRAIN_STEP_METRICS"),  # trainer step counts and time
-    ("miles_core.eval.metric_names", "EVAL_METRICS"),         # DESIGN §7.2, §7.3
+    ("miles_core.eval.metric_names", "EVAL_METRICS"),         # docs/evaluation.md
 ]
 
-# Meanings for names whose source exports names only (from DESIGN §5.6, §6.3, §12). A source that
+# Meanings for names whose source exports names only (from docs/fully-async.md). A source that
 # exports a mapping wins; an entry here for a name no source exports is an error (a stale doc).
 # Prefer moving these into the owning module as a {name: meaning} mapping.
 FALLBACK_MEANINGS: dict[str, str] = {

@@ -1,5 +1,5 @@
 """miles / slime flags that miles-flyte does not implement, each refused by name with what to use
-instead (DESIGN §18: never accepted and ignored). A miles recipe's command line then fails with
+instead (docs/real-model.md: never accepted and ignored). A miles recipe's command line then fails with
 one line per such flag instead of a bare "unknown flag"."""
 
 NOT_SUPPORTED: dict[str, str] = {

@@ -20,9 +20,9 @@ from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.storage import InvalidName, validate_name
 from miles_core.storage.lease import check_timings
 
-# Features the fully async driver cannot honour, with the flag that turns each on (DESIGN §11).
+# Features the fully async driver cannot honour, with the flag that turns each on (docs/configuration.md).
 # The sync drivers of this project do not implement them either: under every driver they are
-# refused with "not supported" (DESIGN §18), never accepted and ignored.
+# refused with "not supported" (docs/real-model.md), never accepted and ignored.
 FULLY_ASYNC_EXCLUDES = {
     "colocate": "--colocate",
     "partial_rollout": "--partial-rollout",
@@ -506,7 +506,7 @@ def _driver_rules(cfg: RunConfig) -> list[str]:
 
 def _unsupported(cfg: RunConfig) -> list[str]:
     """Flags miles users know that this project does not implement: refused by name, under every
-    driver. Under --fully-async the message keeps naming the driver (DESIGN §11's matrix)."""
+    driver. Under --fully-async the message keeps naming the driver (docs/configuration.md's matrix)."""
     run = cfg.run
     p = []
     for name, flag in FULLY_ASYNC_EXCLUDES.items():

@@ -58,7 +58,7 @@ class RunConfig:
 
     @property
     def budget_groups(self) -> int:
-        """Groups that may be in flight at once (DESIGN §5.2)."""
+        """Groups that may be in flight at once (docs/fully-async.md)."""
         r = self.rollout
         if r.async_max_concurrent_samples is not None:
             return max(1, r.async_max_concurrent_samples // r.n_samples_per_prompt)

@@ -5,7 +5,7 @@
 
 The loop calls `weights.push` and then `checkpoints.save` every step, before anything else of the
 step is committed (snapshot, consumption record, checkpoint, STATUS, evals, metrics), so wrapping
-them puts the lease check (miles_core.storage.lease, DESIGN §15) in front of every step's commits without
+them puts the lease check (miles_core.storage.lease, docs/training.md) in front of every step's commits without
 a line in the loop. A fenced writer gets LeaseLost there and the segment ends.
 """
 

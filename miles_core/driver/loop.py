@@ -1,4 +1,4 @@
-"""The one training loop shared by the sync, one-step-off and fully async drivers (DESIGN §5.5).
+"""The one training loop shared by the sync, one-step-off and fully async drivers (docs/fully-async.md).
 
 The drivers differ only in the batch source that `build_roles` picks; every component owns its
 cadence (the checkpointer decides whether a step saves, the eval scheduler whether it evaluates,

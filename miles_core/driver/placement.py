@@ -1,5 +1,5 @@
 """Where every role of a training run is placed on Ray: the engine fleet, the trainer's ranks and
-the rollout manager (DESIGN §15). The only module that creates Ray actors for a run.
+the rollout manager (docs/training.md). The only module that creates Ray actors for a run.
 
     fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
 

@@ -1,4 +1,4 @@
-"""Build the roles the training loop drives, once, from the config (DESIGN §5.5).
+"""Build the roles the training loop drives, once, from the config (docs/fully-async.md).
 
 Modes are decided here: which batch source (sync / one-step-off / fully async), whether the
 checkpointer saves, how evals run. Each role owns its cadence, so the loop never reads a flag.
@@ -56,7 +56,7 @@ class PrefetchedBatches:
     """one-step-off and fully async: batch k+1 is requested while the trainer works on batch k.
 
     one-step-off generates it; fully async drains it from the buffer that the continuous producer
-    fills. Either way the driver waits for it before the next weight update (§5.5), which is one
+    fills. Either way the driver waits for it before the next weight update (docs/fully-async.md), which is one
     source of staleness (docs/fully-async.md). The drain checks staleness against the version
     batch k+1 will be trained under: one more than now when step k ends with a weight push.
     """

@@ -6,7 +6,7 @@ Resumes from the latest complete checkpoint when there is one (trainer, data-sou
 started-groups count, buffer consumption, weight version), so a retry after a lost node and the
 next scheduled segment continue the same lineage with no group trained twice or lost.
 
-Before anything is written or started (DESIGN §15):
+Before anything is written or started (docs/training.md):
 - finished is final: when STATUS.json says `finished` at step >= --num-rollout - 1 the segment
   returns that outcome at once: no write, no Ray, no actor (raise --num-rollout to continue);
 - one writer: the run root's lease (miles_core.storage.lease) is acquired, or LeaseHeld names the holder.

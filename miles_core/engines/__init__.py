@@ -1,4 +1,4 @@
-"""Generation engines: the SGLang-API client, the CPU engine server, and the engine launcher (DESIGN §9).
+"""Generation engines: the SGLang-API client, the CPU engine server, and the engine launcher (docs/engines.md).
 
 - `client.EngineClient`: async client for SGLang's native HTTP API (real SGLang and the CPU engine).
 - `cpu_server`: the project's CPU engine speaking the same API (`python -m miles_core.engines.cpu_server`).

@@ -1,4 +1,4 @@
-"""The engine API token: who may call an engine server (DESIGN §16).
+"""The engine API token: who may call an engine server (docs/engines.md).
 
 An engine bound to loopback is reachable only from its own node. Bound beyond loopback (its node's
 address, which `--engine-bind-host auto` picks on a multi-node cluster, or 0.0.0.0) anyone on the

@@ -7,7 +7,7 @@ call fanned out to all engines (or one, where it takes `url`). The engines chang
 for one to be set); a dropped engine gets no new request and `in_flight` counts its requests until
 they end; `served_versions` tells, per engine, the weight versions it generated with.
 
-Failure rules (DESIGN §9):
+Failure rules (docs/engines.md):
 - a `/generate` that may have reached the engine is never sent again. If the engine dies, drops the
   connection, answers 5xx, or the request times out, the call returns a `GenerateResult` with
   `finish_reason == "abort"` and the tokens streamed so far; it does not raise. Only a connection

@@ -81,7 +81,7 @@ weight swap) runs on one worker thread, one at a time, so they never interleave.
 operations run on a second thread (see below); a receive blocked by a dead peer does not hold up
 shutdown (the process exits without waiting for it). A streamed chunk carries the tokens of one
 weight version only, so a client can attribute every token to the version that produced it
-(DESIGN §5.4): a chunk goes out every `--stream-interval` tokens, at every version change and at
+(docs/fully-async.md): a chunk goes out every `--stream-interval` tokens, at every version change and at
 the finish.
 """
 

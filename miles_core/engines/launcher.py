@@ -20,7 +20,7 @@ poll sees. When the process exits or `/model_info` fails `health_failures_before
 (the HTTP server is gone or hung), the actor kills what is left and starts it again on the same port
 with the newest weights it was told about (`note_weights`), so the URL stays valid and a restarted
 engine does not serve stale weights. Requests that were in flight on the dead process are answered
-by `EngineClient` as aborted (their connection drops); the run goes on (DESIGN §9).
+by `EngineClient` as aborted (their connection drops); the run goes on (docs/engines.md).
 
 `load_weights` sends `/update_weights_from_disk` once: never again after a timeout (a slow load may
 still be running, and a second would load twice).

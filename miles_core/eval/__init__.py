@@ -1,4 +1,4 @@
-"""Evaluation (DESIGN §7): three modes over one evaluation core, snapshots, follower, backfill.
+"""Evaluation (docs/evaluation.md): three modes over one evaluation core, snapshots, follower, backfill.
 
 For the training driver:
     build_eval_scheduler(cfg, exporter=..., metrics=...) -> EvalScheduler   on_step / retire / close

@@ -1,4 +1,4 @@
-"""Eval backfill (DESIGN §7.4): evaluate any complete snapshots of a run, after the fact.
+"""Eval backfill (docs/evaluation.md): evaluate any complete snapshots of a run, after the fact.
 
     backfill(run_uri, steps=None, datasets=None, sampling=None, force=False) -> rows
         everything in this process: one engine, re-pinned per snapshot.

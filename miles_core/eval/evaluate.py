@@ -2,7 +2,7 @@
 
 `evaluate(engines, dataset, sampling)` sends n requests per prompt (round-robin over the given
 engine clients, bounded concurrency), scores the finished samples with the dataset's reward, and
-returns the §7.3 metrics of that dataset. With `--custom-generate-function-path` (the dataset's
+returns the docs/evaluation.md metrics of that dataset. With `--custom-generate-function-path` (the dataset's
 `episode`), each sample is one episode of that function run with `evaluation=True` instead of one
 request; a reward it sets is the eval reward. It knows nothing about where the engines come from
 (shared rollout engines, a dedicated pinned fleet, or an engine started on a snapshot) nor about
@@ -175,7 +175,7 @@ def failed_samples(samples: list[Sample]) -> tuple[int, str]:
 
 
 def aggregate(ds: str, samples: list[Sample], n: int, pass_threshold: float = 1.0) -> dict[str, float]:
-    """§7.3 metrics of one dataset from scored samples (n per prompt, grouped by prompt_index)."""
+    """docs/evaluation.md metrics of one dataset from scored samples (n per prompt, grouped by prompt_index)."""
     if not samples:
         return {}
     by_prompt: dict[int, list[Sample]] = {}

@@ -1,4 +1,4 @@
-"""The eval_follower body (DESIGN §7.1 Mode 3): evaluate snapshots while the run trains.
+"""The eval_follower body (docs/evaluation.md Mode 3): evaluate snapshots while the run trains.
 
 `follow_snapshots(cfg)` runs beside the train task. It polls the snapshot root and the eval
 requests the trainer's EvalScheduler writes (eval/requests/step_k.json), evaluates each eval

@@ -1,4 +1,4 @@
-"""Eval metric names (DESIGN §7.3). Names are interface: docs/evaluation.md and the metric
+"""Eval metric names (docs/evaluation.md). Names are interface: docs/evaluation.md and the metric
 reference are checked against `EVAL_METRIC_PATTERNS`, so renaming one here breaks that check
 on purpose.
 """

@@ -1,4 +1,4 @@
-"""The three places an eval can run (DESIGN §7.1), behind one small interface.
+"""The three places an eval can run (docs/evaluation.md), behind one small interface.
 
     SharedEngines     Mode 1: the rollout engines. The producer stops submitting new groups for
                       the duration (in-flight groups finish normally; nothing is aborted), the eval

@@ -1,4 +1,4 @@
-"""Pin eval engines to one snapshot and prove it (DESIGN §7.1, Mode 2 and the eval follower).
+"""Pin eval engines to one snapshot and prove it (docs/evaluation.md, Mode 2 and the eval follower).
 
 Pinning = every engine loads the snapshot from disk and reports the pinned weight version; the
 version is then read back from every engine, and a mismatch is a `pin_violation`. An eval also

@@ -1,4 +1,4 @@
-"""EvalScheduler: the one eval component the training driver talks to (DESIGN §7).
+"""EvalScheduler: the one eval component the training driver talks to (docs/evaluation.md).
 
     evals = build_eval_scheduler(cfg, exporter=..., metrics=MetricsSink(run_uri, "eval"), ...)
     for step in ...:

@@ -1,4 +1,4 @@
-"""Where eval snapshots live, when one is complete, and which ones to retire (DESIGN §7.2).
+"""Where eval snapshots live, when one is complete, and which ones to retire (docs/evaluation.md).
 
 Two modes, decided once from the config:
 - export: the trainer writes `step_{k:08d}/` (HF safetensors + config.json + tokenizer files, then
@@ -8,7 +8,7 @@ Two modes, decided once from the config:
   at `--save-interval` (validate() requires eval_interval % save_interval == 0). Reused
   checkpoints are never deleted here: they belong to the checkpointer.
 
-Readers never trust a directory without its marker (DESIGN §3). The initial model
+Readers never trust a directory without its marker (docs/quickstart.md#where-the-run-lives). The initial model
 (`--hf-checkpoint`) is never deleted, even when it sits under the snapshot root.
 """
 

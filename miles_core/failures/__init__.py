@@ -1,4 +1,4 @@
-"""Which failures are the infrastructure's (a retry resumes the run) and which are the user's (DESIGN §15).
+"""Which failures are the infrastructure's (a retry resumes the run) and which are the user's (docs/training.md).
 
     is_infrastructure(exc) -> bool      # tasks/train.py turns True into FlyteRecoverableException
 

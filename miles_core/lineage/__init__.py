@@ -8,6 +8,6 @@ segments: fork a run into a new one, replay its recorded groups.
     miles lineage RUN_URI GROUP_ID                              # miles_core.lineage.trace
 
 All of them read a run root through `recorded.RecordedRun` and never write into the source run's own
-data: a fork is a new run root (DESIGN §8.3), a replay writes under `replays/{id}/` (or `--out`).
+data: a fork is a new run root (docs/deployment.md), a replay writes under `replays/{id}/` (or `--out`).
 `command.flags_of(cfg)` turns a config back into the miles command line that reproduces it.
 """

@@ -1,4 +1,4 @@
-"""`miles fork RUN_URI --at-step K --new-run ID [FLAGS...]`: a new run from step K of a run (DESIGN §8.3).
+"""`miles fork RUN_URI --at-step K --new-run ID [FLAGS...]`: a new run from step K of a run (docs/deployment.md).
 
     result = fork_run(source_uri, at_step, new_run_id, flags)   # ConfigError for what FLAGS cannot change
 

@@ -1,4 +1,4 @@
-"""Metric events in the run root (DESIGN §12) and the report built from them.
+"""Metric events in the run root (docs/metrics.md) and the report built from them.
 
     with MetricsSink(run_uri, "trainer") as sink:
         sink.log(step, {"train/loss": 0.3, "perf/step_seconds": 1.2})

@@ -1,4 +1,4 @@
-"""Mirrors: the run's metric events forwarded to TensorBoard and W&B (DESIGN §12).
+"""Mirrors: the run's metric events forwarded to TensorBoard and W&B (docs/metrics.md).
 
     with mirror_feed(cfg, store):      # nothing to do unless --use-tensorboard / --use-wandb
         ...                            # a thread forwards new metrics/ parts every interval

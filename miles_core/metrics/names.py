@@ -1,7 +1,7 @@
-"""Metric names owned here (DESIGN §12), with their meaning: the source of docs/metrics.md.
+"""Metric names owned here (docs/metrics.md), with their meaning: the source of docs/metrics.md.
 
 Names are interface: dashboards and the report read them, so renaming one breaks users.
-Other components own their own names (the buffer: `rollout/fully_async/*`, DESIGN §6.3; the
+Other components own their own names (the buffer: `rollout/fully_async/*`, docs/data-path.md; the
 trainer: `train/*`; eval: `eval/*`); the report reads those by the constants below.
 """
 

@@ -40,7 +40,7 @@ class Bottleneck:
 
 
 def diagnose_bottleneck(events: list[dict], capacity: int | None, max_staleness: int | None = None) -> Bottleneck:
-    """Read the bottleneck from the buffer queue size (DESIGN §12), with the wait times as support.
+    """Read the bottleneck from the buffer queue size (docs/metrics.md), with the wait times as support.
 
     An empty queue while consumed groups sit at the --max-weight-staleness limit means admission
     control, not the engines, holds the producer back: more engines would not help."""

@@ -1,4 +1,4 @@
-"""What `--hf-checkpoint` names, and the URI of the HF directory every role loads (DESIGN §18).
+"""What `--hf-checkpoint` names, and the URI of the HF directory every role loads (docs/real-model.md).
 
 Three kinds of value:
 - `builtin:*`: a tiny model initialised from `--seed`, written once into the run root

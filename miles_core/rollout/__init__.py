@@ -1,4 +1,4 @@
-"""The rollout side (DESIGN §5): what is generated, when, and how it reaches the trainer.
+"""The rollout side (docs/fully-async.md): what is generated, when, and how it reaches the trainer.
 
 - `data_source`: the prompt order with a durable cursor and the recycle queue;
 - `scheduler`: the submission budget (group / sample granularity) and staleness admission;
@@ -8,7 +8,7 @@
 - `metrics`: the rollout metrics of a consumed batch and their names;
 - `manager`: all of the above in one object, runnable as a Ray actor;
 - `builtin_tasks`: the builtin verifiable tasks of the embedded default;
-- `episodes`: the `--custom-generate-function-path` slot (agentic multi-turn episodes, DESIGN §17);
+- `episodes`: the `--custom-generate-function-path` slot (agentic multi-turn episodes, docs/agentic.md);
 - `multiturn`: the builtin two-turn environment; `calculator_tool`: a tool environment for a chat model.
 
 Importing this package imports nothing else; import the submodules you need.

@@ -1,4 +1,4 @@
-"""Builtin verifiable tasks for the embedded default (DESIGN §10).
+"""Builtin verifiable tasks for the embedded default (docs/quickstart.md).
 
 reverse4: prompt `d1 d2 d3 d4 <sep>`, answer the digits reversed then <eos>.
 Reward = 0.8 x (fraction of the 4 digits right, by position) + 0.2 x (<eos> right after them).

@@ -10,7 +10,7 @@ epoch's order)`; the sample's `prompt_index` is the dataset row. Each served gro
 group id `e{epoch}-p{position}-a{attempt}` and every sample's metadata JSON carries
 `{"epoch", "position", "attempt"}` (plus the row's task and metadata).
 
-Exactly once across crashes and segments (DESIGN §8.3, §14). `state()` is JSON-able and saved
+Exactly once across crashes and segments (docs/deployment.md). `state()` is JSON-able and saved
 with each checkpoint. It holds the cursor, the recycle queue and the *outstanding* positions:
 groups served but not yet reported settled (`settled(group)`: committed, or rejected at put by
 the buffer). `restore(state, committed)` rebuilds the source from it: `committed` lists the

@@ -1,4 +1,4 @@
-"""The consumer side: drain exactly one training batch of groups from the buffer (DESIGN §5.5).
+"""The consumer side: drain exactly one training batch of groups from the buffer (docs/fully-async.md).
 
     batch = await drain_batch(consumer, batch_size, current_version=v, sample_filter=f)
 
@@ -16,7 +16,7 @@ replaced, since they give their place back). A sync driver awaits it and then tr
 one-step-off driver starts it for batch k+1 before training on batch k.
 
 `ProducerGuardedBuffer` is the consumer's view of the buffer: a failure of the rollout worker is
-raised at the next `get`, before any queued group (DESIGN §5.1), whether or not the buffer itself
+raised at the next `get`, before any queued group (docs/fully-async.md), whether or not the buffer itself
 implements `fail`.
 """
 

@@ -1,4 +1,4 @@
-"""Custom generate functions: agentic multi-turn episodes in place of one engine call (DESIGN §17).
+"""Custom generate functions: agentic multi-turn episodes in place of one engine call (docs/agentic.md).
 
 `--custom-generate-function-path module:fn` names the slime/miles slot
 

@@ -1,4 +1,4 @@
-"""Rollout metrics of a consumed batch (DESIGN §12). The names are interface.
+"""Rollout metrics of a consumed batch (docs/metrics.md). The names are interface.
 
 `ROLLOUT_METRIC_NAMES` is the single list the docs' metric reference is checked against: the
 per-batch metrics of `batch_metrics`, the producer's window metrics, and the drain's wait time.

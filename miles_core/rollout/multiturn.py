@@ -1,4 +1,4 @@
-"""reverse4 in two turns: the builtin multi-turn environment, a custom generate function (DESIGN §17).
+"""reverse4 in two turns: the builtin multi-turn environment, a custom generate function (docs/agentic.md).
 
 It exists to show that masking environment tokens is right and that a bug in it shows. On the
 builtin digit model and the `builtin:reverse4` prompts (`d1 d2 d3 d4 <sep>`, label `d4d3d2d1`):

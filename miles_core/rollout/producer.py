@@ -1,4 +1,4 @@
-"""The rollout producer (DESIGN §5.1-§5.3): a persistent asyncio loop that keeps the engines busy.
+"""The rollout producer (docs/fully-async.md): a persistent asyncio loop that keeps the engines busy.
 
 Each turn of the loop waits until a new prompt group may start, takes it from the data source,
 and spawns a group task: the group's n samples are generated on an engine (one batched request per
@@ -7,8 +7,8 @@ into the buffer. A group may start only when every gate is open:
 
 - not paused (Mode-1 eval on shared engines) and not stopping;
 - an engine to generate on (`set_engines_available`: a fleet of 0 engines starts no group until one joins);
-- the submission budget (`SubmissionBudget`: group slots or sample credits, DESIGN §5.2);
-- staleness admission (`StalenessAdmission`, DESIGN §5.3) with `--max-weight-staleness`;
+- the submission budget (`SubmissionBudget`: group slots or sample credits, docs/fully-async.md);
+- staleness admission (`StalenessAdmission`, docs/fully-async.md) with `--max-weight-staleness`;
 - the put backlog: fewer than `budget_groups` generated groups waiting for scoring or `put`. Under sample
   granularity a group gives its credits back when its samples finish, so without this gate a full
   buffer (put blocks: backpressure) would let finished groups pile up in memory without bound;
@@ -275,7 +275,7 @@ class Producer:
             self._window_groups += 1
         except asyncio.CancelledError:
             raise
-        except Exception as e:  # noqa: BLE001 - the worker fails loudly (DESIGN §5.1)
+        except Exception as e:  # noqa: BLE001 - the worker fails loudly (docs/fully-async.md)
             self._fail(e, group)
         finally:
             backlog.close()
@@ -341,7 +341,7 @@ class Producer:
         t0 = time.monotonic()
         try:
             params = sample_params(self.sampling_params, len(sample.prompt_ids), self.max_seq_len)
-            if self.generate_fn is not None:  # the credit is held for the whole episode (DESIGN §17)
+            if self.generate_fn is not None:  # the credit is held for the whole episode (docs/agentic.md)
                 return await self._run_episode(sample, params, t0)
             start = trace.now()
             out = await self.engine.generate(sample.prompt_ids, params, **_routes_kwargs(self.routes))
@@ -501,7 +501,7 @@ class _Backlog:
 
 
 def _sample_finished(ticket: Ticket, backlog: _Backlog) -> None:
-    """A sample finished, failed or was cancelled: its credit comes back (§5.2), the backlog first so
+    """A sample finished, failed or was cancelled: its credit comes back (docs/fully-async.md), the backlog first so
     the loop never sees one without the other."""
     backlog.sample_finished()
     ticket.sample_done()

@@ -2,14 +2,14 @@
 
 Two independent gates, both pure bookkeeping (no I/O, no clock), owned by the producer:
 
-- `SubmissionBudget` (DESIGN §5.2) bounds work on the engines. Under `group` granularity it is
+- `SubmissionBudget` (docs/fully-async.md) bounds work on the engines. Under `group` granularity it is
   a count of group tasks pending (a slot per group, held until the group task ends); under
   `sample` granularity it is a credit counter of samples in flight (+n per group, -1 per sample
   that finishes, fails or is cancelled), so one straggler does not hold a whole group's slots.
   Every acquisition returns a `Ticket`; the ticket gives back exactly what it took, once, however
   the group ends (`release()` is idempotent), so credits are conserved across exceptions and
   cancellation.
-- `StalenessAdmission` (DESIGN §5.3, AReaL-style) bounds how far generation runs ahead of
+- `StalenessAdmission` (docs/fully-async.md, AReaL-style) bounds how far generation runs ahead of
   training: with `--max-weight-staleness S`, a new group may start only while
   `started_groups + 1 <= (S + v + 1) * B`, where v is the number of weight versions published
   since the run's first version and B the groups consumed per version. `started_groups` counts
@@ -112,7 +112,7 @@ class Ticket:
 
 
 class StalenessAdmission:
-    """The AReaL admission rule of DESIGN §5.3.
+    """The AReaL admission rule of docs/fully-async.md.
 
     `groups_per_version` is B = rollout_batch_size x update_weights_interval: the groups the
     trainer consumes between two weight versions (with the default interval of 1 this is exactly

@@ -1,7 +1,7 @@
 """Object storage behind one small interface: fsspec URIs, atomic commits, sorted listing, retries.
 
 A `Store` is rooted at a URI prefix (file://, s3://, gs://, memory://, or a local path) and speaks
-in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (DESIGN §3):
+in relative keys (`buffer/groups/w0/000000000001.arrow`). Rules (docs/quickstart.md#where-the-run-lives):
 - an object is visible only when complete: local files go to a temporary name (fsynced) and are
   renamed, and the directory is fsynced after the rename and after creating a directory, so a
   commit survives a power loss;

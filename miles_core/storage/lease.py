@@ -1,4 +1,4 @@
-"""One writer per run root (DESIGN §15): a lease object that its holder renews and that fences it.
+"""One writer per run root (docs/training.md): a lease object that its holder renews and that fences it.
 
     with Lease.acquire(store, ttl_seconds=60) as lease:   # LeaseHeld (naming the holder) if another lives
         ...

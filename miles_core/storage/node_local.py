@@ -1,4 +1,4 @@
-"""What crosses a node is a URI; each node makes its own local copy (DESIGN §15).
+"""What crosses a node is a URI; each node makes its own local copy (docs/training.md).
 
 The production cluster shares nothing but object storage, so roles hand each other URIs only
 (`require_uri`: the guard every receiving role applies), and the role that needs files on disk

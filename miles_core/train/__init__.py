@@ -1,4 +1,4 @@
-"""Trainer: Megatron-core model, HF conversion, off-policy losses, checkpoints (DESIGN §5.6).
+"""Trainer: Megatron-core model, HF conversion, off-policy losses, checkpoints (docs/fully-async.md).
 
 Importing the package quiets Megatron's Transformer Engine / Apex fallback warnings on a machine
 without CUDA (`cpu_shim.quiet_fallback_warnings`), before any Megatron module is imported.

@@ -1,4 +1,4 @@
-"""GRPO advantages and the PPO-clip policy loss with the off-policy corrections of DESIGN §5.6.
+"""GRPO advantages and the PPO-clip policy loss with the off-policy corrections of docs/fully-async.md.
 
 All token tensors are [batch, tokens] with a 0/1 `mask` (response tokens whose `loss_mask` is 1).
 The ratio denominator ("old" log-probs) is chosen once per config:

@@ -10,7 +10,7 @@
   the load-balancing aux loss reaches the trainer's loss through `scale_moe_aux_loss` and its
   value through `moe_aux_loss_value` (train/moe_aux_loss);
 - gpt2: LayerNorm, gelu (tanh approximation, HF's `gelu_new`), biases everywhere, learned absolute
-  positions (`position_embedding_type="learned_absolute"`, DESIGN §10), tied embeddings.
+  positions (`position_embedding_type="learned_absolute"`, docs/quickstart.md), tied embeddings.
 `build_model(spec, train=section)` also applies --recompute-* and --sequence-parallel
 (`activation_options`); under sequence parallelism the norms are `SequenceParallelTorchNorm` and
 `masked_token_logprobs` pads the sequence to a multiple of TP and gathers the final hidden states.

@@ -142,7 +142,7 @@ class Trainer:
 
     def train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
         """One rollout's training: `optimizer_steps` optimizer steps over `groups` in order
-        (--global-batch-size samples each); returns the train/* metrics (DESIGN §5.6)."""
+        (--global-batch-size samples each); returns the train/* metrics (docs/fully-async.md)."""
         t0 = time.perf_counter()
         items = trainable_samples(groups, self.cfg.normalize_advantages_std)
         self.model.train()

@@ -1,1 +1,1 @@
-"""Weights leaving the trainer: snapshot export/fetch and the engine weight sync (DESIGN §5.4)."""
+"""Weights leaving the trainer: snapshot export/fetch and the engine weight sync (docs/fully-async.md)."""

@@ -1,7 +1,7 @@
 """Snapshots: HF checkpoints of the trainer's weights under `{run root}/snapshots/step_{k:08d}/`.
 
 `export_snapshot(trainer, store, step)` writes model.safetensors, config.json and tokenizer files,
-then `.complete` last (readers never trust a directory without it, DESIGN §3).
+then `.complete` last (readers never trust a directory without it, docs/quickstart.md#where-the-run-lives).
 Engines get the snapshot's URI and copy it to their own node (`miles_core.storage.node_local.localize`).
 """
 

@@ -1,4 +1,4 @@
-"""Weight sync from the trainer to the rollout engines, keeping in-flight work (DESIGN §5.4).
+"""Weight sync from the trainer to the rollout engines, keeping in-flight work (docs/fully-async.md).
 
 `WeightSync.push(step)` does, in this order (`export` is 1-2, `deliver` the rest):
   1. version += 1;
@@ -102,7 +102,7 @@ class Exported:
 
 class StoreWeightTransport:
     """`--weight-transport store`: the snapshot goes to the run root, each engine copies it to its
-    own node and loads it (DESIGN §15: nothing local crosses a node).
+    own node and loads it (docs/training.md: nothing local crosses a node).
 
     `loaders[i](uri, version)` loads on engine i from its node (the engine's Ray actor:
     `EngineActor.load_weights`), and `stagers[i](uri)`, when given, stages it there before the pause

@@ -1,4 +1,4 @@
-"""Faults a real run must ride out (issue 16 item 2; DESIGN §9, §14, §15).
+"""Faults a real run must ride out (issue 16 item 2; docs/engines.md).
 
 Each test runs `run_training` as tests/chaos/runner.py does (driver, private Ray, actors, CPU engine
 server), injects one fault, and lets tests/chaos/checker.py (no project code) audit the run root.

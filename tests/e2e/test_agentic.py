@@ -1,5 +1,5 @@
 """End to end: the builtin multi-turn environment learns under fully async training, and only when
-its environment tokens are masked out of the loss (DESIGN §17, docs/agentic.md).
+its environment tokens are masked out of the loss (docs/agentic.md, docs/agentic.md).
 
 The real `pyflyte run workflows/fully_async.py fully_async_rl` on CPU with
 `--custom-generate-function-path miles_core.rollout.multiturn:reverse4_two_turns`: two model turns

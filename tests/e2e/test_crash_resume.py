@@ -1,6 +1,6 @@
 """Crash and resume: SIGKILL a training run mid-flight, resume it, and check exactly-once.
 
-Pins DESIGN §14 "a sample trained twice or silently lost across a crash": the run is killed (driver,
+Pins docs/architecture.md "a sample trained twice or silently lost across a crash": the run is killed (driver,
 local Ray, actors and engine server, with no chance to clean up) after a checkpoint, then resumed
 from the same run root. The finished lineage must have consumed every step's batch once, no group
 id twice and no prompt position twice; manifests of steps trained after the checkpoint but before

@@ -1,4 +1,4 @@
-"""Fork and replay on a real run (issue 16 item 8, DESIGN §8.3).
+"""Fork and replay on a real run (issue 16 item 8, docs/deployment.md).
 
 One real tiny run per module (its own process and private Ray: 4 steps of 4 groups x 2 samples,
 a checkpoint every step), then in the same process `miles fork` at step 1 with a changed loss flag

@@ -1,4 +1,4 @@
-"""An S3-only run survives its node caches being deleted mid-run (DESIGN §15).
+"""An S3-only run survives its node caches being deleted mid-run (docs/training.md).
 
 The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir. Once the
 engines serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of

@@ -3,7 +3,7 @@
 Real parts only: local Ray, the CPU engine server, the durable buffer on file://, Megatron-core on
 CPU, the eval follower on exported snapshots, the report task. Pins that the product works as a
 whole: the run learns (the reward rises well above the first steps), the run root holds every
-artifact DESIGN §3 lists, and a second segment resumes from the checkpoint without training any
+artifact docs/quickstart.md#where-the-run-lives lists, and a second segment resumes from the checkpoint without training any
 group twice.
 """
 

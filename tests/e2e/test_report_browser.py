@@ -1,4 +1,4 @@
-"""The run report in a real browser: headless Chromium, offline (DESIGN §12).
+"""The run report in a real browser: headless Chromium, offline (docs/metrics.md).
 
 Pins: the `miles report` file, opened from file:// with the network blocked, loads with no console
 error or uncaught exception and renders every figure the report promises (report_figures of the

@@ -1,4 +1,4 @@
-"""Real segments on a tiny run: finished is final, retries resume, one writer per run root (DESIGN §15).
+"""Real segments on a tiny run: finished is final, retries resume, one writer per run root (docs/training.md).
 
 Each `run_training` runs in its own process with its own local Ray (as the Flyte task would), on a
 file:// run root, at a tiny scale (4 groups of 2 samples per step).

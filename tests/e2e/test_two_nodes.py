@@ -1,4 +1,4 @@
-"""Two Ray nodes that share nothing but object storage (DESIGN §15), on one machine.
+"""Two Ray nodes that share nothing but object storage (docs/training.md), on one machine.
 
 tests/support/two_nodes.py: the head (driver, trainer: resource `head_node`) and an engine node
 started with `ray start` inside its own network and mount namespaces (a veth pair with one test

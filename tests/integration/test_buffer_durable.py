@@ -1,4 +1,4 @@
-"""The durable buffer on real storage: file:// and a real S3 server (SeaweedFS), DESIGN §6.2.
+"""The durable buffer on real storage: file:// and a real S3 server (SeaweedFS), docs/data-path.md.
 
 Every test runs on both backends through the `storage_root` fixture. Waits are bounded by
 events or timeouts; nothing asserts on wall-clock speed (that is bench/buffer.py's job).

@@ -197,7 +197,7 @@ def test_control_endpoint_shapes(gpt_engine, ckpts):
 def test_in_place_update_keeps_requests_and_versions_each_token(llama_engines, ckpts):
     """pause(in_place) -> update_weights_from_disk(v2) -> continue: no request is aborted, each
     finishes its full length, and streamed per-token versions go 1..1 then 2..2 for requests that
-    straddled the update (DESIGN §5.4)."""
+    straddled the update (docs/fully-async.md)."""
     url = llama_engines[0].url
 
     async def go():

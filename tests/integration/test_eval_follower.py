@@ -1,4 +1,4 @@
-"""Mode 3 and the backfill on a real CPU engine process (DESIGN §7.1, §7.4).
+"""Mode 3 and the backfill on a real CPU engine process (docs/evaluation.md).
 
 Pins: the eval follower evaluates the eval-step snapshots a (stand-in) trainer writes while it
 runs, ignores non-eval snapshots, reports a requested snapshot without its marker as

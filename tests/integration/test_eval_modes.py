@@ -1,4 +1,4 @@
-"""Eval Modes 1 and 2 on real CPU engine server processes (DESIGN §7.1), driven through the
+"""Eval Modes 1 and 2 on real CPU engine server processes (docs/evaluation.md), driven through the
 EvalScheduler the training driver calls every step.
 
 Pins: Mode 1 pauses and resumes producer submission around the eval (in that order, once per

@@ -1,4 +1,4 @@
-"""The Flyte layer (tasks/, workflows/, images/; DESIGN §8).
+"""The Flyte layer (tasks/, workflows/, images/; docs/deployment.md).
 
 Pins: `pyflyte package` and `pyflyte register --copy none --dry-run` succeed offline and the
 packaged train and producer tasks are Ray tasks; locally a Ray task starts its Ray instance without

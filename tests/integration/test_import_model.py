@@ -1,4 +1,4 @@
-"""`import_model` and `miles import-model` (DESIGN §18): a source becomes an HF safetensors directory.
+"""`import_model` and `miles import-model` (docs/real-model.md): a source becomes an HF safetensors directory.
 
 Pins: an HF directory is imported into file:// and into a real S3 server (SeaweedFS) with its
 weights byte for byte, its config normalised, a `miles_import.json` record and the `.complete`

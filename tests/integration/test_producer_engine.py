@@ -74,7 +74,7 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
                 assert set(s.token_versions) == {1}
         assert {m for m in ROLLOUT_METRIC_NAMES if m.startswith("rollout/") and "producer" not in m
                 and m not in ("rollout/reward_failed", "rollout/generate_failed")} <= set(b0.metrics)
-        # in_place weight update on the engine, then publish v2 (DESIGN §5.4 order)
+        # in_place weight update on the engine, then publish v2 (docs/fully-async.md order)
         async with EngineClient([engine.url]) as client:
             await client.pause_generation("in_place")
             await client.update_weights_from_disk(ckpts[1], 2)

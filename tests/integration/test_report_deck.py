@@ -1,4 +1,4 @@
-"""The report task's Flyte Deck holds the report (tasks/report.py, DESIGN §12).
+"""The report task's Flyte Deck holds the report (tasks/report.py, docs/metrics.md).
 
 Pins: run locally through flytekit, the `report` task writes a deck.html whose figures (titles and
 curve names, in order) are those of the `miles report` file of the same run root, with plotly.js

@@ -1,4 +1,4 @@
-"""Object storage against a real S3 server (SeaweedFS `weed mini` on 127.0.0.1) and file:// (DESIGN §3).
+"""Object storage against a real S3 server (SeaweedFS `weed mini` on 127.0.0.1) and file:// (docs/quickstart.md#where-the-run-lives).
 
 The `storage_root` fixture runs each test on file:// and on a fresh prefix of the session's S3
 server; the S3 cases must run in CI, so nothing here is skipped. The outage test starts a private

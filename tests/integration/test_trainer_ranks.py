@@ -1,4 +1,4 @@
-"""A trainer of many ranks (DESIGN §15), for real: Ray actors, torch.distributed over gloo, Megatron
+"""A trainer of many ranks (docs/training.md), for real: Ray actors, torch.distributed over gloo, Megatron
 parallel state, on CPU.
 
 Pins: DP=2 makes the same update as DP=1 on the same batch (the loss is normalised by the global

@@ -1,4 +1,4 @@
-"""Weight sync (DESIGN §5.4) and snapshots, on file:// and a real S3 server.
+"""Weight sync (docs/fully-async.md) and snapshots, on file:// and a real S3 server.
 
 Pins: the engine-visible order pause -> update_weights_from_disk(flush_cache=False) with the new
 version -> continue (no flush in any mode: SGLang refuses one while requests run, docs/engines.md), and

@@ -1,4 +1,4 @@
-"""The DataBuffer slot and the buffer's pure logic (DESIGN §6.1, §6.3), on a local file:// root.
+"""The DataBuffer slot and the buffer's pure logic (docs/data-path.md), on a local file:// root.
 
 Backend behaviour (file:// and S3) is pinned in tests/integration/test_buffer_durable.py.
 """
@@ -141,7 +141,7 @@ def test_unused_handler_modes():
 
 
 def test_producer_failure_raises_at_next_get_before_queued_data(root):
-    """A failed producer (DESIGN §5.1): the next get raises its error even with groups queued."""
+    """A failed producer (docs/fully-async.md): the next get raises its error even with groups queued."""
     with open_buffer(root) as buf:
         buf.put(make_group(0))
         buf.fail(RuntimeError("engine exploded"))

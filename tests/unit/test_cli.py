@@ -1,4 +1,4 @@
-"""The `miles` console script (DESIGN §11): `miles validate` as users and CI call it.
+"""The `miles` console script (docs/configuration.md): `miles validate` as users and CI call it.
 
 Tested both in-process through main() and through the installed console script `.venv/bin/miles`
 in a subprocess, so a broken entry point in pyproject.toml is caught too.

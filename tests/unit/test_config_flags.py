@@ -1,4 +1,4 @@
-"""Flag parsing, unknown-flag suggestions, JSON round trips and immutability of RunConfig (DESIGN §11).
+"""Flag parsing, unknown-flag suggestions, JSON round trips and immutability of RunConfig (docs/configuration.md).
 
 The property tests generate values for every field in flag_table(), so a new field with a type the
 parser or the JSON codec cannot carry fails here without anyone writing a test for it.
@@ -109,7 +109,7 @@ def test_parse_flags_valid_values_pass_validation(values):
 @given(ALL_VALUES)
 def test_json_round_trip_any_values(values):
     """Pins: config_to_json -> config_from_json is the identity for any field values.
-    Guards: config.json in the run root (DESIGN §3) not resuming into the same config."""
+    Guards: config.json in the run root (docs/quickstart.md#where-the-run-lives) not resuming into the same config."""
     cfg = replace_fields(RunConfig(), **values)
     assert config_from_json(config_to_json(cfg)) == cfg
     assert config_from_dict(config_to_dict(cfg)) == cfg
@@ -207,7 +207,7 @@ def test_replace_fields_unknown_name():
 
 def test_flag_table_shape():
     """Pins: flags are the kebab-case field names, unique across sections; every field has help text;
-    defaults are the embedded default; the core miles flag names of DESIGN §11 exist.
+    defaults are the embedded default; the core miles flag names of docs/configuration.md exist.
     Guards: renamed or undocumented flags (flag names are interface, §12/STYLE b)."""
     flags = [s.flag for s in SPECS]
     assert len(flags) == len(set(flags))
@@ -227,7 +227,7 @@ def test_flag_table_shape():
 
 
 def test_derived_values():
-    """Pins: the derived values of DESIGN §5.2/§6.2 (budget in groups, granularity default, capacity).
+    """Pins: the derived values of docs/fully-async.md (budget in groups, granularity default, capacity).
     Guards: drift between the documented formulas and the properties components read."""
     cfg = embedded_default()
     assert cfg.budget_groups == 32 and cfg.submission_granularity == "sample"

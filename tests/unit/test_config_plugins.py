@@ -144,7 +144,7 @@ def test_exception_while_importing(plugin_module):
 
 @pytest.mark.parametrize("path", ["mod.fn", "mod:fn:extra", ":fn", "mod:", ""])
 def test_one_spelling_module_colon_attr(path):
-    """Pins: only `module:attr` is accepted (DESIGN §6.1); other spellings name the expected form.
+    """Pins: only `module:attr` is accepted (docs/data-path.md); other spellings name the expected form.
     Guards: AReaL-style multi-form resolution creeping in."""
     with pytest.raises(PluginError, match="expected 'module:attr'"):
         load_plugin(path, "--custom-rm-path")

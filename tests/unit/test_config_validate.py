@@ -1,4 +1,4 @@
-"""The validation matrix (DESIGN §11): every rule in miles_core/config/rules.py and miles_core/prepare/checks.py, both sides.
+"""The validation matrix (docs/configuration.md): every rule in miles_core/config/rules.py and miles_core/prepare/checks.py, both sides.
 
 Each case is (overrides that break the rule, overrides that satisfy it, flags the error must name).
 The valid side must pass `validate` with no problem at all, so a case also guards against a rule
@@ -169,7 +169,7 @@ def _problems(cfg: RunConfig) -> str:
 
 
 def test_embedded_default_is_valid():
-    """Pins: the empty command line is a valid, runnable config (DESIGN §10).
+    """Pins: the empty command line is a valid, runnable config (docs/quickstart.md).
     Guards: a new field or rule that makes `pyflyte run ... fully_async_rl` with no args fail."""
     cfg = embedded_default()
     assert validate(cfg) is cfg

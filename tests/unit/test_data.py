@@ -1,7 +1,7 @@
-"""Prompt dataset normalization (miles_core.prepare.dataset, DESIGN §8.1).
+"""Prompt dataset normalization (miles_core.prepare.dataset, docs/deployment.md).
 
 Pins: every accepted source format lands as the same normalized Arrow table in the run root;
-bad rows fail with file, row and field named (never a bare stack trace, DESIGN §14); an
+bad rows fail with file, row and field named (never a bare stack trace, docs/architecture.md); an
 unchanged content hash skips re-normalization; a run lineage cannot silently switch datasets.
 """
 

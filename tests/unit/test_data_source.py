@@ -98,7 +98,7 @@ def test_restore_refuses_a_different_dataset():
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31), st.integers(1, 3))
 def test_exactly_once_across_random_crashes(seed, crashes):
-    """Property (DESIGN §14): serving, committing, recycling (retry) and crashing at random
+    """Property (docs/architecture.md): serving, committing, recycling (retry) and crashing at random
     points, with a restore from the last checkpoint plus the buffer's committed set, every
     position of the first epochs is committed exactly once."""
     rng = random.Random(seed)

@@ -1,4 +1,4 @@
-"""The driver loop and the roles that own their cadence (DESIGN §5.5), with recording stand-ins.
+"""The driver loop and the roles that own their cadence (docs/fully-async.md), with recording stand-ins.
 
 Pins: `run_loop` calls the roles in the order of the sequence diagram (batch, train, prefetch
 wait, push, checkpoint, eval, metrics, progress), stops at `end_step`, and at an expired deadline

@@ -1,5 +1,5 @@
 """The weight version of environment tokens appended before an episode's first model token
-(miles_core.rollout.episodes: append_environment + fill_environment_versions, DESIGN §17).
+(miles_core.rollout.episodes: append_environment + fill_environment_versions, docs/agentic.md).
 
 The rule: an environment token carries the version of the model token before it; one appended
 before any model token (a system preamble, a tool's opening observation) has none before it, so

@@ -1,4 +1,4 @@
-"""Custom generate functions (`--custom-generate-function-path`, DESIGN §17) in the producer.
+"""Custom generate functions (`--custom-generate-function-path`, docs/agentic.md) in the producer.
 
 Pins the episode contract with scripted engines (tests/unit/test_producer.py's fakes): one credit
 is held for a whole multi-turn episode; environment tokens are appended with loss_mask 0 and

@@ -1,5 +1,5 @@
 """Eval core logic without engines: pass@k, aggregation, datasets and sampling from the config,
-result records (DESIGN §7.3). Engine-backed behaviour is pinned in tests/integration/test_eval_modes.py.
+result records (docs/evaluation.md). Engine-backed behaviour is pinned in tests/integration/test_eval_modes.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""EvalScheduler policy and snapshot retirement (DESIGN §7.2), with a stand-in mode and a stand-in
+"""EvalScheduler policy and snapshot retirement (docs/evaluation.md), with a stand-in mode and a stand-in
 exporter on a file:// run root: cadence, the in-flight limit with both overflow policies, the
 forced final eval, every failure as `eval/skipped_{reason}` (never an exception into training),
 and ring retirement that keeps exactly the right directories.

@@ -1,4 +1,4 @@
-"""Finished is final, at its exact boundary (`run_training`, DESIGN §15), without Ray: the segment
+"""Finished is final, at its exact boundary (`run_training`, docs/training.md), without Ray: the segment
 itself (`_run_segment`, which would start the cluster) is a stand-in.
 
 The rule: a run whose STATUS.json says `finished` at `last_step` returns that outcome at once (no

@@ -1,4 +1,4 @@
-"""Every flag does what it says or is refused (DESIGN §18, issue 13 item 5).
+"""Every flag does what it says or is refused (docs/real-model.md, issue 13 item 5).
 
 Enumerates `flag_table()` and proves, for each flag, one of:
 - read: its field is read as an attribute (`x.<name>`, or `getattr(x, "<name>")`) by code outside

@@ -1,4 +1,4 @@
-"""One writer per run root (miles_core.storage.lease, DESIGN §15), on file:// and on a real S3 server (SeaweedFS).
+"""One writer per run root (miles_core.storage.lease, docs/training.md), on file:// and on a real S3 server (SeaweedFS).
 
 Pins: a second writer is refused with an error naming the holder; a holder that stops renewing (as
 if SIGKILLed; also a real SIGKILLed process) is taken over once its lease expires, and it is fenced

@@ -1,4 +1,4 @@
-"""Losses against hand-computed values on small tensors (DESIGN §5.6).
+"""Losses against hand-computed values on small tensors (docs/fully-async.md).
 
 Each case spells out the arithmetic in its docstring; the expected numbers are computed by hand,
 not by the code under test. Pins: GRPO normalisation (unbiased std, singleton groups), PPO-clip
@@ -149,7 +149,7 @@ def test_micro_batches_add_up_to_the_batch_token_mean():
 
 
 def test_metric_names_are_the_interface():
-    """The metric names are part of the interface (DESIGN §5.6)."""
+    """The metric names are part of the interface (docs/fully-async.md)."""
     _, m, _ = _ppo(LossConfig(), _t(ln(.5)), _t(ln(.5)), _t(1), _t(1))
     assert set(METRIC_NAMES) - {"train/grad_norm"} <= set(m)
 

@@ -1,4 +1,4 @@
-"""Environment tokens of agentic episodes (loss_mask 0) reach nothing in the trainer (DESIGN §17).
+"""Environment tokens of agentic episodes (loss_mask 0) reach nothing in the trainer (docs/agentic.md).
 
 Multi-turn samples as `--custom-generate-function-path` builds them: model turn, environment
 feedback (masked, rollout log-prob 0), model turn, trailing environment observation (masked). On

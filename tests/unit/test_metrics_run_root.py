@@ -1,4 +1,4 @@
-"""config.json / STATUS.json helpers (miles_core.storage.run_root, DESIGN §3, §8.3).
+"""config.json / STATUS.json helpers (miles_core.storage.run_root, docs/quickstart.md#where-the-run-lives).
 
 Pins: segment 0 writes config.json and a resumed segment writes config_segment_{n}.json without
 touching it; STATUS.json round-trips; next_segment counts from the recorded status.

@@ -1,4 +1,4 @@
-"""MetricsSink and read_metrics (DESIGN §3 metrics/, §12).
+"""MetricsSink and read_metrics (docs/quickstart.md#where-the-run-lives metrics/, §12).
 
 Pins: events round-trip through the run root on file:// and S3; each flush is a new immutable
 part object (append-only on object storage); several writers of one component never collide;

@@ -1,4 +1,4 @@
-"""miles' training flags with miles' meaning (DESIGN §18).
+"""miles' training flags with miles' meaning (docs/real-model.md).
 
 Pins: --global-batch-size cuts a rollout into rollout_batch_size x n / it optimizer steps, each
 the same as a train step over that slice alone; --ref-load gives the initial and the KL reference

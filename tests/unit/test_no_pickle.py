@@ -1,4 +1,4 @@
-"""Nothing read from storage goes through pickle (DESIGN §6.2; issue 16 item 7).
+"""Nothing read from storage goes through pickle (docs/data-path.md; issue 16 item 7).
 
 Storage holds Arrow IPC (buffer, prompts), JSON (manifests, configs, metrics), safetensors and
 safetensors + JSON trees (checkpoints, snapshots). This scans every code path that could read it,

@@ -1,4 +1,4 @@
-"""A half copy in the node cache is not trusted (miles_core.storage.node_local.localize, DESIGN §15).
+"""A half copy in the node cache is not trusted (miles_core.storage.node_local.localize, docs/training.md).
 
 A node-cache entry is trusted only with its completion marker (`node_local.MARKER`, written last).
 A copy interrupted before the marker (a killed process, a full disk, a copy left by an older

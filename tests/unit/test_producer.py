@@ -568,7 +568,7 @@ def test_fill_sample_maps_finish_reasons_and_fills_missing_versions():
 
 
 def test_raising_reward_fails_samples_and_the_run_goes_on():
-    """Pins DESIGN §14 for rewards: a raising reward function marks samples failed (reason in
+    """Pins docs/architecture.md for rewards: a raising reward function marks samples failed (reason in
     metadata), counts rollout/reward_failed, and the producer keeps producing batches."""
 
     def reward(s):

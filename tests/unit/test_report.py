@@ -1,4 +1,4 @@
-"""The HTML report and its bottleneck reading (miles_core.metrics.report, DESIGN §12).
+"""The HTML report and its bottleneck reading (miles_core.metrics.report, docs/metrics.md).
 
 Pins: the file is self-contained (plotly.js inline once, no external scripts) and holds the
 reward, staleness, queue, throughput, wait-time and eval curves; the queue pinned at 0 reads

@@ -74,7 +74,7 @@ def test_text_rewards_get_the_decoded_response():
 
 
 def test_raising_reward_marks_the_sample_failed_and_counts_it():
-    """Pins DESIGN §14: a raising reward function fails that sample (status failed, reason in
+    """Pins docs/architecture.md: a raising reward function fails that sample (status failed, reason in
     metadata, loss mask zeroed, reward None) and is counted; the other samples are still scored."""
 
     def flaky(s):

@@ -1,4 +1,4 @@
-"""The submission budget and staleness admission as pure bookkeeping (DESIGN §5.2, §5.3)."""
+"""The submission budget and staleness admission as pure bookkeeping (docs/fully-async.md)."""
 
 from __future__ import annotations
 

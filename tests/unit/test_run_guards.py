@@ -1,4 +1,4 @@
-"""What `run_training` checks before it writes or starts anything (DESIGN §15), without Ray.
+"""What `run_training` checks before it writes or starts anything (docs/training.md), without Ray.
 
 Pins: a segment on a finished run returns its outcome at once, starts no Ray and no actor (the
 cluster functions raise if called), writes nothing (STATUS.json byte-identical, no config, no

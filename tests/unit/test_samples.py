@@ -1,4 +1,4 @@
-"""Samples, groups and their versioned Arrow schema (DESIGN §4).
+"""Samples, groups and their versioned Arrow schema (docs/data-path.md).
 
 Round trips are property tests over every column (nullable reward, unicode JSON strings, empty
 responses, several groups per batch). Readers must answer every malformed input with SchemaError
@@ -76,7 +76,7 @@ def group_lists(draw, max_groups: int = 4) -> list[Group]:
 def test_ipc_round_trip_all_columns(groups):
     """Pins: groups -> IPC bytes -> groups is the identity on every column, group order and sample order,
     including a null reward, unicode label/metadata, empty responses and zero groups.
-    Guards: a column dropped or re-typed in the buffer's object format (DESIGN §4)."""
+    Guards: a column dropped or re-typed in the buffer's object format (docs/data-path.md)."""
     assert ipc_to_groups(groups_to_ipc(groups), "test") == groups
 
 
@@ -216,7 +216,7 @@ def test_pending_samples_are_not_stored():
 
 def test_group_staleness_and_flags():
     """Pins: staleness = current - min(token_versions), None when unknown; aborted if any sample aborted;
-    cleared() keeps the prompt and drops generated fields (DESIGN §5.3, §6.2).
+    cleared() keeps the prompt and drops generated fields (docs/fully-async.md).
     Guards: unknown versions counted as stale; retried prompts carrying old responses."""
     g = Group("g", 1, [_sample(token_versions=[3, 5]), _sample(sample_index=1, token_versions=[4],
                                                                status=SampleStatus.ABORTED)])
@@ -229,7 +229,7 @@ def test_group_staleness_and_flags():
 
 
 def test_no_pickle_in_data_path():
-    """Pins: the samples module never imports pickle (DESIGN §4, §14).
+    """Pins: the samples module never imports pickle (docs/data-path.md).
     Guards: a convenience pickle.loads on data read from storage."""
     import miles_core.samples as mod
 

@@ -1,4 +1,4 @@
-"""Object storage (DESIGN §3) on file:// and memory://, with faults injected from outside.
+"""Object storage (docs/quickstart.md#where-the-run-lives) on file:// and memory://, with faults injected from outside.
 
 Faults come from a real unreachable endpoint (a port where nothing listens) and from a
 fault-injecting fsspec filesystem registered by this test module, never from switches inside

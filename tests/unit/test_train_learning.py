@@ -1,4 +1,4 @@
-"""The Megatron trainer learns the embedded default task (DESIGN §10), without engines or Ray.
+"""The Megatron trainer learns the embedded default task (docs/quickstart.md), without engines or Ray.
 
 Pins that model building, conversion, the default loss (PPO-clip against rollout log-probs) and
 the optimizer together learn: reverse4 on builtin:tiny-gpt, 32 prompts x 8 samples per step,
