@@ -12,6 +12,7 @@ from miles_core.prepare.dataset import dataset_fingerprint, prepare_dataset
 from miles_core.rollout.prompts import DatasetError, stored_dataset_info
 from miles_core.storage import Store
 from tasks.cluster import TRAIN_CLUSTER
+from tasks.failures import one_line_on_the_command_line
 from tasks.inputs import run_config
 from tasks.secrets import ENGINE_SECRETS
 from tasks.types import PreparedData
@@ -41,7 +42,8 @@ def prepare_data(flags: str, run_id: str, storage_root: str, fingerprint: str) -
     Cached by `fingerprint` (data_fingerprint's content hash) together with the run inputs.
     """
     cfg = run_config(flags, run_id, storage_root, cluster=TRAIN_CLUSTER)
-    info = prepare_dataset(cfg.data, Store(cfg.run_uri), tokenizer_source=tokenizer_source(cfg))
+    with one_line_on_the_command_line():  # every bad row named, without the frames that found them
+        info = prepare_dataset(cfg.data, Store(cfg.run_uri), tokenizer_source=tokenizer_source(cfg))
     if not fingerprint.startswith(info.content_hash):
         raise DatasetError(f"{info.source} changed while the run was starting (hash {fingerprint[:12]} -> "
                            f"{info.content_hash[:12]}); start the run again.")

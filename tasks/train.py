@@ -13,7 +13,7 @@ from images import task_image
 from miles_core.storage import Store
 from miles_core.storage.run_root import read_status
 from tasks.cluster import RAY_CLUSTER, TRAIN_CLUSTER
-from tasks.failures import recoverable_infrastructure
+from tasks.failures import one_line_on_the_command_line, recoverable_infrastructure
 from tasks.inputs import run_config
 from tasks.secrets import TRAIN_SECRETS
 from tasks.types import TrainOutcome
@@ -29,10 +29,11 @@ def train(flags: str, run_id: str, storage_root: str, segment_steps: int) -> Tra
     node, or the next scheduled segment, continues the same lineage. Infrastructure failures are
     recoverable (tasks.failures), so `retries` fire; on a finished run it returns at once.
     """
-    cfg = run_config(flags, run_id, storage_root, segment_steps, cluster=TRAIN_CLUSTER)  # bad flags fail here
+    with one_line_on_the_command_line():
+        cfg = run_config(flags, run_id, storage_root, segment_steps, cluster=TRAIN_CLUSTER)  # bad flags fail here
     from miles_core.driver.segment import run_training  # pulls in torch and megatron: import on use
 
-    with recoverable_infrastructure():
+    with one_line_on_the_command_line(), recoverable_infrastructure():
         run_training(cfg, eval_follower_after=_local())
         status = read_status(Store(cfg.run_uri))
     if status is None:

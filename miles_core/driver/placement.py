@@ -22,7 +22,7 @@ from miles_core.config.rules import raise_problems
 from miles_core.driver.handles import RayActorHandle
 from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
-from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, port_taken
+from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
 from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
 from miles_core.rollout.manager import rollout_manager_actor
@@ -129,7 +129,7 @@ class TrainerGroup:
                 self._wait_ready()
                 return
             except ray.exceptions.ActorDiedError as e:
-                self._kill()
+                self._kill(graceful=False)  # the others wait in the rendezvous for a rank that is gone
                 if not port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
                     ray.util.remove_placement_group(self.pg)
                     raise
@@ -151,11 +151,8 @@ class TrainerGroup:
             done, pending = ray.wait(pending, num_returns=1)
             ray.get(done)
 
-    def _kill(self) -> None:
-        import ray
-
-        for a in self.actors:
-            ray.kill(a)
+    def _kill(self, graceful: bool = True) -> None:
+        end_actors(self.actors, timeout_seconds=10.0 if graceful else 0.0)
         self.actors = []
 
     def _place(self, cfg, timeout_seconds: float) -> list[dict]:

@@ -9,7 +9,8 @@ Pins:
   ActorDiedError, which the Flyte mapping makes FlyteRecoverableException; it releases its lease,
   so the retry (with a 600 s lease TTL, which it would otherwise wait out) resumes from the
   latest checkpoint at once, and every step's batch is consumed exactly once across both;
-- while a run trains, a second `pyflyte run` of the same run id exits non-zero naming the holder;
+- while a run trains, a second `pyflyte run` of the same run id exits non-zero naming the holder (the
+  error alone, last on its console, no traceback);
   after the holder is SIGKILLed, the next segment takes the run over once the lease expires.
 """
 
@@ -143,11 +144,14 @@ def test_a_second_pyflyte_run_is_refused_and_a_killed_holder_is_taken_over(tmp_p
         second = subprocess.run(
             [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", " ".join(TINY + flags),
              "--storage_root", str(tmp_path), "--run_id", "r"],
-            cwd=ROOT, env={k: v for k, v in env.items() if k != "FLYTECTL_CONFIG"}, capture_output=True, text=True,
-            timeout=600)
+            cwd=ROOT, env={**{k: v for k, v in env.items() if k != "FLYTECTL_CONFIG"}, "COLUMNS": "2000"},
+            capture_output=True, text=True, timeout=600)
         output = second.stdout + second.stderr
         assert second.returncode != 0, output[-5000:]
         assert "LeaseHeld" in output and f"pid{first.pid}/" in output, output[-5000:]
+        # the command line shows the error alone, last, not the frames that raised it
+        last = [line for line in second.stderr.splitlines() if line.strip(" ─╭╰╮╯│")][-1]
+        assert "Traceback" not in output and "LeaseHeld: " in last and f"pid{first.pid}/" in last, output[-3000:]
         assert first.poll() is None  # the holder trains on
     finally:
         _kill_everything_under(ray_tmp, first)

@@ -11,6 +11,8 @@ for the first group and lets the second through unchanged.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import ray.exceptions as rx
 from flytekit.exceptions.base import FlyteRecoverableException as AnyRecoverable
@@ -128,3 +130,33 @@ def test_the_train_task_maps_a_lost_node(monkeypatch, tmp_path):
     monkeypatch.setattr(miles_core.driver.segment, "run_training", held)
     with pytest.raises(LeaseHeld):
         train.task_function(flags="--preset tiny-reverse4", run_id="t", storage_root=str(tmp_path), segment_steps=0)
+
+
+def test_on_the_local_command_line_an_error_is_the_error_alone_and_elsewhere_unchanged():
+    """`pyflyte run` (local) prints a ClickException as its message alone, any other exception with every
+    frame: there the task's error becomes one; a workflow called from Python, or a task on a cluster
+    (pyflyte-execute is a click command too), raises it unchanged."""
+    import click
+    from flytekit import FlyteContextManager
+    from flytekit.core.context_manager import ExecutionState
+
+    from tasks.failures import CommandLineError, one_line_on_the_command_line
+
+    def raised(mode, under_click: bool) -> BaseException:
+        ctx = FlyteContextManager.current_context()
+        state = ctx.with_execution_state(ctx.execution_state.with_params(mode=mode))
+        with FlyteContextManager.with_context(state), \
+                (click.Context(click.Command("pyflyte")) if under_click else contextlib.nullcontext()):
+            try:
+                with one_line_on_the_command_line():
+                    raise ValueError("bad row 3")
+            except BaseException as e:  # noqa: BLE001
+                return e
+        raise AssertionError("nothing raised")
+
+    local = ExecutionState.Mode.LOCAL_WORKFLOW_EXECUTION
+    e = raised(local, under_click=True)
+    assert isinstance(e, CommandLineError) and e.format_message() == "ValueError: bad row 3"
+    assert isinstance(e.__cause__, ValueError)
+    assert type(raised(local, under_click=False)) is ValueError
+    assert type(raised(ExecutionState.Mode.TASK_EXECUTION, under_click=True)) is ValueError
