@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 MILES = str(Path(sys.executable).with_name("miles"))
 STEPS, MORE, BATCH = 4, 6, 8  # the template trains STEPS steps of BATCH groups; each case continues to MORE
-FLAGS = (f"--preset tiny-reverse4 --save-interval 2 --eval-interval 2 --rollout-batch-size {BATCH} --n-samples-per-prompt 4 "
+FLAGS = (f"--preset tiny-reverse4 --save-interval 2 --eval-interval 2 --rollout-batch-size {BATCH} --n-samples-per-prompt 4 --eval-max-prompts 32 "
          "--no-progress")
 WORKERS = 3
 RUN_TIMEOUT = 600
