@@ -157,8 +157,8 @@ def test_the_recipe_flags_not_implemented_are_refused_by_name(tmp_path):
 
 
 def test_preset_sets_its_flags_and_explicit_flags_win():
-    cfg = parse_flags(["--preset", "tiny-reverse4", "--preset", "smollm2-arith", "--num-rollout", "3"])
+    cfg = parse_flags(["--preset", "smollm2-arith", "--num-rollout", "3"])
     assert cfg.model.hf_checkpoint == "import:smollm2-135m-instruct" and cfg.data.apply_chat_template
     assert cfg.run.num_rollout == 3 and cfg.rollout.rollout_top_k == 50
     with pytest.raises(ConfigError, match="--preset: invalid choice"):
-        parse_flags(["--preset", "tiny-reverse4", "--preset", "nope"])
+        parse_flags(["--preset", "nope"])

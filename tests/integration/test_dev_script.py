@@ -1,0 +1,38 @@
+"""`./dev run` names the embedded default's preset first in `--flags` (the `dev` script's
+`embedded_default_args`, run by bash as `./dev run` runs it): alone, with `--flags X`, `--flags=X`
+and the workflow's other inputs, flags given after the preset win."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _args(*argv: str) -> list[str]:
+    script = ('set -euo pipefail; source <(sed -n "/^EMBEDDED_DEFAULT=/p;/^embedded_default_args()/,/^}/p" dev); '
+              'embedded_default_args "$@"; printf "%s\\n" "${ARGS[@]}"')
+    out = subprocess.run(["bash", "-c", script, "dev", *argv], cwd=ROOT, capture_output=True, text=True, check=True)
+    return out.stdout.splitlines()
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ((), ["--flags", "--preset tiny-reverse4"]),
+    (("--flags", "--num-rollout 20"), ["--flags", "--preset tiny-reverse4 --num-rollout 20"]),
+    (("--flags=--seed 3",), ["--flags=--preset tiny-reverse4 --seed 3"]),
+    (("--run_id", "try-2", "--storage_root", "/data/miles"),
+     ["--run_id", "try-2", "--storage_root", "/data/miles", "--flags", "--preset tiny-reverse4"]),
+])
+def test_dev_run_names_the_preset_first(argv, expected):
+    assert _args(*argv) == expected
+
+
+def test_a_flag_given_to_dev_run_wins_over_the_preset():
+    from miles_core.config import parse_flags
+
+    flags = _args("--flags", "--lr 0.01 --num-rollout 20")[1]
+    cfg = parse_flags(flags.split())
+    assert (cfg.run.preset, cfg.train.lr, cfg.run.num_rollout) == ("tiny-reverse4", 0.01, 20)
