@@ -513,8 +513,8 @@ def _num(x, digits: int = 3) -> str:
 
 # ----------------------------------------------------------------------------- command line
 
-QUICK = {"seconds_per_token": 0.05, "batch_size": 8, "n": 4, "warmup_steps": 1, "window_steps": 2, "settle_steps": 1, "kill_steps": 2,
-         "claim_ttl_seconds": 10.0}
+QUICK = {"seconds_per_token": 0.05, "batch_size": 8, "n": 4, "warmup_steps": 1, "window_steps": 2, "settle_steps": 1,
+         "kill_steps": 2, "claim_ttl_seconds": 10.0}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

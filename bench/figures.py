@@ -4,7 +4,8 @@ one source for every number.
     .venv/bin/python bench/figures.py           # after a bench run: rewrite the page's generated sections
     .venv/bin/python bench/figures.py --check   # write nothing; exit 1 naming each stale section (the tests)
 
-Each bench's figures sit in its page (`PAGES`: docs/benchmarks.md but for the quickstart's) between `<!-- figures-{bench}:begin (generated ...) -->`
+Each bench's figures sit in its page (`PAGES`: docs/benchmarks.md but for the quickstart's) between
+`<!-- figures-{bench}:begin (generated ...) -->`
 and `<!-- figures-{bench}:end -->`: when and on what the bench ran, then its tables, rendered from
 bench/results/{bench}.json (the schema of bench/results_file.py). The prose around the sections says
 what is measured and how and quotes no figure; other pages link to the page rather than quote it. A

@@ -3,7 +3,9 @@
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--preset tiny-reverse4"   # the embedded default (CPU)
     pyflyte run workflows/fully_async.py fully_async_rl --flags "--preset tiny-reverse4 --rollout-batch-size 16"
     pyflyte run --remote workflows/fully_async.py fully_async_rl \\
-        --storage_root s3://bucket/miles --run_id qwen-math --flags "--hf-checkpoint s3://... --prompt-data s3://... --rollout-batch-size 32 --n-samples-per-prompt 8 --num-rollout 200 --engine-backend sglang"
+        --storage_root s3://bucket/miles --run_id qwen-math \\
+        --flags "--hf-checkpoint s3://... --prompt-data s3://... --rollout-batch-size 32 --n-samples-per-prompt 8 \\
+                 --num-rollout 200 --engine-backend sglang"
 
 `flags` is the miles command line (every flag of `miles validate --help`); `run_id`,
 `storage_root` and `segment_steps` are typed shortcuts ("" / 0: as in flags or the default).
@@ -29,7 +31,7 @@ from tasks.train import train
 def fully_async_rl(flags: str = "", run_id: str = "", storage_root: str = "", segment_steps: int = 0) -> HTMLPage:
     """Fully asynchronous RL post-training of an LLM; returns the run report (HTML).
 
-    :param flags: miles flags, e.g. "--rollout-batch-size 16 --max-weight-staleness 2" (--hf-checkpoint, --prompt-data, --rollout-batch-size and --num-rollout, or a --preset that sets them; ./dev run: "--preset tiny-reverse4")
+    :param flags: miles flags: --hf-checkpoint, --prompt-data, --rollout-batch-size and --num-rollout, or a --preset that sets them (./dev run: "--preset tiny-reverse4"), then any others
     :param run_id: run id; the run root is {storage_root}/runs/{run_id} ("" : --run-id from flags, else "default")
     :param storage_root: object-storage prefix of runs, e.g. s3://bucket/miles ("" : --storage-root from flags, else ./.miles)
     :param segment_steps: train at most this many steps in this execution, then checkpoint and exit (0: to --num-rollout)

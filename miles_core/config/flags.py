@@ -1,6 +1,6 @@
 """Kebab-case flags -> RunConfig: the parser miles users know, presets first, explicit flags on top.
 
-    cfg = parse_flags(["--rollout-batch-size", "16"])   # checked by the config's own rules
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--rollout-batch-size", "16"])   # checked by the config's rules
     cfg, problems = read_flags(argv)                     # the flags that parsed; the rest as problems
 
 Every problem of a command line is reported at once: unknown flags, malformed values (a flag
@@ -91,7 +91,7 @@ def embedded_default(**fields: Any) -> RunConfig:
 
 
 def parse_flags(argv: list[str], base: RunConfig | None = None, check: bool = True) -> RunConfig:
-    """Flags -> RunConfig (on top of `base`, default: the embedded default), checked by the config's own
+    """Flags -> RunConfig (on top of `base`, default: the flag defaults), checked by the config's own
     rules unless check=False; one ConfigError listing every problem."""
     cfg, problems = read_flags(argv, base)
     raise_flag_problems(problems, config_problems(cfg, problems) if check else [])

@@ -65,8 +65,9 @@ def _required(cfg: RunConfig) -> list[str]:
     if not missing:
         return []
     return [f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} required (as in miles): give "
-            f"{'it' if len(missing) == 1 else 'them'}, or start from a preset that sets them: --preset tiny-reverse4 "
-            "(the embedded default of ./dev run, a tiny model on CPU) or --preset smollm2-arith (docs/configuration.md)."]
+            f"{'it' if len(missing) == 1 else 'them'}, or start from a preset that sets them: "
+            "--preset tiny-reverse4 (the embedded default of ./dev run, a tiny model on CPU) or "
+            "--preset smollm2-arith (docs/configuration.md)."]
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:

@@ -58,7 +58,8 @@ def setting_warnings(cfg: RunConfig) -> list[str]:
     t, r, out = cfg.train, cfg.rollout, []
     if t.lr >= 1e-4:
         out.append(f"--lr {t.lr:g} on a pretrained model: RL post-training uses 1e-6 (miles' default) to 1e-5; "
-                   f"at {t.lr:g} Adam moves every weight by about that much per step and wipes out what the model knows.")
+                   f"at {t.lr:g} Adam moves every weight by about that much per step and wipes out what the "
+                   "model knows.")
     if r.rollout_max_response_len is not None and r.rollout_max_response_len <= 8:
         out.append(f"--rollout-max-response-len {r.rollout_max_response_len}: answers of at most "
                    f"{r.rollout_max_response_len} tokens are cut before a pretrained model says anything; "

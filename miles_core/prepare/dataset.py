@@ -3,7 +3,8 @@
 `prepare_dataset(data_section, store)` reads `--prompt-data` (JSONL, Parquet or Arrow; a local
 path or any fsspec URI; or `builtin:*`) and writes one normalized Arrow IPC file into the run
 root, `data/prompts.arrow`, followed by `data/prompts.hash.json` (content hash, row count,
-source). The hash file is written last: it is the completion marker (docs/quickstart.md#where-the-run-lives), so a reader
+source). The hash file is written last: it is the completion marker
+(docs/quickstart.md#where-the-run-lives), so a reader
 never sees a half-written dataset as complete.
 
 Normalized columns:
