@@ -32,7 +32,7 @@ SCRIPT = ("import sys; from miles_core.config import parse_flags; from miles_cor
 
 def _flags(storage: Path) -> list[str]:
     # The killed run's lease is taken over when it expires: a 10 s TTL keeps the resume from waiting a minute.
-    return ["--storage-root", str(storage), "--run-id", "crash", "--num-rollout", "24", "--save-interval", "4",
+    return ["--storage-root", str(storage), "--run-id", "crash", "--num-rollout", "16", "--save-interval", "4",
             "--eval-prompt-data", "--eval-interval", "none", "--no-progress", "--lease-ttl-seconds", "10"]
 
 
@@ -78,10 +78,10 @@ def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path
                              stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 600
-        while _latest_step(run) < 11 and time.time() < deadline:
+        while _latest_step(run) < 3 and time.time() < deadline:
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-5000:]
             time.sleep(0.5)
-        assert _latest_step(run) >= 11, "no checkpoint at step 11 within 10 minutes"
+        assert _latest_step(run) >= 3, "no checkpoint at step 3 within 10 minutes"
         time.sleep(1.0)  # let it train past the checkpoint, so there are manifests to discard
     finally:
         _kill_everything_under(ray_tmp, first)
@@ -94,13 +94,13 @@ def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     status = json.loads((run / "STATUS.json").read_text())
-    assert status["state"] == "finished" and status["last_step"] == 23 and status["segment"] == 1, status
+    assert status["state"] == "finished" and status["last_step"] == 15 and status["segment"] == 1, status
 
     manifests = sorted((run / "buffer" / "consumed").glob("*.json"))
-    assert [int(m.stem) for m in manifests] == list(range(24))
+    assert [int(m.stem) for m in manifests] == list(range(16))
     ids = [gid for m in manifests for gid in json.loads(m.read_text())["consumed"]]
-    assert len(ids) == 24 * 32
+    assert len(ids) == 16 * 32
     assert len(set(ids)) == len(ids), "a group was trained twice"
     positions = [re.match(r"(e\d+-p\d+)-a\d+", gid).group(1) for gid in ids]
     assert len(set(positions)) == len(positions), "a prompt was trained twice"
-    assert killed_at >= 11
+    assert 3 <= killed_at < 15

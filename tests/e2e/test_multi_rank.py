@@ -28,7 +28,7 @@ from tests.e2e.test_pyflyte_run import _consumed_ids, _reward_by_step, _run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-STEPS = 120
+STEPS = 150
 
 
 def _metric_by_step(run_uri: str, name: str) -> dict[int, float]:

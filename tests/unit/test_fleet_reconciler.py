@@ -302,13 +302,3 @@ def test_a_writer_that_lost_the_lease_changes_nothing(rig):
     with pytest.raises(RuntimeError, match="LeaseLost"):
         rec.reconcile(0, 5)
     assert len(fleet.members) == 1 and read_fleet(store) is None and log == []
-
-
-def test_a_serving_engines_recorded_version_follows_the_pushes_it_received(rig):
-    """engines show's VERSION: the version a serving engine holds now, not the one it began serving with."""
-    rec, fleet, trainer, rollout, store, clock, log = rig
-    rec.reconcile(0, 5)
-    for step, version in ((1, 6), (2, 7)):
-        trainer.answers["delivered"] = version
-        rec.reconcile(step, version)
-    assert read_fleet(store)["engines"][0]["version"] == 7
