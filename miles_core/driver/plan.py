@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from miles_core.config import RunConfig
 from miles_core.metrics.names import STEP_SECONDS
 from miles_core.metrics.sink import read_metrics
+from miles_core.prepare.checks import setting_warnings
 from miles_core.storage import StorageError, StorageUnavailable, Store, normalize_uri
 from miles_core.storage.run_root import (
     FINISHED,
@@ -68,7 +69,8 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
              f"{PREFIX} run root: {_where(cfg.run_uri)}",
              f"{PREFIX} report: {_where(cfg.run_uri)}/report.html when the run ends (any time: miles report "
              f"{shlex.quote(cfg.run_uri)} -o report.html)"]
-    return "\n".join(lines + [_time_line(cfg, store, end - start)])
+    warnings = [f"{PREFIX} warning: {w}" for w in setting_warnings(cfg)]  # said once, where a run starts
+    return "\n".join(lines + [_time_line(cfg, store, end - start)] + warnings)
 
 
 def is_finished(cfg: RunConfig, status: RunStatus | None) -> bool:

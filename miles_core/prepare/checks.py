@@ -43,15 +43,13 @@ def validate(cfg: RunConfig, cluster: ClusterShape | None = None) -> RunConfig:
     """`cfg` when every check passes (with `cluster`: also that the run fits it), else one ConfigError
     listing every problem."""
     raise_problems(validation_problems(cfg, cluster))
-    for warning in setting_warnings(cfg):
-        log.warning("%s", warning)
     return cfg
 
 
 def setting_warnings(cfg: RunConfig) -> list[str]:
     """Settings only a toy wants, met with a pretrained model (anything but a builtin tiny one): one
     line each, naming the flag, its value and what a pretrained model wants. `miles validate` prints
-    them; a run logs them. Values a preset sets for its own model (tiny-reverse4's lr 2e-3 on a random
+    them, and so do a run's first lines (`describe_plan`: once, not in every task that validates). Values a preset sets for its own model (tiny-reverse4's lr 2e-3 on a random
     2-layer model) are never judged: the builtin tiny models are the toy."""
     if is_builtin(cfg.model.hf_checkpoint) or not cfg.model.hf_checkpoint:
         return []

@@ -107,3 +107,11 @@ def test_the_plan_task_prints_first_and_returns_the_text(tmp_path, capsys):
 
     text = plan(flags="--preset tiny-reverse4 --num-rollout 3", run_id="t", storage_root=str(tmp_path), segment_steps=0)
     assert "steps 0..2 of --num-rollout 3" in text and text in capsys.readouterr().err
+
+
+def test_a_pretrained_model_with_toy_settings_is_warned_about_in_the_first_lines(tmp_path):
+    plan = describe_plan(_cfg(tmp_path, "--hf-checkpoint", str(tmp_path), "--lr", "0.002"))
+    warnings = [line for line in plan.splitlines() if "warning" in line]  # the preset's lr, length, micro-batch
+    assert len(warnings) == 3 and all(w.startswith("[miles] warning: --") for w in warnings)
+    assert warnings[0].startswith("[miles] warning: --lr 0.002 on a pretrained model")
+    assert "warning" not in describe_plan(_cfg(tmp_path))  # the tiny builtin model is the toy
