@@ -11,8 +11,8 @@
 What is real: RolloutManager (data source, producer, submission budget, staleness admission,
 durable buffer on a memory:// run root (or `--storage-root file://...`), drain), `run_loop` and the
 Roles of `miles_core.driver` (OnDemandBatches / PrefetchedBatches, TrainerRole, WeightPusher,
-Checkpointer recording consumed ids every step), each side behind a LocalHandle (its own event-loop
-thread), where the Ray path has actors. The config is the product's, with its defaults
+Checkpointer recording consumed ids every step), the rollout side behind `RolloutClient.in_process` (its own event-loop
+thread) and the trainer behind `InProcessTrainer` (one thread), where the Ray path has actors. The config is the product's, with its defaults
 (`--max-weight-staleness 2`, buffer capacity factor 2). What is timed, not computed:
 - `TimedEngines`: `engines` engines of `slots_per_engine` concurrent slots each (an asyncio.Semaphore
   per engine; a request goes to the engine with the fewest requests running or queued); a sample of
@@ -80,7 +80,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import results_file  # noqa: E402
 from miles_core.buffer.metrics import STALE_GROUPS_FILTERED  # noqa: E402
 from miles_core.config import RunConfig, embedded_default, replace_fields  # noqa: E402
-from miles_core.driver.handles import LocalHandle  # noqa: E402
+from miles_core.driver.clients import Pending, RolloutClient  # noqa: E402
+from miles_core.driver.fleet_reconciler import NoFleet  # noqa: E402
 from miles_core.driver.loop import LoopResult, run_loop  # noqa: E402
 from miles_core.driver.roles import (  # noqa: E402
     Checkpointer,
@@ -89,9 +90,10 @@ from miles_core.driver.roles import (  # noqa: E402
     Progress,
     Roles,
     TrainerRole,
-    WeightPusher,
     batch_source,
 )
+from miles_core.driver.pushes import WeightPusher, WeightVersion  # noqa: E402
+from miles_core.driver.switchboard import Switchboard  # noqa: E402
 from miles_core.prepare.checks import validate  # noqa: E402
 from miles_core.rollout.builtin_tasks import builtin_rows  # noqa: E402
 from miles_core.rollout.failures import FailureBudget  # noqa: E402
@@ -357,16 +359,37 @@ class TimedTrainer:
         tail = self.slept[skip:] or self.slept
         return sum(got - asked for asked, got in tail) / len(tail)
 
-    def push_weights(self, step: int, wait: bool = True) -> dict:
-        """WeightSync.push in time: export (engines generate), pause + load + resume (engines stopped)."""
+    def push_weights(self, step: int, version: int) -> dict:
+        """WeightSync.push in time: export (engines generate), pause + load + resume (engines stopped); the
+        engines serve it when this returns (as the distributed transport's push)."""
         time.sleep(self.w.export_seconds)
-        end, version = self.clock.pause(self.w.engine_pause_seconds)
+        end, _ = self.clock.pause(self.w.engine_pause_seconds)
         while (now := time.monotonic()) < end:
             time.sleep(end - now)
-        return {"version": version}
+        return {"delivered": True}
 
     def save_checkpoint(self, step: int, extras: dict) -> None:
         pass
+
+
+class InProcessTrainer:
+    """The trainer client's calls (miles_core.driver.placement.TrainerGroup) on one thread of this process."""
+
+    def __init__(self, trainer: TimedTrainer):
+        self.trainer = trainer
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
+
+    def train_step(self, step: int, groups: list) -> Pending:
+        return Pending(future=self.pool.submit(self.trainer.train_step, step, groups))
+
+    def push_weights(self, step: int, version: int) -> Pending:
+        return Pending(future=self.pool.submit(self.trainer.push_weights, step, version))
+
+    def save_checkpoint(self, step: int, extras: dict) -> Pending:
+        return Pending(future=self.pool.submit(self.trainer.save_checkpoint, step, extras))
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 class NoEvals:
@@ -458,21 +481,22 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
     clock = WeightClock()
     engines, trainer = TimedEngines(w, clock), TimedTrainer(w, clock)
     rows = builtin_rows("builtin:reverse4")
-    rollout = LocalHandle(RolloutManager(cfg, engine=engines, rows=rows, decode=digit_decode,
-                                         consumed_through_step=-1))
-    trainer_h = LocalHandle(trainer)
+    rollout = RolloutClient.in_process(RolloutManager(cfg, engine=engines, rows=rows, decode=digit_decode,
+                                                      consumed_through_step=-1))
+    trainer_h = InProcessTrainer(trainer)
+    board, version = Switchboard(), WeightVersion()
     roles = None
     try:
-        version_box = [trainer_h.call("push_weights", -1).result()["version"]]  # engines serve v1, as run_training
-        rollout.call("set_version", version_box[0]).result()
-        rollout.call("start").result()
+        pusher = WeightPusher(trainer_h, rollout, NoFleet(), board, version,
+                              interval=cfg.rollout.update_weights_interval)
+        pusher.first_push(-1, 0)  # engines serve v1, as run_training
+        rollout.start().result()
         sink, phases = ListSink(), PhaseTimes()
         roles = Roles(
             driver=cfg.driver, start_step=0, end_step=cfg.run.num_rollout, end_reason="num_rollout",
-            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval),
-            trainer=TrainerRole(trainer_h),
-            weights=WeightPusher(trainer_h, rollout, cfg.rollout.update_weights_interval, version_box),
-            checkpoints=Checkpointer(trainer_h, rollout, cfg.train.save_interval, enabled=False),
+            batches=batch_source(cfg.driver, rollout, board, version, cfg.rollout.update_weights_interval),
+            trainer=TrainerRole(trainer_h, board), weights=pusher,
+            checkpoints=Checkpointer(trainer_h, rollout, board, cfg.train.save_interval, enabled=False),
             evals=NoEvals(), metrics=MetricsLog(sink), progress=Progress(cfg.run.num_rollout, 0, enabled=False),
             deadline=Deadline(None),
             failures=FailureBudget(cfg.rollout.max_failed_sample_fraction, cfg.rollout.failed_sample_window_steps))
@@ -488,7 +512,7 @@ def run_driver(w: Workload, cfg: RunConfig) -> DriverRun:
         result = run_loop(roles)
         return DriverRun(cfg.driver, result, t_start, phases, trainer, engines, sink.events)
     finally:
-        rollout.call("stop", 0.0).result(30)
+        rollout.stop(0.0).result(30)
         if roles is not None:
             settle(roles.batches)
         rollout.close()
@@ -499,8 +523,8 @@ def settle(batches) -> None:
     """Let the drain that was prefetched for a step after the last end (the stop closed its buffer) before
     its event loop stops, so no task of it is destroyed pending."""
     pending = getattr(batches, "pending", None)
-    if pending is not None:
-        concurrent.futures.wait([pending], timeout=10)
+    if pending is not None and pending.future is not None:
+        concurrent.futures.wait([pending.future], timeout=10)
 
 
 @dataclass(frozen=True)

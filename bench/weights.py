@@ -164,12 +164,12 @@ async def bench_store(name: str, repeats: int, work: str, modes: list[str], **_)
     copies: list[str] = []
     try:
         async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
-            sync = WeightSync([client], StoreWeightTransport(trainer, store), lambda v: None, "retract")
+            sync = WeightSync([client], StoreWeightTransport(trainer, store), "retract")
 
             async def one_round(k: int, mode: str | None) -> None:
                 if mode:
                     prepare_cache(mode)
-                res = await sync.push(k)
+                res = await sync.push(k, k + 1)
                 src = store.local_path(f"snapshots/step_{k:08d}/model.safetensors")
                 copies.append(os.path.join(work, f"{name}-copy-{k}.safetensors"))
                 if mode:
@@ -269,10 +269,10 @@ async def bench_distributed(name: str, repeats: int, work: str, modes: list[str]
     raw = None
     try:
         async with EngineClient([server.url], control_timeout_seconds=600) as client:
-            sync = WeightSync([client], transport, lambda v: None, "retract")
-            first = await sync.push(0)  # forms the group
+            sync = WeightSync([client], transport, "retract")
+            first = await sync.push(0, 1)  # forms the group
             for k in range(1, WARM_UP):  # the first pushes also allocate the engine's two sets of buffers
-                await sync.push(k)
+                await sync.push(k, k + 1)
             raw = RawBroadcast(nbytes, WARM_UP + repeats * len(modes))
             for _ in range(WARM_UP):  # as many of the baseline's first broadcasts are left out
                 raw.seconds()
@@ -280,7 +280,7 @@ async def bench_distributed(name: str, repeats: int, work: str, modes: list[str]
             for _ in range(repeats):
                 for mode in modes:
                     prepare_cache(mode)
-                    res = await sync.push(k)
+                    res = await sync.push(k, k + 1)
                     prepare_cache(mode)
                     rows[mode].append({"push_s": res.total_seconds, "pause_s": res.pause_seconds,
                                        "export_s": res.export_seconds, "baseline_s": raw.seconds()})

@@ -1,2 +1,2 @@
 """The driver: one training segment of a run (`segment.run_training`), built from the roles placed on
-Ray (`placement`), wired into the loop (`roles`, `fenced`) and run (`loop`)."""
+Ray (`placement`), wired into the loop (`roles`, `pushes`, `switchboard`: its one wait) and run (`loop`)."""

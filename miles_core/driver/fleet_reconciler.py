@@ -1,7 +1,9 @@
 """The driver's fleet role: moves the engine fleet to the size the run root asks for while the run goes on.
 
-    fleet = FleetReconciler(engines, trainer, rollout, store, target=cfg.engine.rollout_num_engines)
-    metrics = fleet.reconcile(step, version)    # the loop, after each step's weight push; never waits for an engine
+    fleet = FleetReconciler(engines, trainer, rollout, store, version, target=cfg.engine.rollout_num_engines)
+    metrics = fleet.reconcile(step)    # the loop, after each step's weight push; never waits for an engine
+    fleet.tick()                       # a duty of the driver's waits: reconciles while no engine serves
+    fleet.targets(); fleet.drop_lost() # what a weight push reaches; engines gone, dropped (one owner)
 
 `--rollout-num-engines` is the starting size; engines/target.json (`miles engines add|remove RUN_URI N`,
 miles_core.engines.registry) is the size asked for since. Each call:
@@ -13,30 +15,33 @@ miles_core.engines.registry) is the size asked for since. Each call:
 3. engines that joined advance. Once started, one loads the weights of the current version when they
    are in the run root (the store transport's staged snapshot, or the weights published for producer
    jobs) and then serves; otherwise (the distributed transport, or a version moved on under its load)
-   it is given to the trainer, the next weight push reaches it (the distributed transport forms its
-   group again with it), and it serves once that push was delivered (`delivered`: a push's delivery may
-   overlap the next step). Either way no request reaches an engine before it holds the current version;
+   it is among the next weight push's targets (the distributed transport forms its group again with
+   it), and it serves once that push was delivered (the driver's `WeightVersion.delivered`: a push's
+   delivery may overlap the next step). Either way no request reaches an engine before it holds the
+   current version;
 4. fewer live (joining or serving) engines than the target: more are started in the background (Ray
    places them when the cluster has room: nothing here waits for it; one still starting after
    `stuck_after_seconds` is logged once); more than the target: joining ones are cancelled first, then
    the newest serving ones drain: the rollout manager sends them no new request, and once their
    requests in flight are done (or after `drain_grace_seconds`) they leave the trainer's set and shut
-   down, never under a weight push still delivering to them;
+   down; nothing leaves while a delivery is in flight (it waits for the next round);
 5. engines/fleet.json records the fleet, the target and the recent changes (with the weight versions
    each engine served) after every change.
 
 It returns the step's `rollout/engines` (engines serving). A target below `min_engines` (1 unless
-producer jobs may feed the run) is refused in the log and the minimum kept.
+producer jobs may feed the run) is refused in the log and the minimum kept. This is the one owner of
+engine liveness: a weight push that failed because an engine is gone asks `drop_lost`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
-from miles_core.engines.launcher import DRAINING, SERVING, STARTING, FleetMember
+from miles_core.driver.clients import RolloutClient
+from miles_core.driver.pushes import WeightVersion
+from miles_core.engines.launcher import DRAINING, SERVING, STARTING, EngineFleet, FleetMember
 from miles_core.engines.registry import EngineTargetError, read_target, write_fleet
 from miles_core.metrics.names import ENGINES
 
@@ -50,78 +55,84 @@ EVENTS_KEPT = 200
 class NoFleet:
     """A loop without a fleet to reconcile (tests, benchmarks)."""
 
-    def reconcile(self, step: int, version: int) -> dict:
+    def reconcile(self, step: int) -> dict:
         return {}
+
+    def tick(self) -> None:
+        pass
+
+    def targets(self) -> list[tuple[str, Any]]:
+        return []
+
+    def drop_lost(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass
 
 
 class FleetReconciler:
-    def __init__(self, engines, trainer, rollout, store, *, target: int, version: int = 0, min_engines: int = 1,
-                 read_interval_seconds: float = 2.0, drain_grace_seconds: float = 30.0,
-                 stuck_after_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic,
-                 fence: Callable[[], None] = lambda: None):
-        self.engines, self.trainer, self.rollout, self.store = engines, trainer, rollout, store
+    def __init__(self, engines: EngineFleet, trainer: Any, rollout: RolloutClient, store, version: WeightVersion, *,
+                 target: int, min_engines: int = 1, read_interval_seconds: float = 2.0,
+                 drain_grace_seconds: float = 30.0, stuck_after_seconds: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic, fence: Callable[[], None] = lambda: None):
+        self.engines, self.trainer, self.rollout, self.store, self.version = engines, trainer, rollout, store, version
         self.fence = fence  # raises when this writer lost the run root's lease (before every change)
         self.min_engines, self.read_interval, self.grace = min_engines, read_interval_seconds, drain_grace_seconds
         self.stuck_after, self.clock = stuck_after_seconds, clock
-        self.target, self.step, self.version = max(target, min_engines), -1, version
+        self.target, self.step = max(target, min_engines), -1
         self.events: list[dict] = []
         self._read_at = float("-inf")
         self._spawn_after, self._backoff = float("-inf"), 1.0
         self._drain_until: dict[str, float] = {}
-        self._joined_at: dict[str, int] = {}  # a joining engine's version when the trainer got it
+        self._joined_at: dict[str, int] = {}  # a joining engine's version when it became a push target
         self._told: set[str] = set()  # what was logged once
         self._sent = {"trainer": self._names(IN_TRAINER_SET), "rollout": self._names((SERVING,))}
-        self._trainer_version = version  # the version the trainer's engines held when it last got its set
-        self._recorded = False
-        self._lock, self._stop = threading.RLock(), threading.Event()
-        for m in engines.serving():  # the starting fleet serves the version the run started on
-            m.detail.setdefault("version", version)
-            self._event("serving", m)
+        self._recorded = self._began = False
 
-    def reconcile(self, step: int, version: int) -> dict[str, float]:
-        """After `step`'s weight push made (or kept) `version`: one round of the module doc's steps."""
-        with self._lock:
-            self.fence()
-            self.step, self.version = step, version
-            changes = [self._drop_lost(), self._read_target(), self._advance(), self._resize(),
-                       self._finish_draining()]
-            self.engines.reap()
-            if any(changes):
-                self._give_sets()
-            if any(changes) or not self._recorded:
-                self.record()
-            return {ENGINES: float(len(self.engines.serving()))}
+    def reconcile(self, step: int) -> dict[str, float]:
+        """After `step`'s weight push: one round of the module doc's steps."""
+        self.fence()
+        self.step = step
+        if not self._began:  # the starting fleet serves the version the run started on
+            self._began = True
+            for m in self.engines.serving():
+                m.detail.setdefault("version", self.version.delivered)
+                self._event("serving", m)
+        changes = [self._drop_lost(), self._read_target(), self._advance(), self._resize(), self._finish_draining()]
+        self.engines.reap()
+        if any(changes):
+            self._give_sets()
+        if any(changes) or not self._recorded:
+            self.record()
+        return {ENGINES: float(len(self.engines.serving()))}
 
-    def start(self, every_seconds: float = 2.0) -> "FleetReconciler":
-        """Also reconcile from a thread of its own every `every_seconds` while no engine serves: the loop
-        then waits for a batch that only an engine (or a producer job) can generate, and reconciles no
-        more until one does, so an engine asked for meanwhile must join without it."""
-        thread = threading.Thread(target=self._tick, args=(every_seconds,), name="fleet-reconciler", daemon=True)
-        thread.start()
-        return self
+    def tick(self) -> None:
+        """A duty of the driver's waits: while no engine serves, the loop waits for a batch that only an engine
+        (or a producer job) can generate and reconciles no more until one does, so an engine asked for
+        meanwhile must join from here."""
+        if not self.engines.serving():
+            self.reconcile(self.step)
+
+    def targets(self) -> list[tuple[str, Any]]:
+        """(url, engine actor) of every engine a weight push reaches: joining, serving and draining ones."""
+        return [(m.url, m.actor) for m in self.engines.members if m.state in IN_TRAINER_SET]
+
+    def drop_lost(self) -> bool:
+        """Engines whose actor died leave every set now (a push that failed asks before it tries again)."""
+        if not self._drop_lost():
+            return False
+        self._give_sets()
+        self.record()
+        return True
 
     def close(self) -> None:
-        """Stop the thread; the final record (with what each engine served), a failure to write it only logged."""
-        self._stop.set()
+        """The final record (with what each engine served), a failure to write it only logged."""
         try:
-            with self._lock:
-                self.fence()
-                self.record()
+            self.fence()
+            self.record()
         except Exception as e:  # noqa: BLE001 - the segment's end never fails over this record
             log.warning("could not record the engine fleet at the end: %s", e)
-
-    def _tick(self, every_seconds: float) -> None:
-        while not self._stop.wait(every_seconds):
-            if self.engines.serving():
-                continue
-            try:
-                self.reconcile(self.step, self.version)
-            except Exception as e:  # noqa: BLE001 - the loop's own calls raise it where it counts
-                log.warning("engine fleet: reconciling while no engine serves failed (%s); stopping that", e)
-                return
 
     # ---- 1. lost engines ----------------------------------------------------------------------
     def _drop_lost(self) -> bool:
@@ -173,38 +184,36 @@ class FleetReconciler:
             return self.engines.started(m) and self._load_current(m)
         if m.state == LOADING:
             return self.engines.loaded(m) and self._after_load(m)
-        joined_at = self._joined_at[m.name]
-        return self.version > joined_at and self._delivered() > joined_at and self._serve(m)
+        return self.version.delivered > self._joined_at[m.name] and self._serve(m)
 
     def _load_current(self, m: FleetMember) -> bool:
-        staged = self.trainer.call("staged_weights").result()
-        if not staged:
-            return self._join_at_next_push(m)
-        self.engines.begin_load(m, staged["uri"], staged["version"])
-        m.state, m.detail["loading"] = LOADING, staged["version"]
+        """The delivered version's weights when the run root holds them; else it joins at the next push."""
+        if self.version.delivered_snapshot is None:
+            return self._wait_for_push(m)
+        self.engines.begin_load(m, self.version.delivered_snapshot, self.version.delivered)
+        m.state, m.detail["loading"] = LOADING, self.version.delivered
         return True
 
     def _after_load(self, m: FleetMember) -> bool:
-        """It holds the loaded version; once the trainer has it, it serves if no push came in between."""
+        """It holds the loaded version: it serves when that is still the newest, with no delivery in flight."""
         loaded = m.detail.pop("loading")
-        m.state = JOINING
-        pushed = self._give_trainer()
-        return self._serve(m) if loaded == pushed else self._wait_for_push(m, pushed)
+        v = self.version
+        if loaded == v.delivered == v.exported and not v.delivering:
+            return self._serve(m)
+        return self._wait_for_push(m)
 
-    def _join_at_next_push(self, m: FleetMember) -> bool:
+    def _wait_for_push(self, m: FleetMember) -> bool:
+        """A push target from now; it serves once a version newer than the newest now was delivered."""
         m.state = JOINING
-        return self._wait_for_push(m, self._give_trainer())
-
-    def _wait_for_push(self, m: FleetMember, pushed: int) -> bool:
-        """It serves once a push after `pushed` (the trainer's version when it got the engine) reached it."""
-        self._joined_at[m.name] = pushed
+        self._joined_at[m.name] = self.version.exported
+        self._give_trainer()
         return True
 
     def _serve(self, m: FleetMember) -> bool:
-        m.state, m.since, m.detail["version"] = SERVING, time.time(), self.version
+        m.state, m.since, m.detail["version"] = SERVING, time.time(), self.version.delivered
         self._joined_at.pop(m.name, None)
         self._backoff = 1.0
-        log.info("engine %s serves at %s from weight version %d", m.name, m.url, self.version)
+        log.info("engine %s serves at %s from weight version %d", m.name, m.url, self.version.delivered)
         self._event("serving", m)
         return True
 
@@ -228,6 +237,8 @@ class FleetReconciler:
 
     # ---- 4. toward the target -----------------------------------------------------------------
     def _resize(self) -> bool:
+        if self.version.delivering:  # none leaves while a delivery may be loading into it: the next round
+            return False
         live = [m for m in self.engines.members if m.state != DRAINING]
         if len(live) < self.target:
             return self._grow(self.target - len(live))
@@ -263,9 +274,9 @@ class FleetReconciler:
 
     def _finish_draining(self) -> bool:
         draining = [m for m in self.engines.members if m.state == DRAINING]
-        if not draining:
+        if not draining or self.version.delivering:
             return False
-        in_flight = self.rollout.call("engine_in_flight").result()
+        in_flight = self.rollout.engine_in_flight().result()
         done = [m for m in draining if not in_flight.get(m.url) or self.clock() >= self._drain_until[m.name]]
         for m in done:
             self._depart(m, "removed", graceful=True, left_in_flight=int(in_flight.get(m.url, 0)))
@@ -273,8 +284,6 @@ class FleetReconciler:
 
     def _depart(self, m: FleetMember, event: str, graceful: bool, **extra) -> None:
         served = self._served().get(m.url) if m.url else None
-        if graceful and m.state in IN_TRAINER_SET:
-            self._delivered()  # not shut down under a weight push still delivering to it
         self.engines.remove(m, graceful=graceful)
         self._drain_until.pop(m.name, None)
         self._joined_at.pop(m.name, None)
@@ -289,25 +298,19 @@ class FleetReconciler:
         self._give_trainer()
         serving = self.engines.serving()
         if [m.name for m in serving] != self._sent["rollout"]:
-            self.rollout.call("set_engine_urls", [m.url for m in serving]).result()
+            self.rollout.set_engine_urls([m.url for m in serving]).result()
             self._sent["rollout"] = [m.name for m in serving]
 
-    def _give_trainer(self) -> int:
-        """The trainer's set, when it changed; the version its engines hold now (its last push's)."""
+    def _give_trainer(self) -> None:
+        """The trainer's set, when it changed (the distributed transport's group; nothing else keeps it)."""
         members = [m for m in self.engines.members if m.state in IN_TRAINER_SET]
         if [m.name for m in members] != self._sent["trainer"]:
             self.fence()
-            held = self.trainer.call("set_engines", [m.url for m in members], [m.actor for m in members]).result()
+            self.trainer.set_engines([m.url for m in members], [m.actor for m in members]).result()
             self._sent["trainer"] = [m.name for m in members]
-            self._trainer_version = self._trainer_version if held is None else held
-        return self._trainer_version
-
-    def _delivered(self) -> int:
-        """The trainer's last version once its engines hold it (a push's delivery may overlap the next step)."""
-        return self.trainer.call("delivered").result()
 
     def _served(self) -> dict:
-        return self.rollout.call("engine_served_versions").result()
+        return self.rollout.engine_served_versions().result()
 
     def record(self) -> None:
         """engines/fleet.json: the fleet now, the target, the recent changes."""
@@ -316,12 +319,12 @@ class FleetReconciler:
                     **m.detail, **({"served": served[m.url]} if m.url in served else {})}
                    for m in self.engines.members]
         write_fleet(self.store, {"engines": engines, "target": self.target, "serving": len(self.engines.serving()),
-                                 "step": self.step, "version": self.version, "events": self.events})
+                                 "step": self.step, "version": self.version.delivered, "events": self.events})
         self._recorded = True
 
     def _event(self, event: str, m: FleetMember | None = None, **extra) -> None:
         who = {"name": m.name, "url": m.url} if m is not None else {}
-        self.events.append({"at": time.time(), "step": self.step, "version": self.version, "event": event,
+        self.events.append({"at": time.time(), "step": self.step, "version": self.version.delivered, "event": event,
                             **who, **extra})
         del self.events[:-EVENTS_KEPT]
 

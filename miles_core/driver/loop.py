@@ -8,7 +8,7 @@ the weight pusher whether this step pushes), so the loop reads like the sequence
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from miles_core.metrics import trace
@@ -40,21 +40,35 @@ class LoopResult:
 
 
 def run_loop(roles) -> LoopResult:
-    """Train from roles.start_step until roles.end_step (exclusive) or the deadline."""
+    """Train from roles.start_step until roles.end_step (exclusive) or the deadline.
+
+    `roles.fence()` (the run root's lease check, miles_core.storage.lease) runs before the weight push and
+    before the checkpoint: they come before anything else of the step is committed (snapshot, consumption
+    record, checkpoint, STATUS, evals, metrics), so a writer that lost the lease commits nothing more.
+    Each role's call is a span of the step in the run's timeline trace."""
     t0, step, stopped_by = time.monotonic(), None, "num_rollout"
-    roles = traced(roles)
     for step in range(roles.start_step, roles.end_step):
         with trace.span(trace.STEP_SPAN, lane="step", step=step):
             step_t0 = time.monotonic()
-            batch = roles.batches.next_batch(step)
-            metrics = roles.trainer.train_step(step, batch)
+            with _span("batches.next_batch"):
+                batch = roles.batches.next_batch(step)
+            with _span("trainer.train_step"):
+                metrics = roles.trainer.train_step(step, batch)
             last = step == roles.end_step - 1 or roles.deadline.expired()
-            roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
-            version, push_metrics = roles.weights.push(step, last=last)
-            fleet_metrics = roles.fleet.reconcile(step, version)  # engines join and leave (engines/target.json)
-            roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
-            roles.feed.publish(step, version)
-            roles.evals.on_step(step, version, last=last)
+            with _span("batches.before_weight_update"):
+                roles.batches.before_weight_update(last=last)  # wait for the prefetched drain of the next batch
+            roles.fence()
+            with _span("weights.push"):
+                version, push_metrics = roles.weights.push(step, last=last)
+            with _span("fleet.reconcile"):
+                fleet_metrics = roles.fleet.reconcile(step)  # engines join and leave (engines/target.json)
+            roles.fence()
+            with _span("checkpoints.save"):
+                roles.checkpoints.save(step, consumed=batch.group_ids, version=version, last=last)
+            with _span("feed.publish"):
+                roles.feed.publish(step)
+            with _span("evals.on_step"):
+                roles.evals.on_step(step, version, last=last)
             step_metrics = metrics | batch.metrics | push_metrics | fleet_metrics | roles.batches.metrics()
             step_metrics[STEP_SECONDS] = time.monotonic() - step_t0
             roles.metrics.log(step, step_metrics)
@@ -68,11 +82,5 @@ def run_loop(roles) -> LoopResult:
     return LoopResult(roles.start_step, step, steps_run, stopped_by, time.monotonic() - t0)
 
 
-TRACED_ROLES = ("batches", "trainer", "weights", "fleet", "checkpoints", "feed", "evals")
-
-
-def traced(roles):
-    """`roles` whose every call from the loop is a span of the step (in the run's timeline trace)."""
-    if not trace.enabled():
-        return roles
-    return replace(roles, **{name: trace.Traced(getattr(roles, name), name, "step") for name in TRACED_ROLES})
+def _span(name: str):
+    return trace.span(name, lane="step")

@@ -1,14 +1,14 @@
 """Where every role of a training run is placed on Ray: the engine fleet, the trainer's ranks and
 the rollout manager (docs/training.md). The only module that creates Ray actors for a run.
 
-    fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
+    cluster = start_cluster(cfg, initial_model, stack)   # .fleet, .trainer, .rollout, .start_step, .restored
 
 The trainer is a `TrainerGroup`: one `TrainerWorker` actor per rank (`--actor-num-nodes` x
 `--actor-num-gpus-per-node`; one GPU each, or one CPU rank process each on a machine without
 GPUs) in one placement group. Rank 0 is created first and gives MASTER_ADDR/MASTER_PORT; every
 rank then initialises torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's parallel state.
-The driver holds handles; every `call(...)` returns a future whose `result()` blocks (the loop
-reads sequentially). This module never calls `ray.init` except in `ensure_ray` (local runs and
+The driver holds typed clients: every method of `TrainerGroup` and of the rollout side's
+`RolloutClient` returns a `Pending` call, waited for in the driver's one wait (switchboard.py). This module never calls `ray.init` except in `ensure_ray` (local runs and
 tests, through `local_ray.start_local_ray`; the Flyte Ray task connects its own).
 """
 
@@ -19,7 +19,10 @@ import logging
 import os
 
 from miles_core.config.rules import raise_problems
-from miles_core.driver.handles import RayActorHandle
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from miles_core.driver.clients import Pending, RolloutClient
 from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
@@ -67,6 +70,7 @@ def cluster_shape() -> ClusterShape:
 
 log = logging.getLogger(__name__)
 
+LIFE = "life"  # the ranks' concurrency group of their `alive` call
 RENDEZVOUS_ATTEMPTS = 3  # rank 0's port is picked free, then bound: another process may take it in between
 _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
@@ -86,27 +90,10 @@ class TrainerPlacementError(RuntimeError):
         super().__init__(message)
 
 
-class GroupFuture:
-    """Every rank's result of one call; `result()` waits for all and returns rank 0's."""
-
-    def __init__(self, refs: list):
-        self.refs = refs
-
-    def result(self, timeout: float | None = None):
-        import ray
-
-        return ray.get(self.refs, timeout=timeout)[0]
-
-    def done(self) -> bool:
-        import ray
-
-        ready, _ = ray.wait(self.refs, num_returns=len(self.refs), timeout=0)
-        return len(ready) == len(self.refs)
-
-
 class TrainerGroup:
-    """The trainer's ranks. `call(method, *args)` runs the method on every rank (arguments are put
-    in the object store once and read by all ranks) and returns a `GroupFuture`."""
+    """The trainer's ranks, a typed client: each method runs `TrainerWorker`'s method of that name on every
+    rank (arguments are put in the object store once and read by all ranks) and returns a `Pending` of
+    rank 0's answer."""
 
     def __init__(self, cfg, hf_uri: str, engine_urls: list[str], engine_actors: list | None = None,
                  placement_timeout_seconds: float = 600.0):
@@ -118,7 +105,7 @@ class TrainerGroup:
         t = cfg.train
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
         opts = self._place(cfg, placement_timeout_seconds)
-        worker = ray.remote(TrainerWorker)
+        worker = ray.remote(concurrency_groups={LIFE: 1})(TrainerWorker)
         for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
             where = self._rendezvous(opts[0], rendezvous_address)  # rank 0's node and a free port on it
             self.actors = [worker.options(max_concurrency=1, **opts[r]).remote(cfg, hf_uri, r, self.world_size, where,
@@ -176,26 +163,64 @@ class TrainerGroup:
                      scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
                 for r in range(self.world_size)]
 
-    def call(self, method: str, *args) -> GroupFuture:
+    def _on_every_rank(self, method: Callable[[Any], Any], *args) -> Pending:
         import ray
 
         refs = [ray.put(a) for a in args]
-        return GroupFuture([getattr(a, method).remote(*refs) for a in self.actors])
+        return Pending([method(actor).remote(*refs) for actor in self.actors])
+
+    def restore_latest(self) -> Pending[tuple[int, dict] | None]:
+        return self._on_every_rank(lambda a: a.restore_latest)
+
+    def train_step(self, step: int, groups: list) -> Pending[dict]:
+        return self._on_every_rank(lambda a: a.train_step, step, groups)
+
+    def push_weights(self, step: int, version: int) -> Pending[dict]:
+        return self._on_every_rank(lambda a: a.push_weights, step, version)
+
+    def save_checkpoint(self, step: int, extras: dict) -> Pending[str | None]:
+        return self._on_every_rank(lambda a: a.save_checkpoint, step, extras)
+
+    def export_hf(self, step: int, dest_uri: str) -> Pending[None]:
+        return self._on_every_rank(lambda a: a.export_hf, step, dest_uri)
+
+    def set_engines(self, urls: list[str], actors: list) -> Pending[None]:
+        return self._on_every_rank(lambda a: a.set_engines, urls, actors)
+
+    def logprobs(self, samples: list) -> Pending[list[list[float]]]:
+        return self._on_every_rank(lambda a: a.logprobs, samples)
+
+    def alive(self) -> Pending[None]:
+        """Answers only when every rank closed; a rank that dies makes it raise (the driver watches it)."""
+        return Pending([a.alive.options(concurrency_group=LIFE).remote() for a in self.actors])
+
+    def close(self) -> Pending[None]:
+        return self._on_every_rank(lambda a: a.close)
 
     def shutdown(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
         try:
             if self.actors:
-                self.call("close").result(timeout=120)
+                self.close().result(timeout=120)
         finally:
             self._kill()
             remove_placement_group(self.pg)
 
 
-def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
-    """Engines, trainer ranks (restored from the latest checkpoint) and the rollout manager, in the
-    order that lets the producer start on the trainer's current weights. Teardown goes on `stack`."""
+@dataclass
+class Cluster:
+    fleet: EngineFleet
+    trainer: TrainerGroup
+    rollout: RolloutClient
+    start_step: int
+    restored_version: int  # the weight version of the checkpoint resumed from (its weights), 0 when fresh
+
+
+def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack) -> Cluster:
+    """Engines, trainer ranks (restored from the latest checkpoint) and the rollout manager (not started:
+    the driver pushes the trainer's weights first, so the producer starts on them). Teardown goes on
+    `stack`."""
     launch = EngineLaunchSpec.from_config(cfg.engine, initial_model, 0,
                                           routed_experts=cfg.train.use_rollout_routing_replay)
     fleet = EngineFleet(launch, cfg.engine.rollout_num_engines,
@@ -204,18 +229,24 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack):
     stack.callback(fleet.shutdown)
     trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actor_handles())
     stack.callback(trainer.shutdown)
-    restored = trainer.call("restore_latest").result()
+    restored = trainer.restore_latest().result()
     start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})
-    # The checkpoint holds the weights of its own version (the loop pushes before it saves), so a
-    # resume serves them again under that version; a fresh run's first push makes version 1.
-    trainer.call("set_version", max(0, int(extras.get("weight_version", 0)) - 1)).result()
-    version_box = [trainer.call("push_weights", start_step - 1).result()["version"]]
-
-    rollout = RayActorHandle(rollout_manager_actor(num_cpus=0).remote(
+    actor = rollout_manager_actor(num_cpus=0).remote(
         cfg, engine_urls=fleet.urls(), state=extras.get("rollout_state"),
-        consumed_through_step=extras.get("consumed_through_step", start_step - 1)))
-    rollout.call("set_version", version_box[0]).result()
-    trainer.call("set_rollout", rollout.actor).result()  # told each version its engines serve from now on
-    rollout.call("start").result()
-    stack.callback(lambda: rollout.call("stop").result())
-    return fleet, trainer, rollout, start_step, version_box
+        consumed_through_step=extras.get("consumed_through_step", start_step - 1))
+    rollout = RolloutClient.of_actor(actor)
+    stack.callback(lambda: _stop_rollout(rollout, actor))
+    return Cluster(fleet, trainer, rollout, start_step, int(extras.get("weight_version", 0)))
+
+
+ROLLOUT_STOP_SECONDS = 120.0  # the rollout manager's stop (its producer's grace, the buffer's close)
+
+
+def _stop_rollout(rollout: RolloutClient, actor) -> None:
+    """Stop the rollout manager; one that does not stop in time (a failed segment can leave it blocked) is
+    ended, so a segment's failure never hangs in its teardown."""
+    try:
+        rollout.stop().result(timeout=ROLLOUT_STOP_SECONDS)
+    except Exception as e:  # noqa: BLE001 - the actor is ended below either way
+        log.warning("the rollout manager did not stop cleanly (%s); ending it", e)
+        end_actors([actor], timeout_seconds=0.0)

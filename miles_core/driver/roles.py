@@ -10,23 +10,23 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable, Protocol
 
 from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
+from miles_core.driver.clients import Pending, RolloutClient
 from miles_core.driver.feed import NoFeed
 from miles_core.driver.fleet_reconciler import NoFleet
-from miles_core.driver.loop import Batch
+from miles_core.driver.loop import Batch, BatchSource
+from miles_core.driver.pushes import WeightVersion
+from miles_core.driver.switchboard import Switchboard
 from miles_core.driver.timeline import NoTimeline
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.rollout.failures import FailureBudget
 
 log = logging.getLogger(__name__)
-
-WATCH_SECONDS = 5.0  # how often a driver waiting for a batch checks that what it waits for can still come
-
 
 def _as_batch(step: int, drained) -> Batch:
     return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics),
@@ -36,12 +36,12 @@ def _as_batch(step: int, drained) -> Batch:
 class OnDemandBatches:
     """sync: generate batch k (the producer idles between batches), then train on it."""
 
-    def __init__(self, rollout, version_box: list[int]):
-        self.rollout, self.version_box = rollout, version_box
+    def __init__(self, rollout: RolloutClient, board: Switchboard, version: WeightVersion):
+        self.rollout, self.board, self.version = rollout, board, version
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
-        batch = _as_batch(step, self.rollout.call("next_batch", self.version_box[0]).result())
+        batch = _as_batch(step, self.board.wait(self.rollout.next_batch(self.version.exported)))
         batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
 
@@ -57,22 +57,21 @@ class PrefetchedBatches:
 
     one-step-off generates it; fully async drains it from the buffer that the continuous producer
     fills. Either way the driver waits for it before the next weight update (docs/fully-async.md), which is one
-    source of staleness (docs/fully-async.md). The drain checks staleness against the version
-    batch k+1 will be trained under: one more than now when step k ends with a weight push.
+    source of staleness. The drain checks staleness against the version batch k+1 will be trained
+    under: one more than now when step k ends with a weight push. The wait is the switchboard's: a
+    delivery in flight, a rank that died and the duties are seen while it lasts.
     """
 
-    def __init__(self, rollout, version_box: list[int], update_interval: int = 1,
-                 watch: Callable[[], None] = lambda: None):
-        self.rollout, self.version_box, self.update_interval = rollout, version_box, update_interval
-        self.watch = watch
-        self.pending = None
+    def __init__(self, rollout: RolloutClient, board: Switchboard, version: WeightVersion, update_interval: int = 1):
+        self.rollout, self.board, self.version, self.update_interval = rollout, board, version, update_interval
+        self.pending: Pending | None = None
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
-        future = self.pending if self.pending is not None else self.rollout.call("next_batch", self.version_box[0])
-        drained = self._wait(future)
+        pending = self.pending if self.pending is not None else self.rollout.next_batch(self.version.exported)
+        drained = self.board.wait(pending)
         pushes_after_step = (step + 1) % self.update_interval == 0
-        self.pending = self.rollout.call("next_batch", self.version_box[0] + int(pushes_after_step))
+        self.pending = self.rollout.next_batch(self.version.exported + int(pushes_after_step))
         batch = _as_batch(step, drained)
         batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
@@ -81,75 +80,18 @@ class PrefetchedBatches:
         # After the last step no batch is trained: don't wait for it (its groups stay unconsumed
         # in the buffer and are served first when the run resumes).
         if self.pending is not None and not last:
-            self._wait(self.pending)
-
-    def _wait(self, drain):
-        """The drain's batch; every WATCH_SECONDS without it, `watch()`, which raises when the groups it
-        waits for can no longer come (the trainer that was to deliver their version is gone)."""
-        while True:
-            try:
-                return drain.result(timeout=WATCH_SECONDS)
-            except TimeoutError:
-                self.watch()
+            self.board.wait(self.pending)
 
     def metrics(self) -> dict:
         return {}
 
 
 class TrainerRole:
-    def __init__(self, trainer):
-        self.trainer = trainer
+    def __init__(self, trainer, board: Switchboard):
+        self.trainer, self.board = trainer, board
 
     def train_step(self, step: int, batch: Batch) -> dict:
-        return self.trainer.call("train_step", step, batch.groups).result()
-
-
-class WeightPusher:
-    """Pushes every --update-weights-interval steps (and at the last step), then publishes the
-    version to the rollout side. The engine actors that loaded the weights noted them themselves
-    (a restarted engine comes back on them).
-
-    The step does not wait for the rollout side to take the version: its calls run in the order they
-    were made, so whatever the driver asks of it next sees the new version; a failure to take it is
-    raised at the next push (or at once on the last step).
-
-    With `overlap` (the fully async driver) a push but the last one asks the trainer not to wait for
-    the engines: it returns once the weights are exported, the engines load them while the next step
-    trains, and the trainer publishes the version to the rollout side itself once they serve it
-    ("published" in its answer); a failure of that delivery is raised by the next push."""
-
-    def __init__(self, trainer, rollout, interval: int, version_box: list[int], overlap: bool = False):
-        self.trainer, self.rollout = trainer, rollout
-        self.interval, self.version_box, self.overlap = interval, version_box, overlap
-        self.snapshot: str | None = None  # the run-root URI of the pushed weights, when published there
-        self.publishing = None  # the rollout side's set_version call in flight
-
-    def push(self, step: int, last: bool = False) -> tuple[int, dict]:
-        if (step + 1) % self.interval != 0 and not last:
-            return self.version_box[0], {}
-        self.published()
-        with trace.span("trainer.push_weights", lane="step", step=step):
-            out = self.trainer.call("push_weights", step, last or not self.overlap).result()
-        version = out.pop("version")
-        self.snapshot = out.pop("snapshot", None) or self.snapshot
-        if not out.pop("published", False):
-            self.publishing = self.rollout.call("set_version", version)
-        if last:
-            self.published()
-        self.version_box[0] = version
-        return version, out | {N.PUBLISHED_VERSION: version}
-
-    def watch(self) -> None:
-        """Raise when the version pushed last can no longer reach the rollout side: with `overlap` only the
-        trainer tells it, once delivered, and a rank gone or a failed delivery would never tell it."""
-        if self.overlap:
-            self.trainer.call("check_delivery").result()
-
-    def published(self) -> None:
-        """Wait for the version published last (raising its failure)."""
-        pending, self.publishing = self.publishing, None
-        if pending is not None:
-            pending.result()
+        return self.board.wait(self.trainer.train_step(step, batch.groups))
 
 
 class Checkpointer:
@@ -160,25 +102,25 @@ class Checkpointer:
     still in flight when the driver dies costs nothing: the resume starts from a checkpoint, and steps
     after it train their groups again whether or not their records were written."""
 
-    def __init__(self, trainer, rollout, save_interval: int | None, enabled: bool,
+    def __init__(self, trainer, rollout: RolloutClient, board: Switchboard, save_interval: int | None, enabled: bool,
                  on_saved: Callable[[int], None] = lambda step: None):
-        self.trainer, self.rollout = trainer, rollout
+        self.trainer, self.rollout, self.board = trainer, rollout, board
         self.save_interval, self.enabled, self.on_saved = save_interval, enabled, on_saved
         self.last_saved: int | None = None
-        self.recording = None  # the rollout side's record_consumed call in flight
+        self.recording: Pending | None = None  # the rollout side's record_consumed call in flight
 
     def save(self, step: int, consumed: list[str], version: int, last: bool) -> None:
         self.recorded()
-        self.recording = self.rollout.call("record_consumed", step, consumed)
+        self.recording = self.rollout.record_consumed(step, consumed)
         due = self.enabled and (last or (self.save_interval is not None and (step + 1) % self.save_interval == 0))
         if last or due:
             self.recorded()
         if not due:
             return
-        extras = {"rollout_state": self.rollout.call("state").result(), "weight_version": version,
+        extras = {"rollout_state": self.board.wait(self.rollout.state()), "weight_version": version,
                   "consumed_through_step": step}
-        self.trainer.call("save_checkpoint", step, extras).result()
-        self.rollout.call("compact_buffer", step).result()  # complete: no resume starts before it again
+        self.board.wait(self.trainer.save_checkpoint(step, extras))
+        self.board.wait(self.rollout.compact_buffer(step))  # complete: no resume starts before it again
         self.last_saved = step
         self.on_saved(step)
 
@@ -187,7 +129,7 @@ class Checkpointer:
         pending, self.recording = self.recording, None
         if pending is not None:
             with trace.span("rollout.record_consumed", lane="step"):
-                pending.result()
+                self.board.wait(pending)
 
 
 class MetricsLog:
@@ -239,29 +181,59 @@ class Deadline:
         return self.seconds is not None and time.monotonic() - self.t0 >= self.seconds
 
 
+class Evals(Protocol):
+    def on_step(self, step: int, version: int, last: bool = False) -> None: ...
+
+
+class FleetRole(Protocol):
+    def reconcile(self, step: int) -> dict[str, float]: ...
+
+
+class FeedRole(Protocol):
+    def publish(self, step: int) -> None: ...
+
+
+class TimelineRole(Protocol):
+    def on_step(self, step: int) -> None: ...
+
+
+class FailureWindow(Protocol):
+    def observe(self, step: int, failures: dict, last: bool = False) -> None: ...
+
+
+class Weights(Protocol):
+    def push(self, step: int, last: bool = False) -> tuple[int, dict[str, float]]: ...
+
+
+class Checkpoints(Protocol):
+    def save(self, step: int, consumed: list[str], version: int, last: bool) -> None: ...
+
+
 @dataclass
 class Roles:
     driver: str
     start_step: int
     end_step: int
     end_reason: str
-    batches: Any
+    batches: BatchSource
     trainer: TrainerRole
-    weights: WeightPusher
-    checkpoints: Checkpointer
-    evals: Any
+    weights: Weights
+    checkpoints: Checkpoints
+    evals: Evals
     metrics: MetricsLog
     progress: Progress
     deadline: Deadline
-    feed: Any = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
-    fleet: Any = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
-    timeline: Any = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
+    fence: Callable[[], None] = lambda: None  # raises when this writer lost the run root's lease
+    feed: FeedRole = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
+    fleet: FleetRole = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
+    timeline: TimelineRole = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
     # samples whose reward / generate function failed, over a window of steps (miles_core.rollout.failures)
-    failures: Any = field(default_factory=lambda: FailureBudget(1.0, 1))
+    failures: FailureWindow = field(default_factory=lambda: FailureBudget(1.0, 1))
 
 
-def batch_source(driver: str, rollout, version_box: list[int], update_interval: int = 1,
-                 watch: Callable[[], None] = lambda: None):
+def batch_source(driver: str, rollout: RolloutClient, board: Switchboard, version: WeightVersion,
+                 update_interval: int = 1) -> BatchSource:
     if driver == "sync":
-        return OnDemandBatches(rollout, version_box)
-    return PrefetchedBatches(rollout, version_box, update_interval, watch)
+        return OnDemandBatches(rollout, board, version)
+    return PrefetchedBatches(rollout, board, version, update_interval)
+

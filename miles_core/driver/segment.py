@@ -10,7 +10,7 @@ Before anything is written or started (docs/training.md):
 - finished is final: when STATUS.json says `finished` at step >= --num-rollout - 1 the segment
   returns that outcome at once: no write, no Ray, no actor (raise --num-rollout to continue);
 - one writer: the run root's lease (miles_core.storage.lease) is acquired, or LeaseHeld names the holder.
-  Every step's commits check it (driver.fenced) and it is released on exit, failed or not, so a
+  Every step's commits check it (the loop's `roles.fence`) and it is released on exit, failed or not, so a
   retry takes over at once; a killed writer's lease is taken over when it expires.
 """
 
@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 from miles_core.config import RunConfig
 from miles_core.driver.feed import feed_publisher
-from miles_core.driver.fenced import Fenced
 from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
-from miles_core.driver.placement import check_fits, ensure_ray, start_cluster
+from miles_core.driver.placement import Cluster, check_fits, ensure_ray, start_cluster
 from miles_core.driver.plan import PREFIX, is_finished
 from miles_core.driver.prometheus import PrometheusExporter
+from miles_core.driver.pushes import WeightPusher, WeightVersion
 from miles_core.driver.roles import (
     Checkpointer,
     Deadline,
@@ -38,9 +38,9 @@ from miles_core.driver.roles import (
     Progress,
     Roles,
     TrainerRole,
-    WeightPusher,
     batch_source,
 )
+from miles_core.driver.switchboard import Switchboard
 from miles_core.driver.timeline import start_timeline
 from miles_core.eval.scheduler import build_eval_scheduler
 from miles_core.metrics.mirrors import mirror_feed
@@ -137,13 +137,25 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
     with contextlib.ExitStack() as stack:
         timeline = start_timeline(cfg, store, stack)  # closed last: every role's spans are flushed by then
         stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part
-        fleet, trainer, rollout, start_step, version_box = start_cluster(cfg, initial_model, stack)
+        cluster = start_cluster(cfg, initial_model, stack)
+        trainer, rollout, start_step = cluster.trainer, cluster.rollout, cluster.start_step
+        board = Switchboard(watched=[trainer.alive()])
+        version = WeightVersion()
+        fleet = _fleet_role(cfg, store, lease, stack, cluster, version)
+        # Evals on the rollout engines read the version the step published: they need it delivered.
+        overlap = cfg.driver == "fully-async" and cfg.eval.eval_mode != "shared"
+        pusher = WeightPusher(trainer, rollout, fleet, board, version, interval=cfg.rollout.update_weights_interval,
+                              overlap=overlap)
+        pusher.first_push(start_step - 1, cluster.restored_version)
+        rollout.start().result()
+        fleet.reconcile(start_step - 1)  # a target asked for before this segment applies before its first step
+        board.every(2.0, fleet.tick)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
-            cfg, exporter=lambda step, uri: trainer.call("export_hf", step, uri).result(),
-            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=fleet.urls,
-            pause_submission=lambda: rollout.call("pause").result(),
-            resume_submission=lambda: rollout.call("resume").result(), initial_model=initial_model,
+            cfg, exporter=lambda step, uri: board.wait(trainer.export_hf(step, uri)),
+            metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=cluster.fleet.urls,
+            pause_submission=lambda: board.wait(rollout.pause()),
+            resume_submission=lambda: board.wait(rollout.resume()), initial_model=initial_model,
             follower_runs_after=eval_follower_after)
         stack.callback(evals.close)
         end_step, end_reason = _end_step(cfg, start_step)
@@ -151,40 +163,34 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         stack.callback(progress.close)
         if start_step == 0:
             sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
-        # Evals on the rollout engines read the version the step published: they need it delivered.
-        overlap = cfg.driver == "fully-async" and cfg.eval.eval_mode != "shared"
-        pusher = WeightPusher(trainer, rollout, cfg.rollout.update_weights_interval, version_box, overlap=overlap)
-        pusher.snapshot = trainer.call("published_weights").result()
-        feed = feed_publisher(cfg, store, rollout, pusher, segment, lease.check)
-        stack.callback(feed.close)
-        feed.publish(start_step - 1, version_box[0])  # producers may start before the first step ends
+        feed = feed_publisher(cfg, store, rollout, version, segment, lease.check)
+        feed.publish(start_step - 1)  # producers may start before the first step ends
+        board.every(cfg.buffer.producer_poll_seconds, feed.refresh)
         roles = Roles(
             driver=cfg.driver, start_step=start_step, end_step=end_step, end_reason=end_reason,
-            batches=batch_source(cfg.driver, rollout, version_box, cfg.rollout.update_weights_interval, pusher.watch),
-            trainer=TrainerRole(trainer),
-            weights=Fenced(pusher, lease.check, "push"),
-            checkpoints=Fenced(Checkpointer(
-                trainer, rollout, cfg.train.save_interval, enabled=bool(cfg.train.save),
+            batches=batch_source(cfg.driver, rollout, board, version, cfg.rollout.update_weights_interval),
+            trainer=TrainerRole(trainer, board),
+            weights=pusher, fence=lease.check,
+            checkpoints=Checkpointer(
+                trainer, rollout, board, cfg.train.save_interval, enabled=bool(cfg.train.save),
                 on_saved=lambda step: run_root.write_status(store, run_root.RUNNING, last_step=step, segment=segment)),
-                lease.check, "save"),
             evals=evals, metrics=MetricsLog(sink, live_exporters(cfg, stack)), progress=progress,
-            deadline=Deadline(cfg.run.deadline_seconds), feed=feed, timeline=timeline,
-            fleet=_fleet_role(cfg, store, lease, stack, fleet, trainer, rollout, start_step, version_box[0]),
+            deadline=Deadline(cfg.run.deadline_seconds), feed=feed, timeline=timeline, fleet=fleet,
             failures=FailureBudget(cfg.rollout.max_failed_sample_fraction, cfg.rollout.failed_sample_window_steps))
-        log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version_box[0])
+        log.info("%s driver: steps %d..%d, weights v%d", cfg.driver, start_step, end_step - 1, version.exported)
         result = run_loop(roles) if start_step < end_step else LoopResult(start_step, None, 0, "num_rollout", 0.0)
-        return result, version_box[0]
+        pusher.settle()
+        return result, version.exported
 
 
-def _fleet_role(cfg: RunConfig, store, lease, stack: contextlib.ExitStack, fleet, trainer, rollout, start_step: int,
-                version: int):
-    """The engine fleet's role: toward engines/target.json (from now: a target asked for before this segment
-    applies before its first step) while the run goes on; its last record at the end."""
-    role = FleetReconciler(fleet, trainer, rollout, store, target=cfg.engine.rollout_num_engines, version=version,
+def _fleet_role(cfg: RunConfig, store, lease, stack: contextlib.ExitStack, cluster: Cluster,
+                version: WeightVersion) -> FleetReconciler:
+    """The engine fleet's role: toward engines/target.json while the run goes on; its last record at the end."""
+    role = FleetReconciler(cluster.fleet, cluster.trainer, cluster.rollout, store, version,
+                           target=cfg.engine.rollout_num_engines,
                            min_engines=0 if cfg.buffer.allow_rollout_producers else 1, fence=lease.check)
     stack.callback(role.close)  # before the rollout manager stops (registered earlier)
-    role.reconcile(start_step - 1, version)
-    return role.start()
+    return role
 
 
 def live_exporters(cfg: RunConfig, stack: contextlib.ExitStack) -> list:

@@ -45,6 +45,7 @@ from miles_core.rollout.prompts import load_prompts
 from miles_core.samples import Group
 from miles_core.storage import Store, validate_name
 from miles_core.storage.run_root import FAILED, FINISHED, RUNNING, read_status, require_run
+from miles_core.weights.sync import paused_load
 
 log = logging.getLogger(__name__)
 
@@ -243,11 +244,9 @@ class ProducerJob:
         if feed.version <= self.version:
             return
         try:
-            await self.engine.pause_generation(self.cfg.rollout.pause_generation_mode)
-            try:
-                await asyncio.to_thread(self.fleet.load_weights, feed.weights, feed.version)
-            finally:
-                await self.engine.continue_generation()
+            await paused_load([self.engine], self.cfg.rollout.pause_generation_mode,
+                              lambda: asyncio.to_thread(self.fleet.load_weights, feed.weights, feed.version),
+                              feed.version)
         except Exception as e:  # noqa: BLE001 - the trainer moved on (staged weights deleted): the next feed
             log.warning("producer %s: loading weights v%d from %s failed (trying the next feed): %s",
                         self.producer_id, feed.version, feed.weights, e)

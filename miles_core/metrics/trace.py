@@ -238,24 +238,6 @@ def span(name: str, **kwargs):
     return _current.span(name, **kwargs)
 
 
-class Traced:
-    """`obj` with each method call recorded as a span "{role}.{method}" on `lane` of this process."""
-
-    def __init__(self, obj, role: str, lane: str):
-        self._obj, self._role, self._lane = obj, role, lane
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._obj, name)
-        if not callable(attr):
-            return attr
-
-        def call(*args, **kwargs):
-            with _current.span(f"{self._role}.{name}", lane=self._lane):
-                return attr(*args, **kwargs)
-
-        return call
-
-
 # ----------------------------------------------------------------------------- clocks
 
 

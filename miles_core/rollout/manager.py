@@ -2,8 +2,9 @@
 
     manager = RolloutManager(cfg, engine_urls=urls, state=ckpt_state, consumed_through_step=k)
     await manager.start()
-    batch = await manager.next_batch(current_version=v)   # DrainedBatch of exactly B groups
-    await manager.set_version(v + 1)                       # after each weight update
+    batch = await manager.next_batch(v)                    # DrainedBatch of exactly B groups
+    await manager.deliver_weights(uri, v + 1, engines)     # the store transport's delivery (the driver asks)
+    await manager.set_version(v + 1)                       # the driver announces it once delivered
     state = manager.state()                                # into the checkpoint
     await manager.record_consumed(step, batch.group_ids)   # with the checkpoint (durable)
     await manager.stop()
@@ -24,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from miles_core.buffer import build_buffer, build_unused_handler
 from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
 from miles_core.engines.client import EngineClient
+from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.models.source import is_builtin, tokenizer_source
 from miles_core.models.tokenizer import load_tokenizer
@@ -48,6 +51,7 @@ from miles_core.rollout.rewards import Rewarder, load_reward
 from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
 from miles_core.samples import Group
 from miles_core.storage import Store
+from miles_core.weights.sync import Exported, StoreWeightTransport, WeightSync
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +230,6 @@ class RolloutManager:
             log.info("rollout state restored: %s; started groups %d", report, admission.started_groups)
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
         self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)
-        self.version: int | None = None
         self.stopping = False
 
     def _unused_handler(self, mode: str) -> RejectionNotifier:
@@ -253,7 +256,7 @@ class RolloutManager:
                 await result
 
     # ------------------------------------------------------------------ the driver's calls
-    async def next_batch(self, current_version: int | None = None) -> DrainedBatch | None:
+    async def next_batch(self, current_version: int) -> DrainedBatch | None:
         """Exactly rollout_batch_size groups, sorted by prompt index, filtered, with metrics. None
         when the manager stops under it: the driver's prefetch of the batch after its last step,
         which it never reads (an error there would only be logged by Ray as unhandled)."""
@@ -264,8 +267,7 @@ class RolloutManager:
                 return None
             raise
 
-    async def _next_batch(self, current_version: int | None) -> DrainedBatch:
-        version = current_version if current_version is not None else self.version
+    async def _next_batch(self, version: int) -> DrainedBatch:
         if self.batch_mode:
             return await generate_batch(self.producer, self.consumer, self.batch_size, current_version=version,
                                         sample_filter=self.sample_filter)
@@ -274,8 +276,31 @@ class RolloutManager:
                                  failures=self.producer.take_failures)
 
     async def set_version(self, version: int) -> None:
-        self.version = version
+        """The driver announces `version`: every engine generation uses serves it (its delivery is done)."""
         self.producer.set_version(version)
+
+    async def deliver_weights(self, uri: str, version: int, engines: list[tuple[str, Any]]) -> dict[str, float]:
+        """The store transport's delivery of `version` (its snapshot at `uri` in the run root) to `engines`,
+        (url, engine actor) pairs named by the driver's fleet: each actor copies it to its node and stages
+        it while the engines generate, then every engine pauses, loads, resumes (weights.sync.paused_load).
+        A failure (an engine gone: its actor died) is raised; the driver decides what follows."""
+        if not engines:
+            return {}
+        import ray
+
+        def stager(actor):
+            return lambda u: ray.get(actor.stage_weights.remote(u))
+
+        def loader(actor):
+            return lambda u, v: ray.get(actor.load_weights.remote(u, v))
+
+        transport = StoreWeightTransport(None, None, loaders=[loader(a) for _, a in engines],
+                                         stagers=[stager(a) for _, a in engines])
+        transport.uri = uri
+        async with EngineClient([url for url, _ in engines], control_retries=6) as control:
+            sync = WeightSync([control], transport, self.cfg.rollout.pause_generation_mode)
+            result = await sync.deliver(Exported(-1, version, uri, time.perf_counter(), 0.0))
+        return {N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
 
     async def set_engine_urls(self, urls: list[str]) -> None:
         """The engines generation may use from now on (the fleet changed): a dropped engine gets no new

@@ -1,7 +1,7 @@
 """Weight sync from the trainer to the rollout engines, keeping in-flight work (docs/fully-async.md).
 
-`WeightSync.push(step)` does, in this order (`export` is 1-2, `deliver` the rest):
-  1. version += 1;
+`WeightSync.push(step, version)` does, in this order (`export` is 1-2, `deliver` the rest):
+  1. take the version it is given (the driver owns the number: miles_core.driver.weight_version);
   2. export the snapshot (store transport) -- before the pause, since it reads only the trainer,
      so engines stay paused for the reload alone;
   3. stage it (a transport's optional `stage`), still before the pause, while engines generate:
@@ -15,10 +15,11 @@
      flush_cache=False)` (store: a staged CPU engine swaps in the model it built), or the
      bucketed broadcast of `DistributedWeightTransport` (NCCL on GPU, gloo on CPU), setting the
      weight version without aborting;
-  6. resume every engine;
-  7. publish the version to the rollout side (a callback).
-Engine calls fan out concurrently; any failure resumes the engines before it propagates, so a
-failed push never leaves engines paused (an engine that cannot be resumed after a failed load, one
+  6. resume every engine.
+Telling the rollout side is not done here: the driver announces a version once its delivery is done.
+Steps 4-6 are `paused_load`, the one pause -> load -> resume of the project (a trainer's delivery, a
+producer job following the feed). Engine calls fan out concurrently; any failure resumes the engines
+before it propagates, so a failed push never leaves engines paused (an engine that cannot be resumed after a failed load, one
 that died with it, is logged: the load's error is the one raised).
 
 No cache flush, in any mode (SGLang 0.5.23, docs/engines.md cites the source): SGLang refuses a flush
@@ -162,79 +163,75 @@ class StoreWeightTransport:
 
 @dataclass
 class WeightSync:
-    """Pushes weights to `engines`; `publish(version)` tells the rollout side afterwards."""
+    """Pushes weights to `engines` under the version numbers it is given."""
 
     engines: Sequence[EngineControl]
     transport: WeightTransport
-    publish: Callable[[int], Awaitable[None] | None]
     pause_mode: str = "retract"
-    version: int = 0
     history: list[PushResult] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.pause_mode not in PAUSE_MODES:
-            raise WeightSyncError(f"--pause-generation-mode={self.pause_mode} cannot keep in-flight work under "
-                                  f"fully async; use one of {', '.join(PAUSE_MODES)}")
+        check_pause_mode(self.pause_mode)
 
-    async def push(self, step: int) -> PushResult:
-        """Push the trainer's weights as the next version; return it with timings.
+    async def push(self, step: int, version: int) -> PushResult:
+        """Push the trainer's weights of `step` as `version`; return it with timings.
 
         `pause_seconds` runs from the pause request to the resume acknowledgement: the longest
         any engine can have been paused.
         """
-        return await self.deliver(await self.export(step))
+        return await self.deliver(await self.export(step, version))
 
-    async def export(self, step: int) -> Exported:
-        """Steps 1-2: the next version number and the transport's export, the part that reads the
-        trainer. What is left (`deliver`) reads only what this exported: with the store transport it
-        may run while the trainer goes on to its next step."""
+    async def export(self, step: int, version: int) -> Exported:
+        """Steps 1-2: the transport's export, the part that reads the trainer. What is left (`deliver`)
+        reads only what this exported: with the store transport it may run while the trainer goes on."""
         t0 = time.perf_counter()
-        self.version += 1
-        try:
-            with trace.span("export", lane="weights", version=self.version):
-                snapshot = await asyncio.to_thread(self.transport.prepare, step)
-        except BaseException:
-            self.version -= 1  # no engine saw this version: the next push reuses the number
-            raise
-        return Exported(step, self.version, snapshot, t0, time.perf_counter() - t0)
+        with trace.span("export", lane="weights", version=version):
+            snapshot = await asyncio.to_thread(self.transport.prepare, step)
+        return Exported(step, version, snapshot, t0, time.perf_counter() - t0)
 
     async def deliver(self, exported: Exported) -> PushResult:
-        """Steps 3-7 for an exported version: stage, pause, load, resume, publish."""
-        t0, version = exported.started, exported.version
-        t_stage = time.perf_counter()  # a delivery on another thread may start a little after the export
-        span = functools.partial(trace.span, lane="weights", version=version)
+        """Steps 3-6 for an exported version: stage, pause, load, resume."""
+        version = exported.version
+        t_stage = time.perf_counter()
         stage = getattr(self.transport, "stage", None)
-        try:
-            if stage is not None:  # still before the pause: engines keep generating meanwhile
-                with span("stage"):
-                    await stage(self.engines, version)
-        except BaseException:
-            self.version = min(self.version, version - 1)  # no engine saw this version
-            raise
+        if stage is not None:  # still before the pause: engines keep generating meanwhile
+            with trace.span("stage", lane="weights", version=version):
+                await stage(self.engines, version)
         t1 = time.perf_counter()
-        try:  # every engine is resumed whatever fails in between, so none stays paused
-            with span("pause"):
-                await asyncio.gather(*(e.pause_generation(self.pause_mode) for e in self.engines))
-            chaos.point("weights.push")
-            with span("load", engines=len(self.engines)):
-                await self.transport.load(self.engines, version)
-        finally:
-            with span("resume"):
-                resumed = await asyncio.gather(*(e.continue_generation() for e in self.engines),
-                                               return_exceptions=True)
-            _raise_resume_failure(resumed, version)
-        t_resume = time.perf_counter()
-        with span("publish"):
-            res = self.publish(version)
-            if asyncio.iscoroutine(res) or isinstance(res, asyncio.Future):
-                await res
-        result = PushResult(version, exported.snapshot, exported.seconds, t_resume - t1, time.perf_counter() - t0,
-                            t1 - t_stage)
+        pause_seconds = await paused_load(self.engines, self.pause_mode, lambda: self.transport.load(self.engines, version),
+                                          version)
+        result = PushResult(version, exported.snapshot, exported.seconds, pause_seconds,
+                            time.perf_counter() - exported.started, t1 - t_stage)
         self.history.append(result)
         log.info("weights v%d pushed at step %d: export %.3fs, staged %.3fs, engines paused %.3fs", version,
-                 exported.step,
-                 result.export_seconds, result.stage_seconds, result.pause_seconds)
+                 exported.step, result.export_seconds, result.stage_seconds, result.pause_seconds)
         return result
+
+
+def check_pause_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise WeightSyncError(f"--pause-generation-mode={mode} cannot keep in-flight work under "
+                              f"fully async; use one of {', '.join(PAUSE_MODES)}")
+
+
+async def paused_load(engines: Sequence[EngineControl], pause_mode: str, load: Callable[[], Awaitable[None]],
+                      version: int) -> float:
+    """Pause every engine, `load()`, resume every engine: the seconds from the pause request to the last
+    resume. Every engine is resumed whatever fails in between, so none stays paused; a resume failure is
+    raised unless the load failed (its own error goes on)."""
+    span = functools.partial(trace.span, lane="weights", version=version)
+    t0 = time.perf_counter()
+    try:
+        with span("pause"):
+            await asyncio.gather(*(e.pause_generation(pause_mode) for e in engines))
+        await asyncio.to_thread(chaos.point, "weights.push")  # blocks this delivery only, not its event loop
+        with span("load", engines=len(engines)):
+            await load()
+    finally:
+        with span("resume"):
+            resumed = await asyncio.gather(*(e.continue_generation() for e in engines), return_exceptions=True)
+        _raise_resume_failure(resumed, version)
+    return time.perf_counter() - t0
 
 
 def _raise_resume_failure(resumed: list, version: int) -> None:

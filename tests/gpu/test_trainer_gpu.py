@@ -39,7 +39,7 @@ def _cfg(tmp, ranks, tp=1, save="", extra=()):
 
 
 def _weights(group, out):
-    group.call("export_hf", 0, f"file://{out}").result()
+    group.export_hf(0, f"file://{out}").result()
     return load_file(f"{out}/model.safetensors")
 
 
@@ -54,24 +54,24 @@ def test_ddp_over_nccl_matches_one_rank_and_checkpoint_resumes(tmp_path):
     b0, b1 = make_groups(n_groups=4, seed=0), make_groups(n_groups=4, seed=1)
     one = TrainerGroup(_cfg(tmp_path, 1, save=ckpt), hf, [])
     try:
-        m1 = one.call("train_step", 0, b0).result()
+        m1 = one.train_step(0, b0).result()
         w1 = _weights(one, tmp_path / "w1")
     finally:
         one.shutdown()
     two = TrainerGroup(_cfg(tmp_path, 2, save=ckpt), hf, [])
     try:
-        m2 = two.call("train_step", 0, b0).result()
+        m2 = two.train_step(0, b0).result()
         w2 = _weights(two, tmp_path / "w2")
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=1e-2)
         assert max(float((w1[k].float() - w2[k].float()).abs().max()) for k in w1) < 2e-2
-        two.call("save_checkpoint", 0, {}).result()  # the ChainedOptimizer's state_dict, per TP rank
-        loss_next = two.call("train_step", 1, b1).result()["train/loss"]
+        two.save_checkpoint(0, {}).result()  # the ChainedOptimizer's state_dict, per TP rank
+        loss_next = two.train_step(1, b1).result()["train/loss"]
     finally:
         two.shutdown()
     again = TrainerGroup(_cfg(tmp_path, 2, save=ckpt), hf, [])
     try:
-        assert again.call("restore_latest").result()[0] == 0
-        assert again.call("train_step", 1, b1).result()["train/loss"] == pytest.approx(loss_next, rel=1e-2)
+        assert again.restore_latest().result()[0] == 0
+        assert again.train_step(1, b1).result()["train/loss"] == pytest.approx(loss_next, rel=1e-2)
     finally:
         again.shutdown()
 

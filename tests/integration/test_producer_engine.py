@@ -64,7 +64,7 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
         mgr = RolloutManager(config(tmp_path), engine_urls=[engine.url], rows=ROWS, consumed_through_step=-1)
         await mgr.set_version(1)
         await mgr.start()
-        b0 = await mgr.next_batch()
+        b0 = await mgr.next_batch(1)
         assert len(b0.groups) == 4 and len(b0.groups[0].samples) == 4
         for g in b0.groups:
             for s in g.samples:
@@ -80,13 +80,13 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
             await client.update_weights_from_disk(ckpts[1], 2)
             await client.continue_generation()
         await mgr.set_version(2)
-        b1 = await mgr.next_batch()
+        b1 = await mgr.next_batch(2)
         await mgr.record_consumed(0, b0.group_ids)
         await mgr.record_consumed(1, b1.group_ids)
         state = json.loads(json.dumps(mgr.state()))  # the checkpoint of step 1
         later = None
         for _ in range(5):  # consumed after the checkpoint: lost by the "crash", served again
-            later = await mgr.next_batch()
+            later = await mgr.next_batch(2)
             if later.metrics["rollout/weight_version/max"] == 2:
                 break
         assert later.metrics["rollout/weight_version/max"] == 2.0
@@ -104,7 +104,7 @@ def test_fully_async_generate_update_checkpoint_and_resume(tmp_path, engine, ckp
         batches = []
         async with EngineClient([engine.url]) as client:
             for _ in range(4):  # the trainer's loop: drain, (train), push weights, publish the version
-                batches.append(await mgr.next_batch())
+                batches.append(await mgr.next_batch(version))
                 version += 1
                 await client.pause_generation("in_place")
                 await client.update_weights_from_disk(ckpts[1], version)
@@ -126,8 +126,8 @@ def test_sync_driver_batch_path(tmp_path, engine):
         mgr = RolloutManager(cfg, engine_urls=[engine.url], rows=ROWS, consumed_through_step=-1)
         await mgr.set_version(1)
         await mgr.start()
-        b0 = await mgr.next_batch()
-        b1 = await mgr.next_batch()
+        b0 = await mgr.next_batch(1)
+        b1 = await mgr.next_batch(1)
         # A group is served as soon as its object is committed; its task leaves the in-flight set a
         # moment later, when the put returns to it: wait for that, then nothing more has started.
         for _ in range(100):
@@ -174,7 +174,7 @@ def test_a_batch_still_draining_when_the_manager_stops_returns_none(tmp_path, en
         mgr = RolloutManager(cfg, engine_urls=[engine.url], rows=ROWS[:8], consumed_through_step=-1)
         await mgr.set_version(1)
         await mgr.start()
-        pending = asyncio.ensure_future(mgr.next_batch())  # 5000 groups, 2 in flight: never done in time
+        pending = asyncio.ensure_future(mgr.next_batch(1))  # 5000 groups, 2 in flight: never done in time
         await asyncio.sleep(0.5)
         await mgr.stop(grace_seconds=5)
         return await asyncio.wait_for(pending, 60)

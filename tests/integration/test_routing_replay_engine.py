@@ -54,7 +54,7 @@ def _batch(tmp_path, engine, replay: bool):
         await mgr.set_version(1)
         await mgr.start()
         try:
-            return await mgr.next_batch()
+            return await mgr.next_batch(1)
         finally:
             await mgr.stop()
 

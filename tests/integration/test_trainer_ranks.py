@@ -41,7 +41,7 @@ def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, ex
 
 
 def _weights(group: TrainerGroup, out) -> dict[str, torch.Tensor]:
-    group.call("export_hf", 0, f"file://{out}").result()
+    group.export_hf(0, f"file://{out}").result()
     return load_file(f"{out}/model.safetensors")
 
 
@@ -100,9 +100,9 @@ def test_data_parallel_matches_one_rank_and_checkpoints_resume_at_any_dp_size(tm
     balanced = TrainerGroup(_cfg(tmp_path, 2, balance=True), tiny_gpt, [])
     try:
         _assert_strict(two)
-        m1 = one.call("train_step", 0, batch0).result()
-        m2 = two.call("train_step", 0, batch0).result()
-        mb = balanced.call("train_step", 0, batch0).result()
+        m1 = one.train_step(0, batch0).result()
+        m2 = two.train_step(0, batch0).result()
+        mb = balanced.train_step(0, batch0).result()
         w1 = _weights(one, tmp_path / "w1")
         d2, db = _max_diff(w1, _weights(two, tmp_path / "w2")), _max_diff(w1, _weights(balanced, tmp_path / "wb"))
         print(f"DP=2 vs DP=1 max |param diff| {d2:.2e}, with --balance-data {db:.2e}")
@@ -111,18 +111,18 @@ def test_data_parallel_matches_one_rank_and_checkpoints_resume_at_any_dp_size(tm
             assert m["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
             assert m["train/samples"] == m1["train/samples"] and m["train/tokens"] == m1["train/tokens"]
 
-        two.call("save_checkpoint", 0, {"weight_version": 1}).result()
-        loss_next = two.call("train_step", 1, batch1).result()["train/loss"]
-        assert one.call("restore_latest").result()[0] == 0  # DP=2 checkpoint -> DP=1
-        assert one.call("train_step", 1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=LOSS_RTOL)
+        two.save_checkpoint(0, {"weight_version": 1}).result()
+        loss_next = two.train_step(1, batch1).result()["train/loss"]
+        assert one.restore_latest().result()[0] == 0  # DP=2 checkpoint -> DP=1
+        assert one.train_step(1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=LOSS_RTOL)
         assert _max_diff(_weights(one, tmp_path / "w1b"), _weights(two, tmp_path / "w2b")) < PARAM_ATOL
     finally:
         for g in (one, two, balanced):
             g.shutdown()
     again = TrainerGroup(_cfg(tmp_path, 2, save=ckpt), tiny_gpt, [])  # DP=2 -> DP=2, fresh processes
     try:
-        assert again.call("restore_latest").result()[0] == 0
-        assert again.call("train_step", 1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=LOSS_RTOL)
+        assert again.restore_latest().result()[0] == 0
+        assert again.train_step(1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=LOSS_RTOL)
     finally:
         again.shutdown()
 
@@ -137,23 +137,23 @@ def test_tensor_parallel_matches_one_rank_and_refuses_a_tp_change(tmp_path, tiny
     tp2 = TrainerGroup(_cfg(tmp_path, 2, tp=2, save=ckpt), tiny_llama16, [])
     try:
         _assert_strict(tp2)
-        lp1 = one.call("logprobs", probe).result()[0]
-        lp2 = tp2.call("logprobs", probe).result()[0]
+        lp1 = one.logprobs(probe).result()[0]
+        lp2 = tp2.logprobs(probe).result()[0]
         dl = max(abs(a - b) for a, b in zip(lp1, lp2))
         assert dl < LOGP_ATOL
-        m1 = one.call("train_step", 0, batch).result()
-        m2 = tp2.call("train_step", 0, batch).result()
+        m1 = one.train_step(0, batch).result()
+        m2 = tp2.train_step(0, batch).result()
         assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-4)
         dp = _max_diff(_weights(one, tmp_path / "w1"), _weights(tp2, tmp_path / "w2"))
         print(f"TP=2 vs TP=1 max |logprob diff| {dl:.2e}, max |param diff| after a step {dp:.2e}")
         assert dp < PARAM_ATOL
-        tp2.call("save_checkpoint", 0, {}).result()
+        tp2.save_checkpoint(0, {}).result()
         listed = json.loads((tmp_path / "ckpt" / "step_00000000" / "COMPLETE").read_text())["files"]
         assert {f"{part}.tp{r:02d}.{ext}" for r in (0, 1) for part, ext in
                 (("model", "safetensors"), ("optimizer", "safetensors"), ("trainer", "json"), ("files", "json"))} \
             <= set(listed)  # every TP rank's files, with their sizes and checksums
         with pytest.raises(Exception, match="tensor-model-parallel-size"):
-            one.call("restore_latest").result()
+            one.restore_latest().result()
     finally:
         for g in (one, tp2):
             g.shutdown()
@@ -178,12 +178,12 @@ def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_t
             return res, (await c.model_info(url))["weight_version"]
 
     try:
-        group.call("train_step", 0, make_groups(n_groups=4, seed=2)).result()
-        assert group.call("push_weights", 0).result()["version"] == 1
+        group.train_step(0, make_groups(n_groups=4, seed=2)).result()
+        assert group.push_weights(0, 1).result()["delivered"]
         res, version = asyncio.run(greedy())
         assert version == "1"
         probe = [Sample("p", 0, 0, [1, 2, 3, 4, 10], list(res.output_ids), [], [], [1] * len(res.output_ids))]
-        trainer_lp = group.call("logprobs", probe).result()[0]
+        trainer_lp = group.logprobs(probe).result()[0]
         assert max(abs(a - b) for a, b in zip(trainer_lp, res.output_logprobs)) < LOGP_ATOL
     finally:
         group.shutdown()
@@ -223,7 +223,7 @@ def test_a_rendezvous_port_taken_before_rank_0_binds_it_is_replaced(tmp_path, ti
         group = _FirstPortTaken(_cfg(tmp_path, 2), tiny_gpt, [])
         try:
             assert [port for _, port in group.tried][0] == _FirstPortTaken.taken and len(group.tried) == 2
-            assert group.call("restore_latest").result() is None  # every rank serves calls (no checkpoint yet)
+            assert group.restore_latest().result() is None  # every rank serves calls (no checkpoint yet)
         finally:
             group.shutdown()
 
@@ -240,20 +240,20 @@ def test_memory_flags_in_ray_ranks_make_the_same_update_and_resume(tmp_path, tin
     one = TrainerGroup(_cfg(tmp_path, 1), tiny_gpt, [])
     two = TrainerGroup(_cfg(tmp_path, 2, save=ckpt, extra=MEMORY_FLAGS), tiny_gpt, [])
     try:
-        m1 = one.call("train_step", 0, batch0).result()
-        m2 = two.call("train_step", 0, batch0).result()
+        m1 = one.train_step(0, batch0).result()
+        m2 = two.train_step(0, batch0).result()
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
         assert m2["train/padding_fraction"] == 0.0
-        two.call("save_checkpoint", 0, {"weight_version": 1}).result()
-        loss_next = two.call("train_step", 1, batch1).result()["train/loss"]
+        two.save_checkpoint(0, {"weight_version": 1}).result()
+        loss_next = two.train_step(1, batch1).result()["train/loss"]
         weights = _weights(two, tmp_path / "mem-w")
     finally:
         one.shutdown()
         two.shutdown()
     again = TrainerGroup(_cfg(tmp_path, 2, save=ckpt, extra=MEMORY_FLAGS), tiny_gpt, [])
     try:
-        assert again.call("restore_latest").result()[0] == 0
-        assert again.call("train_step", 1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=1e-6)
+        assert again.restore_latest().result()[0] == 0
+        assert again.train_step(1, batch1).result()["train/loss"] == pytest.approx(loss_next, rel=1e-6)
         assert _max_diff(weights, _weights(again, tmp_path / "mem-w2")) < 1e-6
     finally:
         again.shutdown()
@@ -267,8 +267,8 @@ def test_tp2_sequence_parallel_with_recompute_and_the_distributed_optimizer(tmp_
     one = TrainerGroup(_cfg(tmp_path, 1), tiny_llama16, [])
     tp2 = TrainerGroup(_cfg(tmp_path, 2, tp=2, extra=extra), tiny_llama16, [])
     try:
-        m1 = one.call("train_step", 0, batch).result()
-        m2 = tp2.call("train_step", 0, batch).result()
+        m1 = one.train_step(0, batch).result()
+        m2 = tp2.train_step(0, batch).result()
         assert m2["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
         assert m2["train/grad_norm"] == pytest.approx(m1["train/grad_norm"], rel=1e-4)
         assert _max_diff(_weights(one, tmp_path / "t1"), _weights(tp2, tmp_path / "t2")) < PARAM_ATOL

@@ -112,9 +112,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 1
 
 async def _push_and_generate(transport: DistributedWeightTransport, url: str):
     async with EngineClient([url]) as client:
-        sync = WeightSync([client], transport, lambda v: None, pause_mode="retract")
+        sync = WeightSync([client], transport, pause_mode="retract")
         try:
-            await sync.push(1)
+            await sync.push(1, 1)
         finally:
             await transport.close()
         version = (await client.model_info(url))["weight_version"]

@@ -187,9 +187,9 @@ def test_push_stages_before_the_pause(tmp_path, fail_stage, caplog):
             return {"w": torch.ones(4)}
 
     engine = Recorder(fail_stage)
-    sync = WeightSync([engine], StoreWeightTransport(Trainer(), Store(str(tmp_path))), lambda v: None)
+    sync = WeightSync([engine], StoreWeightTransport(Trainer(), Store(str(tmp_path))))
     with caplog.at_level(logging.WARNING, logger="miles_core.weights.sync"):
-        res = asyncio.run(sync.push(3))
+        res = asyncio.run(sync.push(3, 1))
     assert engine.log == ["stage", "pause", ("update", 1), "continue"]
     assert res.version == 1 and res.stage_seconds >= 0
     assert ("staging" in caplog.text) == fail_stage
@@ -215,12 +215,11 @@ _PUSHER = textwrap.dedent("""
                                                backend="gloo", bucket_bytes=int(bucket_bytes), timeout_seconds=60,
                                                flatten=flatten == "1")
         async with EngineClient([url]) as client:
-            sync = WeightSync([client], transport, lambda v: None)
-            sync.version = 1
-            for path in plan:
+            sync = WeightSync([client], transport)
+            for k, path in enumerate(plan):
                 state = load_file(path if path.endswith(".safetensors") else os.path.join(path, "model.safetensors"))
                 box["state"] = {n: state[n] for n in sorted(state, key=hf_order)}
-                await sync.push(0)
+                await sync.push(0, k + 2)
         await transport.close()
 
     asyncio.run(main())
@@ -342,8 +341,8 @@ def test_a_failed_resume_does_not_hide_the_failed_load(tmp_path, fail_load, capl
             return {"w": torch.ones(4)}
 
     dying, alive = Dying(fail_load), Recorder()
-    sync = WeightSync([dying, alive], StoreWeightTransport(Trainer(), Store(str(tmp_path))), lambda v: None)
+    sync = WeightSync([dying, alive], StoreWeightTransport(Trainer(), Store(str(tmp_path))))
     with pytest.raises(RuntimeError if fail_load else EngineControlError, match="load failed" if fail_load else "gone"):
-        asyncio.run(sync.push(1))
+        asyncio.run(sync.push(1, 1))
     assert "continue" in dying.log and "continue" in alive.log
     assert ("resuming an engine after the failed push" in caplog.text) == fail_load

@@ -65,30 +65,25 @@ class FakeEngine:
 
 
 def _sync(trainer, store, engines, log, mode="retract", tmp=None):
-    async def publish(v):
-        log.append(("rollout", "publish", v))
-    return WeightSync(engines, StoreWeightTransport(trainer, store), publish, mode)
+    return WeightSync(engines, StoreWeightTransport(trainer, store), mode)
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode):
-    """Engines see pause, update(v, flush_cache=False), continue; publish(v) comes last; weights are the trainer's."""
+    """Engines see pause, update(v, flush_cache=False), continue, under the version given; weights are the trainer's."""
     log = []
     engines = [FakeEngine("e0", log), FakeEngine("e1", log)]
     assert all(isinstance(e, EngineControl) for e in engines)
     store = Store(storage_root)
     sync = _sync(trainer, store, engines, log, mode, str(tmp_path))
-    r1 = asyncio.run(sync.push(10))
-    r2 = asyncio.run(sync.push(11))
+    r1 = asyncio.run(sync.push(10, 1))
+    r2 = asyncio.run(sync.push(11, 2))
     assert (r1.version, r2.version) == (1, 2)
     for e in ("e0", "e1"):
         ops = [entry[1:] for entry in log if entry[0] == e]
         one = [("pause", mode), ("update", 1, False, False), ("continue",)]
         assert ops[:len(one)] == one
         assert ops[len(one):] == [o if o[0] != "update" else ("update", 2, False, False) for o in one]
-    first_publish = log.index(("rollout", "publish", 1))
-    assert all(log.index(x) < first_publish for x in log[:first_publish])
-    assert [x for x in log if x[0] == "rollout"] == [("rollout", "publish", 1), ("rollout", "publish", 2)]
     expect = trainer.hf_state_dict()
     for e in engines:
         assert e.version == 2 and set(e.weights) == set(expect)
@@ -125,15 +120,15 @@ def test_abort_mode_is_refused(trainer, tmp_path):
         _sync(trainer, Store(str(tmp_path)), [], [], mode="abort")
 
 
-def test_failed_load_resumes_engines_and_publishes_nothing(trainer, tmp_path):
+def test_failed_load_resumes_engines_and_records_no_push(trainer, tmp_path):
     """An engine failing to load propagates the error, but every engine is resumed first."""
     log = []
     engines = [FakeEngine("e0", log), FakeEngine("e1", log, fail_load=True)]
     sync = _sync(trainer, Store(str(tmp_path)), engines, log)
     with pytest.raises(RuntimeError, match="crashed"):
-        asyncio.run(sync.push(1))
+        asyncio.run(sync.push(1, 1))
     assert ("e0", "continue") in log and ("e1", "continue") in log
-    assert not [x for x in log if x[0] == "rollout"]
+    assert sync.history == []
 
 
 def _free_port() -> int:
@@ -153,34 +148,34 @@ def test_cpu_engine_serves_the_pushed_weights(trainer, tmp_path):
         runner = await serve(server, "127.0.0.1", port)
         try:
             async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
-                published = []
-                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))), published.append)
-                await sync.push(1)
+                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))))
+                await sync.push(1, 1)
                 versions = await client.get_weight_version()
                 res = await client.generate([1, 2, 3, 4, SEP_ID], {"max_new_tokens": 5, "temperature": 1.0})
-                return published, versions, res
+                return versions, res
         finally:
             await runner.cleanup()
 
-    published, versions, res = asyncio.run(main())
-    assert published == [1] and list(versions.values()) == [1]
+    versions, res = asyncio.run(main())
+    assert list(versions.values()) == [1]
     assert set(res.token_versions) == {1}
     ours = trainer.logprobs([Sample("p", 0, 0, [1, 2, 3, 4, SEP_ID], res.output_ids)])[0]
     assert torch.allclose(torch.tensor(ours), torch.tensor(res.output_logprobs), atol=1e-4)
 
 
-def test_failed_export_does_not_burn_a_version(trainer, tmp_path):
-    """An export that fails before any engine is paused leaves engines untouched and the version unused."""
+def test_a_failed_export_leaves_the_engines_untouched(trainer, tmp_path):
+    """An export that fails before any engine is paused leaves engines untouched (the driver's version is
+    set only once a push succeeded: miles_core.driver.pushes)."""
     log = []
 
     class Broken(StoreWeightTransport):
         def prepare(self, step):
             raise OSError("disk full")
 
-    sync = WeightSync([FakeEngine("e0", log)], Broken(trainer, Store(str(tmp_path))), log.append)
+    sync = WeightSync([FakeEngine("e0", log)], Broken(trainer, Store(str(tmp_path))))
     with pytest.raises(OSError):
-        asyncio.run(sync.push(1))
-    assert log == [] and sync.version == 0
+        asyncio.run(sync.push(1, 1))
+    assert log == [] and sync.history == []
 
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
@@ -206,8 +201,8 @@ def test_push_with_requests_running_and_waiting(trainer, tmp_path, mode):
                 while not (len(eng.running) == 2 and len(eng.waiting) == 2 and all(r.output_ids for r in eng.running)):
                     await asyncio.sleep(0.001)
                 await client.pause_generation("in_place")  # hold that state until the push pauses in `mode`
-                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))), lambda v: None, mode)
-                await sync.push(1)
+                sync = WeightSync([client], StoreWeightTransport(trainer, Store(str(tmp_path))), mode)
+                await sync.push(1, 1)
                 results = await asyncio.gather(*tasks)
                 fresh = await client.generate(prompt, params)
                 return results, fresh

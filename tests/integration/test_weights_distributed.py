@@ -68,10 +68,8 @@ def transport(trainer, fleet, cls=DistributedWeightTransport, **kw):
 async def push(transport_, servers, step: int, version_before: int = 0):
     """One WeightSync.push through a client over all engines; returns (result, versions, greedy results)."""
     async with EngineClient([s.url for s in servers]) as client:
-        published = []
-        sync = WeightSync([client], transport_, published.append, pause_mode="retract", version=version_before)
-        res = await sync.push(step)
-        assert published == [res.version]
+        sync = WeightSync([client], transport_, pause_mode="retract")
+        res = await sync.push(step, version_before + 1)
         versions = {s.url: (await client.model_info(s.url))["weight_version"] for s in servers}
         outs = [await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
                                       url=s.url) for s in servers]

@@ -17,10 +17,14 @@ consumption recorded only on save steps (groups trained twice after a resume).
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import pytest
 
+from miles_core.driver.clients import Pending
+from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch, run_loop
+from miles_core.driver.pushes import WeightPusher, WeightVersion
 from miles_core.driver.roles import (
     Checkpointer,
     Deadline,
@@ -28,9 +32,9 @@ from miles_core.driver.roles import (
     OnDemandBatches,
     PrefetchedBatches,
     Roles,
-    WeightPusher,
     batch_source,
 )
+from miles_core.driver.switchboard import RankEnded, Switchboard
 
 
 def done(value=None) -> concurrent.futures.Future:
@@ -39,18 +43,41 @@ def done(value=None) -> concurrent.futures.Future:
     return f
 
 
-class FakeHandle:
-    """A rollout or trainer handle: records every call, answers from `answers` (value or callable)."""
+class FakeClient:
+    """A rollout or trainer client: each method records its call and answers from `answers` (a value or a
+    callable); a method named in `pending` stays unanswered until `answer` or `fail`."""
 
-    def __init__(self, log: list, name: str, **answers):
-        self.log, self.name, self.answers = log, name, answers
+    def __init__(self, log: list, name: str, pending=(), **answers):
+        self.log, self.name, self.answers, self.pending = log, name, answers, set(pending)
         self.calls: list[tuple] = []
+        self.open: list[tuple[str, concurrent.futures.Future]] = []
 
-    def call(self, method: str, *args) -> concurrent.futures.Future:
-        self.calls.append((method, *args))
-        self.log.append(f"{self.name}.{method}")
-        answer = self.answers.get(method)
-        return done(answer(*args) if callable(answer) else answer)
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+
+        def call(*args) -> Pending:
+            self.calls.append((method, *args))
+            self.log.append(f"{self.name}.{method}")
+            if method in self.pending:
+                f: concurrent.futures.Future = concurrent.futures.Future()
+                self.open.append((method, f))
+                return Pending(future=f)
+            answer = self.answers.get(method)
+            try:
+                return Pending(future=done(answer(*args) if callable(answer) else answer))
+            except Exception as e:  # noqa: BLE001 - the call's failure, as Ray would give it
+                f = concurrent.futures.Future()
+                f.set_exception(e)
+                return Pending(future=f)
+
+        return call
+
+    def answer(self, method: str, value) -> None:
+        next(f for m, f in self.open if m == method and not f.done()).set_result(value)
+
+    def fail(self, method: str, error: BaseException) -> None:
+        next(f for m, f in self.open if m == method and not f.done()).set_exception(error)
 
 
 class Recorder:
@@ -221,98 +248,107 @@ def test_every_step_logs_train_batch_push_source_and_step_time_metrics():
 # ----------------------------------------------------------------------------- WeightPusher
 
 
-def pusher(interval: int):
+def pusher(interval: int = 1, overlap: bool = False, trainer_answer=None, fleet=None, pending=()):
     log: list = []
-    versions = iter(range(2, 100))
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": next(versions),
-                                                                           "perf/weight_update_seconds": 0.2})
-    rollout = FakeHandle(log, "rollout")
-    box = [1]
-    return WeightPusher(trainer, rollout, interval, box), trainer, rollout, box
+    trainer = FakeClient(log, "trainer", push_weights=trainer_answer or (
+        lambda step, version: {"snapshot": f"mem://run/weights/v{version}", "delivered": False}))
+    rollout = FakeClient(log, "rollout", pending=pending, deliver_weights=lambda uri, v, engines: {
+        "perf/weight_update_seconds": 0.2})
+    version = WeightVersion()
+    board = Switchboard()
+    wp = WeightPusher(trainer, rollout, fleet or NoFleet(), board, version, interval=interval, overlap=overlap)
+    return wp, trainer, rollout, version, board
 
 
 def test_weight_pusher_pushes_every_interval_and_at_the_last_step():
-    wp, trainer, rollout, box = pusher(interval=3)
+    wp, trainer, rollout, version, _ = pusher(interval=3)
+    wp.first_push(-1, 0)
     out = [wp.push(step, last=step == 7) for step in range(8)]
-    assert [c[1:] for c in trainer.calls] == [(2, True), (5, True), (7, True)]  # (step + 1) % 3 == 0, the last step
-    assert rollout.calls == [("set_version", 2), ("set_version", 3), ("set_version", 4)]
-    assert [v for v, _ in out] == [1, 1, 2, 2, 2, 3, 3, 4] and box == [4]
-    assert out[0][1] == {} and out[2][1] == {"perf/weight_update_seconds": 0.2, "rollout/published_version": 2}
+    assert [c[1:] for c in trainer.calls] == [(-1, 1), (2, 2), (5, 3), (7, 4)]  # (step + 1) % 3 == 0, the last
+    assert [c for c in rollout.calls if c[0] == "set_version"] == [("set_version", v) for v in (1, 2, 3, 4)]
+    assert [v for v, _ in out] == [1, 1, 2, 2, 2, 3, 3, 4]
+    assert version.exported == version.delivered == 4 and version.delivered_snapshot == "mem://run/weights/v4"
+    assert out[0][1] == {}
+    assert out[2][1]["perf/weight_update_seconds"] == 0.2 and out[2][1]["rollout/published_version"] == 2
 
 
-def test_weight_pusher_publishes_to_rollout_after_the_trainer_pushed():
-    wp, trainer, rollout, _ = pusher(interval=1)
+def test_a_store_push_is_delivered_by_the_rollout_side_and_then_announced():
+    wp, trainer, rollout, version, _ = pusher()
     wp.push(0)
-    assert trainer.log == ["trainer.push_weights", "rollout.set_version"]
+    assert trainer.log == ["trainer.push_weights", "rollout.deliver_weights", "rollout.set_version"]
+    assert rollout.calls[0] == ("deliver_weights", "mem://run/weights/v1", 1, [])
 
 
-def test_an_overlapping_pusher_waits_only_on_the_last_step_and_leaves_publishing_to_the_trainer():
-    """Under the fully async driver the trainer delivers to the engines while the next step trains and
-    publishes the version itself ("published"): the driver must not publish it before the engines serve it."""
-    log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2, "published": True})
-    rollout = FakeHandle(log, "rollout")
-    box = [1]
-    wp = WeightPusher(trainer, rollout, 1, box, overlap=True)
-    out = [wp.push(step, last=step == 2) for step in range(3)]
-    assert [c[1:] for c in trainer.calls] == [(0, False), (1, False), (2, True)]
-    assert rollout.calls == [] and box == [4]
-    assert [o[1] for o in out] == [{"rollout/published_version": v} for v in (2, 3, 4)]
+def test_a_push_the_trainer_delivered_is_only_announced():
+    """The distributed transport: rank 0 paused, broadcast and resumed already."""
+    wp, trainer, rollout, version, _ = pusher(trainer_answer=lambda step, v: {"delivered": True})
+    wp.push(0)
+    assert rollout.calls == [("set_version", 1)] and version.delivered == 1 and version.delivered_snapshot is None
 
 
-def test_an_overlapping_pusher_publishes_what_the_trainer_did_not():
-    """A trainer with no engine left (or no rollout actor yet) answers without "published": the driver
-    publishes, as without overlap."""
-    log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
-    rollout = FakeHandle(log, "rollout")
-    WeightPusher(trainer, rollout, 1, [1], overlap=True).push(0)
-    assert rollout.calls == [("set_version", 2)]
+def test_an_overlapping_push_returns_before_its_delivery_which_a_later_wait_finishes():
+    """Under the fully async driver the delivery goes on while the next step trains: the push returns with
+    it in flight, and whatever wait the driver is in next sees it end and announces the version."""
+    wp, trainer, rollout, version, board = pusher(overlap=True, pending={"deliver_weights"})
+    v, _ = wp.push(0)
+    assert v == 1 and version.exported == 1 and version.delivered == 0 and version.delivering
+    assert ("set_version", 1) not in rollout.calls
+    rollout.answer("deliver_weights", {"perf/weight_update_seconds": 0.3})
+    board.wait(rollout.state())  # any wait: here the one for a checkpoint's rollout state
+    assert version.delivered == 1 and not version.delivering and rollout.calls[-1] == ("set_version", 1)
+    rollout.pending.discard("deliver_weights")
+    _, metrics = wp.push(1, last=True)  # the last push waits for its own delivery
+    assert metrics["perf/weight_update_seconds"] == 0.2 and version.delivered == 2  # its own delivery's
 
 
-class PendingHandle(FakeHandle):
-    """A handle whose calls named in `pending` stay unanswered until the test answers them."""
-
-    def __init__(self, log, name, pending=(), **answers):
-        super().__init__(log, name, **answers)
-        self.pending, self.open = set(pending), []
-
-    def call(self, method, *args):
-        if method not in self.pending:
-            return super().call(method, *args)
-        self.calls.append((method, *args))
-        self.log.append(f"{self.name}.{method}")
-        f: concurrent.futures.Future = concurrent.futures.Future()
-        self.open.append(f)
-        return f
+def test_a_failed_delivery_is_raised_in_the_wait_that_sees_it():
+    wp, trainer, rollout, version, board = pusher(overlap=True, pending={"deliver_weights"})
+    wp.push(0)
+    rollout.fail("deliver_weights", RuntimeError("engine refused v1"))
+    with pytest.raises(RuntimeError, match="refused v1"):
+        board.wait(rollout.state())
+    assert version.delivered == 0
 
 
-def test_weight_pusher_does_not_wait_for_the_rollout_side_but_raises_its_failure_at_the_next_push():
-    log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
-    rollout = PendingHandle(log, "rollout", pending={"set_version"})
-    wp = WeightPusher(trainer, rollout, 1, [1])
-    assert wp.push(0)[0] == 2  # returned with set_version(2) unanswered
-    rollout.open[0].set_exception(RuntimeError("rollout side gone"))
-    try:
-        wp.push(1)
-    except RuntimeError as e:
-        assert "rollout side gone" in str(e)
-    else:
-        raise AssertionError("the failed set_version was not raised at the next push")
-    assert [c[0] for c in trainer.calls] == ["push_weights"]  # the failure stops the next push before it starts
+class LosingFleet:
+    """A fleet whose engine e1 is gone: `drop_lost` drops it once."""
+
+    def __init__(self):
+        self.engines = [("http://e0", "a0"), ("http://e1", "a1")]
+        self.dropped = 0
+
+    def targets(self):
+        return list(self.engines)
+
+    def drop_lost(self):
+        if len(self.engines) == 1:
+            return False
+        self.engines, self.dropped = self.engines[:1], self.dropped + 1
+        return True
 
 
-def test_weight_pusher_waits_for_the_rollout_side_on_the_last_step():
-    log: list = []
-    trainer = FakeHandle(log, "trainer", push_weights=lambda step, wait: {"version": step + 2})
-    rollout = PendingHandle(log, "rollout", pending={"set_version"})
-    wp = WeightPusher(trainer, rollout, 1, [1])
-    waited = []
-    rollout.pending.discard("set_version")
-    rollout.answers["set_version"] = lambda v: waited.append(v)
-    wp.push(0, last=True)
-    assert waited == [2] and wp.publishing is None
+def test_a_delivery_that_failed_over_a_lost_engine_is_made_again_to_the_engines_left():
+    fleet = LosingFleet()
+    tries = []
+
+    def deliver(uri, v, engines):
+        tries.append([url for url, _ in engines])
+        if len(engines) == 2:
+            raise RuntimeError("engine e1's actor died")
+        return {}
+
+    wp, trainer, rollout, version, _ = pusher(fleet=fleet)
+    rollout.answers["deliver_weights"] = deliver
+    wp.push(0)
+    assert tries == [["http://e0", "http://e1"], ["http://e0"]] and fleet.dropped == 1 and version.delivered == 1
+
+
+def test_a_delivery_failing_with_no_engine_lost_raises():
+    wp, trainer, rollout, version, _ = pusher(fleet=LosingFleet())
+    wp.engines.engines = wp.engines.engines[:1]
+    rollout.answers["deliver_weights"] = lambda uri, v, engines: (_ for _ in ()).throw(RuntimeError("disk full"))
+    with pytest.raises(RuntimeError, match="disk full"):
+        wp.push(0)
 
 
 # ----------------------------------------------------------------------------- Checkpointer
@@ -320,9 +356,9 @@ def test_weight_pusher_waits_for_the_rollout_side_on_the_last_step():
 
 def checkpointer(save_interval, enabled=True):
     log: list = []
-    trainer = FakeHandle(log, "trainer")
-    rollout = FakeHandle(log, "rollout", state={"data_source": "cursor"})
-    return Checkpointer(trainer, rollout, save_interval, enabled=enabled), trainer, rollout
+    trainer = FakeClient(log, "trainer")
+    rollout = FakeClient(log, "rollout", state={"data_source": "cursor"})
+    return Checkpointer(trainer, rollout, Switchboard(), save_interval, enabled=enabled), trainer, rollout
 
 
 def test_checkpointer_records_consumption_every_step_and_saves_on_cadence_and_last():
@@ -350,33 +386,29 @@ def test_checkpointer_writes_a_record_while_the_next_step_trains_and_waits_for_i
     """Step k's record is in flight during step k+1; step k+1's record starts only after k's is written (records
     go in step order), and a failed record is raised at the next save."""
     log: list = []
-    trainer = FakeHandle(log, "trainer")
-    rollout = PendingHandle(log, "rollout", pending={"record_consumed"}, state={})
-    cp = Checkpointer(trainer, rollout, save_interval=None, enabled=True)
+    trainer = FakeClient(log, "trainer")
+    rollout = FakeClient(log, "rollout", pending={"record_consumed"}, state={})
+    cp = Checkpointer(trainer, rollout, Switchboard(), save_interval=None, enabled=True)
     cp.save(0, consumed=["g0"], version=1, last=False)
-    assert len(rollout.open) == 1 and not rollout.open[0].done()  # save returned with the record in flight
-    rollout.open[0].set_exception(OSError("storage down"))
-    try:
+    assert len(rollout.open) == 1 and not rollout.open[0][1].done()  # save returned with the record in flight
+    rollout.fail("record_consumed", OSError("storage down"))
+    with pytest.raises(OSError):
         cp.save(1, consumed=["g1"], version=1, last=False)
-    except OSError:
-        pass
-    else:
-        raise AssertionError("the failed record of step 0 was not raised")
     assert [c[1] for c in rollout.calls if c[0] == "record_consumed"] == [0]  # step 1's never started
 
 
 def test_checkpointer_waits_for_the_record_before_a_checkpoint_and_on_the_last_step():
     log: list = []
-    trainer = FakeHandle(log, "trainer")
-    rollout = FakeHandle(log, "rollout", state={})
+    trainer = FakeClient(log, "trainer")
+    rollout = FakeClient(log, "rollout", state={})
     answered = []
     rollout.answers["record_consumed"] = lambda step, ids: answered.append(step)
-    cp = Checkpointer(trainer, rollout, save_interval=2, enabled=False)
+    cp = Checkpointer(trainer, rollout, Switchboard(), save_interval=2, enabled=False)
     cp.save(0, consumed=["g0"], version=1, last=False)
     assert cp.recording is not None
     cp.save(1, consumed=["g1"], version=1, last=True)
     assert cp.recording is None and answered == [0, 1]
-    cp = Checkpointer(trainer, rollout, save_interval=1, enabled=True)
+    cp = Checkpointer(trainer, rollout, Switchboard(), save_interval=1, enabled=True)
     cp.save(0, consumed=["g0"], version=1, last=False)
     assert cp.recording is None  # the checkpoint of step 0 covers its record: written before it
 
@@ -407,18 +439,18 @@ def drained(ids):
 
 
 def test_batch_source_is_chosen_once_from_the_driver():
-    assert isinstance(batch_source("sync", None, [1]), OnDemandBatches)
-    assert isinstance(batch_source("one-step-off", None, [1]), PrefetchedBatches)
-    assert isinstance(batch_source("fully-async", None, [1]), PrefetchedBatches)
+    board, v = Switchboard(), WeightVersion()
+    assert isinstance(batch_source("sync", None, board, v), OnDemandBatches)
+    assert isinstance(batch_source("one-step-off", None, board, v), PrefetchedBatches)
+    assert isinstance(batch_source("fully-async", None, board, v), PrefetchedBatches)
 
 
 def test_prefetched_batches_request_the_next_batch_for_the_version_it_will_train_under():
     """Batch k+1 is asked for before training on k; with a push after step k its staleness is checked
     against version v+1; with --update-weights-interval 2 only every second step pushes."""
     log: list = []
-    rollout = FakeHandle(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
-    box = [5]
-    src = PrefetchedBatches(rollout, box, update_interval=2)
+    rollout = FakeClient(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
+    src = PrefetchedBatches(rollout, Switchboard(), WeightVersion(exported=5), update_interval=2)
     b0 = src.next_batch(0)
     assert rollout.calls == [("next_batch", 5), ("next_batch", 5)]  # step 0 does not push (interval 2)
     assert b0.group_ids == ["v5"] and b0.metrics["perf/train_wait_seconds"] >= 0.0
@@ -429,54 +461,61 @@ def test_prefetched_batches_request_the_next_batch_for_the_version_it_will_train
 
 def test_on_demand_batches_ask_for_one_batch_at_the_current_version():
     log: list = []
-    rollout = FakeHandle(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
-    box = [3]
-    src = OnDemandBatches(rollout, box)
+    rollout = FakeClient(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
+    src = OnDemandBatches(rollout, Switchboard(), WeightVersion(exported=3))
     assert src.next_batch(0).group_ids == ["v3"]
     src.before_weight_update()
     assert rollout.calls == [("next_batch", 3)]
 
 
+# ----------------------------------------------------------------------------- the switchboard
+
+
 @pytest.mark.parametrize("wait", ["next_batch", "before_weight_update"])
-def test_a_driver_waiting_for_a_batch_that_cannot_come_raises_what_its_watch_found(monkeypatch, wait):
-    """Under the fully async driver the groups of a version come only once the trainer delivered it and told
-    the rollout side: a drain waiting for them watches the trainer, and raises what the watch raises (a rank
-    gone, a delivery failed) instead of waiting for ever."""
-    import miles_core.driver.roles as roles_module
-
-    monkeypatch.setattr(roles_module, "WATCH_SECONDS", 0.05)
+def test_a_driver_waiting_for_a_batch_learns_at_once_that_a_rank_died(wait):
+    """The groups of a version come only once it was delivered: a driver waiting for them must not wait for
+    ever when a trainer rank dies meanwhile. The ranks' `alive` calls are in the same wait and end it."""
     log: list = []
-    rollout = PendingHandle(log, "rollout", pending={"next_batch"} if wait == "next_batch" else set(),
-                            next_batch=lambda v: drained(["g"]))
-    watched: list = []
-
-    def watch():
-        watched.append(1)
-        if len(watched) == 3:
-            raise RuntimeError("trainer rank 0 is gone")
-
-    src = PrefetchedBatches(rollout, [1], watch=watch)
+    rollout = FakeClient(log, "rollout", pending={"next_batch"}, next_batch=lambda v: drained(["g"]))
+    alive = Pending(future=concurrent.futures.Future())
+    src = PrefetchedBatches(rollout, Switchboard(watched=[alive]), WeightVersion(exported=1))
     if wait == "before_weight_update":
+        rollout.pending.discard("next_batch")
         src.next_batch(0)
-        rollout.pending = {"next_batch"}
-        src.pending = rollout.call("next_batch", 2)  # the prefetch of the next batch, never answered
-    with pytest.raises(RuntimeError, match="rank 0 is gone"):
+        rollout.pending.add("next_batch")
+        src.pending = rollout.next_batch(2)  # the prefetch of the next batch, never answered
+    died = threading.Timer(0.05, lambda: alive.future.set_exception(RuntimeError("trainer rank 0 died")))
+    died.start()
+    with pytest.raises(RuntimeError, match="rank 0 died"):
         src.next_batch(0) if wait == "next_batch" else src.before_weight_update()
-    assert len(watched) == 3
 
 
-def test_a_prefetched_batch_that_comes_is_returned_without_raising_what_the_watch_saw():
-    log: list = []
-    rollout = FakeHandle(log, "rollout", next_batch=lambda v: drained(["g"]))
-    watched: list = []
-    src = PrefetchedBatches(rollout, [1], watch=lambda: watched.append(1))
-    assert src.next_batch(0).group_ids == ["g"] and watched == []
+def test_a_rank_whose_alive_call_ends_without_an_error_is_reported_too():
+    alive = Pending(future=done(None))
+    with pytest.raises(RankEnded):
+        Switchboard(watched=[alive]).wait(Pending(future=concurrent.futures.Future()))
 
 
-def test_only_an_overlapping_pusher_asks_the_trainer_about_its_delivery():
-    log: list = []
-    trainer = FakeHandle(log, "trainer")
-    WeightPusher(trainer, FakeHandle(log, "rollout"), 1, [1]).watch()
-    assert trainer.calls == []
-    WeightPusher(trainer, FakeHandle(log, "rollout"), 1, [1], overlap=True).watch()
-    assert trainer.calls == [("check_delivery",)]
+def test_duties_run_from_the_wait_when_due_and_a_failing_duty_is_logged(caplog):
+    now = [0.0]
+    board = Switchboard(clock=lambda: now[0])
+    ran: list = []
+    board.every(2.0, lambda: ran.append(now[0]))
+
+    def broken():
+        raise OSError("feed not written")
+
+    board.every(1.0, broken)
+    later = concurrent.futures.Future()
+
+    def tick():
+        now[0] += 1.0
+        if now[0] >= 5.0:
+            later.set_result("batch")
+        else:
+            threading.Timer(0.01, tick).start()
+
+    threading.Timer(0.01, tick).start()
+    assert board.wait(Pending(future=later)) == "batch"
+    assert ran and all(t >= 2.0 for t in ran)
+    assert "feed not written" in caplog.text

@@ -18,7 +18,6 @@ import pytest
 import miles_core.driver.placement
 import miles_core.driver.segment
 from miles_core.config import ConfigError, RunConfig, embedded_default, replace_fields
-from miles_core.driver.fenced import Fenced
 from miles_core.driver.loop import run_loop
 from miles_core.driver.segment import run_training
 from miles_core.prepare.resources import ClusterShape, Node
@@ -154,8 +153,7 @@ def test_fenced_roles_check_the_lease_before_every_commit():
         if not next(allowed):
             raise LeaseLost("lost the write lease")
 
-    roles.weights = Fenced(roles.weights, check, "push")
-    roles.checkpoints = Fenced(roles.checkpoints, check, "save")
+    roles.fence = check
     with pytest.raises(LeaseLost):
         run_loop(roles)
     commits = [e[:2] for e in rec.log if e[0] in ("check", "push", "save")]
