@@ -70,7 +70,8 @@ def wait_any(pendings: Sequence[Pending], timeout: float | None) -> None:
     """Until one of `pendings` finishes or `timeout` passes (None: no limit)."""
     if any(p.done() for p in pendings):
         return
-    refs, futures = [], []
+    refs: list = []
+    futures: list[concurrent.futures.Future] = []
     for p in {id(p): p for p in pendings}.values():  # a call may be both waited for and tracked
         for w in p.unfinished():
             (futures if isinstance(w, concurrent.futures.Future) else refs).append(w)
@@ -97,8 +98,9 @@ MIXED_WAIT_SLICE = 0.05  # seconds per look at each kind when a wait holds Ray r
 class RolloutClient:
     """The rollout side (miles_core.rollout.manager.RolloutManager): its Ray actor, or one in this process."""
 
-    def __init__(self, target: Any, submit: Callable[..., Pending]):
-        self.target, self._submit = target, submit
+    def __init__(self, target: Any, submit: Callable[..., Pending], loop: asyncio.AbstractEventLoop | None = None,
+                 thread: threading.Thread | None = None):
+        self.target, self._submit, self._loop, self._thread = target, submit, loop, thread
 
     @classmethod
     def of_actor(cls, actor: Any) -> "RolloutClient":
@@ -118,16 +120,13 @@ class RolloutClient:
 
             return Pending(future=asyncio.run_coroutine_threadsafe(run(), loop))
 
-        client = cls(manager, submit)
-        client._loop, client._thread = loop, thread
-        return client
+        return cls(manager, submit, loop, thread)
 
     def close(self) -> None:
-        loop = getattr(self, "_loop", None)
-        if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
-            loop.close()
+            self._loop.close()
 
     # ---- the calls -------------------------------------------------------------------------------
     def start(self) -> Pending[None]:

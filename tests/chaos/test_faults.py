@@ -10,9 +10,10 @@ server), injects one fault, and lets tests/chaos/checker.py (no project code) au
   sent meanwhile wait for it rather than abort), the run finishes, exactly once.
 - Trainer rank 0 SIGKILLed in a 2-rank run: the segment fails as recoverable (exit 75:
   miles_core.failures.is_infrastructure), and the retried segment resumes and finishes (two
-  segments of a 2-rank run, ~2 min). Rank 0 is killed inside a push that did not wait for its
-  delivery, the engines paused: the driver, waiting for a batch that can no longer come, learns it
-  only from its watch of the trainer (miles_core.driver.roles.PrefetchedBatches).
+  segments of a 2-rank run, ~2 min). Rank 0 is killed while a push that did not wait for its delivery
+  is held inside that delivery (the rollout side's, engines paused): the driver, waiting for a batch
+  that can no longer come, learns it from the ranks' pending `alive` calls in its one wait
+  (miles_core.driver.switchboard), with no polling.
 Timings are printed (`FAULT ...` lines; `pytest -s` shows them).
 """
 
@@ -128,17 +129,18 @@ def test_trainer_rank_0_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
     run = tmp_path / "runs" / "rankfault"
     flags = _flags(str(tmp_path), "rankfault", "--actor-num-gpus-per-node", "2", "--num-cpus-trainer", "0.5",
                    "--num-cpus-per-engine", "0.5", "--lease-ttl-seconds", "10", "--max-weight-staleness", "1")
-    # Rank 0 stops inside the 5th push (after step 3) on its delivery thread, the engines paused
-    # (miles_core/failures/chaos.py writes its process id). With a staleness of 1 the rollout side starts
-    # at most one batch beyond the version it was told: the driver trains step 4 and then waits for
-    # step 5's batch, which only that delivery would let start.
+    # The 5th delivery (after step 3) stops inside, the engines paused (miles_core/failures/chaos.py writes
+    # the id of the process delivering: the rollout manager's). With a staleness of 1 the rollout side
+    # starts at most one batch beyond the version it was told: the driver trains step 4 and then waits
+    # for step 5's batch, which only that delivery would let start. Rank 0 is killed then.
     marker = tmp_path / "reached-weights.push"
     env = dict(os.environ, MILES_CHAOS_POINT="weights.push:5", MILES_CHAOS_DIR=str(tmp_path))
     seg = Segment(flags, tmp_path / "segment1.log", env=env)
     try:
-        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 400, "rank 0 inside its 5th push")
-        rank0 = int(marker.read_text())
-        assert rank0 in {p.pid for p in seg.descendants("TrainerWorker")}, rank0
+        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 400, "the 5th delivery, engines paused")
+        assert int(marker.read_text()) in {p.pid for p in seg.descendants("RolloutManager")}
+        ranks = sorted(seg.descendants("TrainerWorker"), key=lambda p: p.create_time())
+        rank0 = ranks[0].pid
         t0 = time.monotonic()
         os.kill(rank0, signal.SIGKILL)
         rc = seg.finish(180)

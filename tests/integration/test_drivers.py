@@ -1,7 +1,7 @@
 """The three drivers end to end in one process: the real loop, roles and rollout side, timed stand-ins.
 
 What is real: `run_loop`, the Roles of `miles_core.driver.roles` (batch source, TrainerRole,
-WeightPusher, Checkpointer) behind LocalHandles, and the whole RolloutManager (data source,
+WeightPusher, Checkpointer) behind in-process clients, and the whole RolloutManager (data source,
 producer, submission budget, staleness admission, durable buffer on a memory:// run root, drain).
 The engines and the trainer are the timed stand-ins of `bench/async_speedup.py` (sleeps; per-token
 weight versions from the version the trainer's pushes bump), so this is the benchmark's harness
