@@ -108,10 +108,13 @@ class FleetReconciler:
         return {ENGINES: float(len(self.engines.serving()))}
 
     def tick(self) -> None:
-        """A duty of the driver's waits: while no engine serves, the loop waits for a batch that only an engine
+        """A duty of the driver's waits. While no engine serves, the loop waits for a batch that only an engine
         (or a producer job) can generate and reconciles no more until one does, so an engine asked for
-        meanwhile must join from here."""
-        if not self.engines.serving():
+        meanwhile must join from here. While engines drain or a shrink is due, it finishes them once no
+        delivery is in flight (under the fully async driver one is in flight whenever the loop reconciles)."""
+        live = [m for m in self.engines.members if m.state != DRAINING]
+        draining = len(live) < len(self.engines.members)
+        if not self.engines.serving() or ((draining or len(live) > self.target) and not self.version.delivering):
             self.reconcile(self.step)
 
     def targets(self) -> list[tuple[str, Any]]:
@@ -237,13 +240,11 @@ class FleetReconciler:
 
     # ---- 4. toward the target -----------------------------------------------------------------
     def _resize(self) -> bool:
-        if self.version.delivering:  # none leaves while a delivery may be loading into it: the next round
-            return False
         live = [m for m in self.engines.members if m.state != DRAINING]
         if len(live) < self.target:
             return self._grow(self.target - len(live))
-        if len(live) > self.target:
-            return self._shrink(live, len(live) - self.target)
+        if len(live) > self.target and not self.version.delivering:  # none leaves while a delivery may be
+            return self._shrink(live, len(live) - self.target)        # loading into it: a later round
         return False
 
     def _grow(self, n: int) -> bool:

@@ -112,16 +112,19 @@ class WeightPusher:
     def _deliver(self, version: int, uri: str | None, retried: bool) -> None:
         assert uri is not None, "the store transport's push names its snapshot"
         self.version.delivering = True
-        self.delivery = self.rollout.deliver_weights(uri, version, self.engines.targets())
-        self.board.track(self.delivery, lambda done: self._delivered(done, version, uri, retried))
+        targets = self.engines.targets()
+        self.delivery = self.rollout.deliver_weights(uri, version, targets)
+        sent = [url for url, _ in targets]
+        self.board.track(self.delivery, lambda done: self._delivered(done, version, uri, retried, sent))
 
-    def _delivered(self, done: Pending, version: int, uri: str, retried: bool) -> None:
+    def _delivered(self, done: Pending, version: int, uri: str, retried: bool, sent: list[str]) -> None:
         self.delivery = None
         try:
             metrics = done.result()
         except Exception:
             self.version.delivering = False
-            if retried or not self.engines.drop_lost():
+            dropped = self.engines.drop_lost()  # also when the fleet dropped one since the delivery began
+            if retried or not (dropped or [url for url, _ in self.engines.targets()] != sent):
                 raise
             self._deliver(version, uri, retried=True)
             return

@@ -519,3 +519,24 @@ def test_duties_run_from_the_wait_when_due_and_a_failing_duty_is_logged(caplog):
     assert board.wait(Pending(future=later)) == "batch"
     assert ran and all(t >= 2.0 for t in ran)
     assert "feed not written" in caplog.text
+
+
+def test_a_delivery_to_an_engine_the_fleet_dropped_meanwhile_is_made_again_without_it():
+    """The loop reconciles after the push: the fleet may drop a lost engine while the delivery to it is in
+    flight; the delivery's failure then finds nothing more to drop, but the engines changed: made again."""
+    fleet = LosingFleet()
+    tries = []
+
+    def deliver(uri, v, engines):
+        tries.append([url for url, _ in engines])
+        return {}
+
+    wp, trainer, rollout, version, board = pusher(fleet=fleet, overlap=True, pending={"deliver_weights"})
+    rollout.answers["deliver_weights"] = deliver
+    wp.push(0)
+    fleet.drop_lost()  # the loop's reconcile, after the push
+    rollout.pending.discard("deliver_weights")
+    rollout.fail("deliver_weights", RuntimeError("engine e1 refused the connection"))
+    board.wait(rollout.state())  # sees the failure: made again to e0
+    wp.settle()
+    assert version.delivered == 1 and tries == [["http://e0"]]
