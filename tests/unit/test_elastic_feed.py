@@ -79,19 +79,21 @@ class _Rollout:
     def __init__(self):
         self.queue = 5
 
-    def call(self, method, version):
-        assert method == "feed_state"
+    def feed_state(self, version):
         return _Call({"queue_size": self.queue, "capacity": 8, "producers": 1})
 
 
 def test_the_feed_is_rewritten_while_a_step_waits_and_never_without_the_lease(tmp_path):
-    """A trainer starved inside a step still tells producers that room opened (else both wait for ever);
-    a trainer that lost the run's lease writes nothing."""
-    import time
-    from types import SimpleNamespace
+    """A trainer starved inside a step still tells producers that room opened (else both wait for ever):
+    the refresh is a duty of the driver's wait for the batch; a trainer that lost the run's lease writes
+    nothing."""
+    import concurrent.futures
 
     from miles_core.config import parse_flags
+    from miles_core.driver.clients import Pending
     from miles_core.driver.feed import feed_publisher
+    from miles_core.driver.pushes import WeightVersion
+    from miles_core.driver.switchboard import Switchboard
 
     store = Store(f"file://{tmp_path}")
     cfg = parse_flags(["--preset", "tiny-reverse4", "--allow-rollout-producers", "--producer-poll-seconds", "0.05"])
@@ -101,18 +103,23 @@ def test_the_feed_is_rewritten_while_a_step_waits_and_never_without_the_lease(tm
         if lost:
             raise RuntimeError("lease lost")
 
-    pub = feed_publisher(cfg, store, rollout, SimpleNamespace(snapshot="file:///w"), 0, check)
-    try:
-        pub.publish(3, 5)
-        assert read_feed(store).queue_size == 5 and read_feed(store).step == 3
-        rollout.queue = 0  # the waiting step's get dropped stale groups: room opened
-        deadline = time.monotonic() + 5
-        while read_feed(store).queue_size != 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert read_feed(store).queue_size == 0 and read_feed(store).step == 3
-        lost.append(1)
-        rollout.queue = 7
-        time.sleep(0.3)
-        assert read_feed(store).queue_size == 0
-    finally:
-        pub.close()
+    pub = feed_publisher(cfg, store, rollout, WeightVersion(exported=5, snapshot="file:///w"), 0, check)
+    pub.publish(3)
+    assert read_feed(store).queue_size == 5 and read_feed(store).step == 3 and read_feed(store).version == 5
+    rollout.queue = 0  # the waiting step's get dropped stale groups: room opened
+    board = Switchboard()
+    board.every(cfg.buffer.producer_poll_seconds, pub.refresh)
+    batch: concurrent.futures.Future = concurrent.futures.Future()
+
+    def refreshed_then_batch():
+        if read_feed(store).queue_size == 0:
+            batch.set_result("batch")
+
+    board.every(0.01, refreshed_then_batch)
+    assert board.wait(Pending(future=batch)) == "batch"  # the wait ran the refresh
+    assert read_feed(store).step == 3
+    lost.append(1)
+    rollout.queue = 7
+    with pytest.raises(RuntimeError, match="lease lost"):  # the duty logs it; nothing is written
+        pub.refresh()
+    assert read_feed(store).queue_size == 0
