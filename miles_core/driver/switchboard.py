@@ -27,6 +27,9 @@ T = TypeVar("T")
 
 
 class RankEnded(RuntimeError):
+    """A trainer rank's `alive()` call answered: the rank closed while the run still needed it (a rank
+    that dies raises Ray's ActorDiedError instead). Infrastructure: a retried segment resumes."""
+
     def __init__(self, message: str):
         super().__init__(message)
 

@@ -8,8 +8,8 @@ Pins:
 - Trace: the driver, the rollout manager and trainer rank 0 each wrote spans to the run root; one
   driver step span per step; every traced group's life holds generate, reward and commit, and its
   requests name their engine; one clock: every trainer forward+backward lies inside the driver's
-  trainer.train_step span and every push's engine load inside its weights.push span (these are
-  different processes); checkpoints and snapshot exports are spans; trace/timeline.json opens as Chrome trace-event JSON; `miles trace` writes
+  trainer.train_step span, every export inside its weights.push span, and each delivery's pause,
+  load and resume (the rollout manager's) between its push and the next (these are different processes); checkpoints and snapshot exports are spans; trace/timeline.json opens as Chrome trace-event JSON; `miles trace` writes
   a step range.
 
 Rerun: `.venv/bin/pytest -m slow tests/e2e/test_trace_run.py -s` (about 2 minutes).
@@ -118,9 +118,9 @@ def test_every_role_traces_on_one_clock(traced_run):
     # A push's delivery (pause, load, resume) overlaps the next step: it lies between its push's start and
     # the end of the next push, which waits for it; the last push waits for its own.
     deliveries = [(a, d) for (a, _), (_, d) in zip(pushes, pushes[1:])] + pushes[-1:]
-    for name in ("pause", "load", "resume"):
-        inside(name, deliveries, "trainer-rank0")
-    resumes = spans("resume", "trainer-rank0")
+    for name in ("pause", "load", "resume"):  # the store transport's delivery runs in the rollout manager
+        inside(name, deliveries, "rollout")
+    resumes = spans("resume", "rollout")
     outlived = [p for p in pushes[:-1] if any(p[0] <= s and e > p[1] for s, e in resumes)]
     assert outlived, "no push returned before the engines resumed: the deliveries did not overlap the steps"
 
@@ -135,7 +135,8 @@ def test_every_role_traces_on_one_clock(traced_run):
     assert all({"generate", "reward", "commit", "request"} <= groups[g] for g in committed)
     assert sum("consumed" in names for names in groups.values()) == STEPS * 32
     names = {e["name"] for e in by_process["trainer-rank0"]}
-    assert {"checkpoint", "snapshot export", "export", "pause", "load", "resume", "optimizer"} <= names, names
+    assert {"checkpoint", "snapshot export", "export", "optimizer"} <= names, names
+    assert {"pause", "load", "resume"} <= {e["name"] for e in by_process["rollout"]}
 
 
 def test_the_timeline_and_miles_trace_open_as_chrome_traces(traced_run, tmp_path):

@@ -19,6 +19,7 @@ from flytekit.exceptions.base import FlyteRecoverableException as AnyRecoverable
 from flytekit.exceptions.user import FlyteRecoverableException
 
 from miles_core.config import ConfigError
+from miles_core.driver.switchboard import RankEnded
 from miles_core.engines.client import EngineUnavailableError
 from miles_core.engines.launcher import EngineStartError
 from miles_core.failures import is_infrastructure
@@ -43,6 +44,7 @@ INFRASTRUCTURE = [
     EngineUnavailableError("engine http://10.0.0.8:30000 gave no answer"),
     WeightPushError("the distributed push failed twice"),
     LeaseLost("lost the write lease on s3://b/runs/r"),
+    RankEnded("a trainer rank ended while the run went on"),
 ]
 
 USER = [
