@@ -78,7 +78,6 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import results_file  # noqa: E402
-from miles_core.buffer.metrics import STALE_GROUPS_FILTERED  # noqa: E402
 from miles_core.config import RunConfig, embedded_default, replace_fields  # noqa: E402
 from miles_core.driver.clients import Pending, RolloutClient  # noqa: E402
 from miles_core.driver.fleet_reconciler import NoFleet  # noqa: E402
@@ -94,6 +93,7 @@ from miles_core.driver.roles import (  # noqa: E402
 )
 from miles_core.driver.pushes import WeightPusher, WeightVersion  # noqa: E402
 from miles_core.driver.switchboard import Switchboard  # noqa: E402
+from miles_core.metrics.names import STALE_GROUPS_FILTERED  # noqa: E402
 from miles_core.prepare.checks import validate  # noqa: E402
 from miles_core.rollout.builtin_tasks import builtin_rows  # noqa: E402
 from miles_core.rollout.failures import FailureBudget  # noqa: E402
@@ -343,12 +343,16 @@ class TimedTrainer:
         self.tokens: list[int] = []  # response tokens per step
         self.slept: list[tuple[float, float]] = []  # (asked, got) per train_step
 
-    def train_step(self, step: int, groups: list) -> dict:
+    def train_parts(self, step: int, parts: list) -> dict:
+        """A step over the batch's DP parts (miles_core.rank_batches; one in this process): its trainable samples."""
         t0, version = time.monotonic(), self.clock.version
-        samples = [s for g in groups for s in g.samples]
+        samples = [s for p in parts for st in p.steps for s, _ in st.items]
+        by_group: dict[str, list] = {}
+        for s in samples:
+            by_group.setdefault(s.group_id, []).append(s)
         asked = len(samples) * self.w.train_seconds_per_sample
-        self.trained.append([g.group_id for g in groups])
-        self.staleness.extend(version - min(s.oldest_version for s in g.samples) for g in groups)
+        self.trained.append(list(by_group))
+        self.staleness.extend(version - min(s.oldest_version for s in g) for g in by_group.values())
         self.tokens.append(sum(len(s.response_ids) for s in samples))
         time.sleep(max(0.0, t0 + asked - time.monotonic()))  # the bookkeeping above is part of the step
         self.slept.append((asked, time.monotonic() - t0))
@@ -379,8 +383,8 @@ class InProcessTrainer:
         self.trainer = trainer
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainer")
 
-    def train_step(self, step: int, groups: list) -> Pending:
-        return Pending(future=self.pool.submit(self.trainer.train_step, step, groups))
+    def train_parts(self, step: int, parts: list) -> Pending:
+        return Pending(future=self.pool.submit(self.trainer.train_parts, step, parts))
 
     def push_weights(self, step: int, version: int) -> Pending:
         return Pending(future=self.pool.submit(self.trainer.push_weights, step, version))

@@ -558,8 +558,9 @@ def baseline_phase(ctx: Context) -> dict:
 
 def transformers_step(model, opt, cfg, plan: Plan, groups, device: torch.device) -> float:
     """One optimizer step of the plain transformers baseline over `groups`; returns the last micro-batch's loss."""
+    from miles_core.rank_batches import trainable_samples
     from miles_core.train.losses import LossConfig, policy_loss, token_entropy
-    from miles_core.train.trainer import _pack, trainable_samples
+    from miles_core.train.trainer import _pack
 
     loss_cfg = LossConfig.from_section(cfg)
     items = trainable_samples(groups, cfg.normalize_advantages_std)

@@ -36,8 +36,7 @@ sys.path.insert(0, ROOT)
 
 from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.config import parse_flags  # noqa: E402
-from miles_core.eval.metric_names import mean_reward_metric  # noqa: E402
-from miles_core.metrics.names import REWARD  # noqa: E402
+from miles_core.metrics.names import REWARD, eval_reward_metric  # noqa: E402
 from miles_core.storage.node_local import localize  # noqa: E402
 
 WARMUP = 2  # steps left out of the medians (the first steps compile and warm caches on both sides)
@@ -65,7 +64,7 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
         result = asyncio.run(run())
     finally:
         server.stop()
-    return float(result.metrics[mean_reward_metric(dataset.name)]), time.perf_counter() - t0
+    return float(result.metrics[eval_reward_metric(dataset.name)]), time.perf_counter() - t0
 
 
 def plain_loop(cfg, model_dir: str, steps: int, seed: int = 0) -> list[float]:
@@ -153,7 +152,7 @@ def final_accuracy(run_uri: str, step: int, dataset: str = "heldout") -> float |
     result = read_result(Store(run_uri), step, dataset)
     if result is None:
         return None
-    return float(result.metrics[mean_reward_metric(dataset)])
+    return float(result.metrics[eval_reward_metric(dataset)])
 
 
 def moving_mean(xs: list[float], k: int = 5) -> list[float]:

@@ -9,10 +9,11 @@ __version__ = "0.1.0"
 
 # (layer, its parts at the root of the package, what the layer owns), from the ground up.
 LAYERS = (
-    ("ground", ("storage", "failures", "samples"),
+    ("ground", ("storage", "failures", "samples", "rank_batches"),
      "object storage (atomic writes, retries, conditional writes), the run root's layout, STATUS and "
      "lease, node-local copies; which failures a retry can fix and the chaos crash points; the "
-     "sample and group records with their Arrow schema"),
+     "sample and group records with their Arrow schema, and a rollout cut into the trainer's "
+     "data-parallel parts"),
     ("config", ("config",),
      "one typed config as plain data: sections, flags, presets, the config's own rules, the plug-in "
      "catalogue and loader, the config record in the run root"),

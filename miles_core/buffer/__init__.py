@@ -8,8 +8,8 @@
     buffer.compact(step)                           # after each complete checkpoint (bounded reopen)
 
 Modules: `contract` (the DataBuffer slot, unused-samples handlers), `build` (build_buffer), `durable` (the
-default buffer), `objects` (layout and codec in the run root), `metrics` (metric names),
-`inspect` (`miles buffer inspect`).
+default buffer), `objects` (layout and codec in the run root), `window` (the per-window metric counters;
+their names are in miles_core.metrics.names), `inspect` (`miles buffer inspect`).
 """
 
 from miles_core.buffer.build import build_buffer
@@ -25,7 +25,6 @@ from miles_core.buffer.contract import (
     cleared_group,
 )
 from miles_core.buffer.durable import DurableBuffer
-from miles_core.buffer.metrics import METRIC_NAMES
 
 __all__ = [
     "BufferClosed",
@@ -34,7 +33,6 @@ __all__ = [
     "DataBufferError",
     "DropUnused",
     "DurableBuffer",
-    "METRIC_NAMES",
     "RetryUnused",
     "UnusedSamplesHandler",
     "build_buffer",

@@ -26,8 +26,8 @@ import re
 import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
-import miles_core.buffer.metrics as M
 from miles_core.config.plugins import load_optional
+from miles_core.metrics import names as N
 from miles_core.samples import Group
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ class DropUnused:
         """Drops since the last call (merged into the buffer's `get_metrics`)."""
         with self._lock:
             n, self._dropped = self._dropped, 0
-        return {M.UNUSED_DROPPED: n}
+        return {N.UNUSED_DROPPED: n}
 
 
 _RETRY_SUFFIX = re.compile(r"#r(\d+)$")
@@ -130,7 +130,7 @@ class RetryUnused:
     def metrics(self) -> dict[str, float]:
         with self._lock:
             n, self._recycled = self._recycled, 0
-        return {M.UNUSED_RECYCLED: n}
+        return {N.UNUSED_RECYCLED: n}
 
 
 def build_unused_handler(mode: str, recycle: Callable[[Group], None] | None = None) -> UnusedSamplesHandler:

@@ -41,7 +41,6 @@ from typing import Any, Callable
 
 import pyarrow as pa
 
-import miles_core.buffer.metrics as M
 import miles_core.buffer.objects as O
 from miles_core.buffer.contract import (
     FILTER_FLAG,
@@ -51,7 +50,9 @@ from miles_core.buffer.contract import (
     UnusedSamplesHandler,
 )
 from miles_core.buffer.manifests import REBUILT_IDS
+from miles_core.buffer.window import Window
 from miles_core.failures import chaos
+from miles_core.metrics import names as N
 from miles_core.samples import Group, groups_to_batch
 from miles_core.storage import ObjectNotFound, StorageError, Store, validate_name
 
@@ -119,7 +120,7 @@ class DurableBuffer:
         self._last_version: int | None = None
         self._error: BaseException | None = None
         self._closed = False
-        self._window = M.Window()
+        self._window = Window()
         self.quarantined_total = 0
         self.committed_total = 0  # groups committed by this writer
         self._seen: set[str] = set()  # object keys indexed (or found done) by this buffer
@@ -349,7 +350,7 @@ class DurableBuffer:
             keep, reason = self._filter(group)
             if not keep:
                 with self._lock:
-                    self._window.drops[M.drop_metric(reason)] += 1
+                    self._window.drops[N.dynamic_filter_drop_metric(reason)] += 1
                 return
         batch = groups_to_batch([group])
         entry = _Entry(group.group_id, "", group.oldest_version, O.position_of(group), group)
@@ -568,7 +569,7 @@ class DurableBuffer:
 
     def get_metrics(self) -> dict[str, float]:
         with self._lock:
-            window, self._window = self._window, M.Window()
+            window, self._window = self._window, Window()
             buffered = []
             if self._last_version is not None:
                 buffered = [s for e in self._available if (s := self._staleness(e, self._last_version)) is not None]

@@ -4,11 +4,11 @@ and so does the list of layers in docs/architecture.md (between its `layers` mar
     python -m miles_core.cli.docs_gen            # rewrite docs/reference/*.md and the layers section
     python -m miles_core.cli.docs_gen --check    # exit 1 and name the stale files (what the tests do)
 
-Flags come from `miles_core.config.flag_table()`. Metric names come from constants the owning
-modules export, listed in METRIC_SOURCES as (module, attribute) pairs. An attribute is either a
-mapping {name: meaning} (preferred: the meaning lives beside the code that logs the metric) or a
-sequence of names; names may be patterns with `{placeholders}`. A new metric source is one more
-pair in METRIC_SOURCES and a regeneration.
+Flags come from `miles_core.config.flag_table()`. Metric names come from miles_core.metrics.names,
+where every component's names live, listed in METRIC_SOURCES as (module, attribute) pairs. An
+attribute is either a mapping {name: meaning} (preferred: the meaning lives beside the name) or a
+sequence of names; names may be patterns with `{placeholders}`. A new component's names are one
+more mapping in miles_core.metrics.names, one more pair in METRIC_SOURCES and a regeneration.
 """
 
 from __future__ import annotations
@@ -26,60 +26,24 @@ from miles_core.config.plugins import PLUGIN_SLOTS
 
 REGENERATE = "python -m miles_core.cli.docs_gen"
 
-# (module, attribute) of every exported metric-name constant. Order is irrelevant: the reference is
-# sorted by name. Keep every module that logs metrics here (the buffer, rollout, trainer, eval, driver).
+# (module, attribute) of every metric-name mapping: one per component, all in miles_core.metrics.names.
+# Order is irrelevant: the reference is sorted by name. A name two components log is in both mappings.
+NAMES = "miles_core.metrics.names"
 METRIC_SOURCES: list[tuple[str, str]] = [
-    ("miles_core.buffer.metrics", "METRIC_NAMES"),            # docs/data-path.md
-    ("miles_core.rollout.metrics", "ROLLOUT_METRIC_NAMES"),   # docs/metrics.md
-    ("miles_core.metrics.names", "PERF_METRICS"),             # docs/metrics.md perf/*
-    ("miles_core.metrics.names", "RUN_METRICS"),              # the random-policy level
-    ("miles_core.metrics.names", "PRODUCER_METRICS"),         # who generated each step's batch
-    ("miles_core.train.losses", "METRIC_NAMES"),              # docs/fully-async.md
-    ("miles_core.train.metric_names", "TRAIN_STEP_METRICS"),  # trainer step counts and time
-    ("miles_core.eval.metric_names", "EVAL_METRICS"),         # docs/evaluation.md
+    (NAMES, "BUFFER_METRICS"),       # the buffer, docs/data-path.md
+    (NAMES, "ROLLOUT_METRICS"),      # the rollout's batch and producer metrics, docs/metrics.md
+    (NAMES, "PERF_METRICS"),         # docs/metrics.md perf/*
+    (NAMES, "RUN_METRICS"),          # the random-policy level, the published version, the fleet
+    (NAMES, "PRODUCER_METRICS"),     # who generated each step's batch
+    (NAMES, "LOSS_METRICS"),         # the policy loss, docs/fully-async.md
+    (NAMES, "TRAIN_STEP_METRICS"),   # trainer step counts and time
+    (NAMES, "EVAL_METRICS"),         # docs/evaluation.md
 ]
 
-# Meanings for names whose source exports names only (from docs/fully-async.md). A source that
-# exports a mapping wins; an entry here for a name no source exports is an error (a stale doc).
-# Prefer moving these into the owning module as a {name: meaning} mapping.
-FALLBACK_MEANINGS: dict[str, str] = {
-    "rollout/fully_async/queue_size": "Groups committed to the buffer and not yet consumed (pinned at 0: rollout-bound; at capacity: train-bound).",
-    "rollout/fully_async/aborted_groups_filtered": "Groups rejected at put because a sample was aborted; handed to the unused-samples handler.",
-    "rollout/fully_async/stale_groups_filtered": "Groups rejected at get because their staleness exceeded --max-weight-staleness.",
-    "rollout/fully_async/avg_staleness": "Mean staleness of the groups examined at get in this window (when any).",
-    "rollout/fully_async/max_staleness": "Maximum staleness of the groups examined at get in this window (when any).",
-    "rollout/fully_async/buffer_avg_staleness": "Mean staleness of the groups still buffered.",
-    "rollout/fully_async/buffer_max_staleness": "Maximum staleness of the groups still buffered.",
-    "rollout/fully_async/put_seconds": "Seconds spent committing groups to object storage in this window.",
-    "rollout/fully_async/bytes_written": "Bytes of sample batches committed to object storage in this window.",
-    "rollout/fully_async/quarantined": "Buffer objects that failed to decode and were moved to buffer/quarantine/.",
-    "rollout/fully_async/duplicate_groups_filtered": "Groups refused at the buffer because another writer's group for the same prompt attempt was committed first (a prompt block taken over from a producer still committing).",
-    "rollout/fully_async/unused_dropped": "Rejected groups discarded by --async-unused-samples-handler=drop.",
-    "rollout/fully_async/unused_recycled": "Rejected groups whose prompt went back to the data source (--async-unused-samples-handler=retry).",
-    "rollout/dynamic_filter/drop_{reason}": "Groups dropped at put by --dynamic-sampling-filter-path, per reason it returned.",
-    "rollout/reward/mean": "Mean reward of the scored samples of the consumed batch.",
-    "rollout/response_len/mean": "Mean response length (tokens) of the consumed batch.",
-    "rollout/response_len/max": "Maximum response length (tokens) of the consumed batch.",
-    "rollout/truncated_ratio": "Fraction of samples of the batch cut at --rollout-max-response-len.",
-    "rollout/zero_std/ratio": "Fraction of groups whose rewards are all equal (GRPO learns nothing from them).",
-    "rollout/weight_version/mean": "Mean engine weight version over the response tokens of the batch.",
-    "rollout/weight_version/min": "Oldest engine weight version among the response tokens of the batch.",
-    "rollout/weight_version/max": "Newest engine weight version among the response tokens of the batch.",
-    "rollout/weight_version/mixed_version_ratio": "Fraction of samples whose tokens straddle a weight update (more than one version).",
-    "rollout/reward_failed": "Samples whose reward function raised (they carry no reward).",
-    "rollout/generate_failed": "Episodes of --custom-generate-function-path that raised (their groups are rejected: the unused-samples handler applies).",
-    "rollout/producer/groups_per_second": "Groups the producer finished per second.",
-    "rollout/producer/in_flight_groups": "Groups submitted to the engines and not finished.",
-    "rollout/producer/started_groups": "Groups admitted since the run began (drives --max-weight-staleness admission control).",
-    "train/tis_mean": "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
-    "train/tis_clipfrac": "Fraction of tokens whose importance weight was clamped.",
-    "train/ppo_kl": "Mean approximate KL between the trainer's policy and the ratio's denominator policy.",
-    "train/pg_clipfrac": "Fraction of tokens where the PPO ratio was clipped.",
-    "train/train_rollout_logprob_abs_diff": "Mean |trainer log-prob - engine log-prob| of the response tokens.",
-    "train/grad_norm": "Gradient norm before clipping (--clip-grad).",
-    "train/entropy": "Mean token entropy of the policy on the response tokens.",
-    "train/loss": "Training loss of the step.",
-}
+# Meanings for names whose source exports names only. A source that exports a mapping wins; an
+# entry here for a name no source exports is an error (a stale doc). Empty: every source in
+# METRIC_SOURCES is a {name: meaning} mapping (prefer that for a new one too).
+FALLBACK_MEANINGS: dict[str, str] = {}
 
 
 @dataclass(frozen=True)

@@ -157,7 +157,7 @@ def _lineage(p: CommandParser) -> None:
 
 def _lineage_run(ns) -> int:
     # torch: the lineage commands read checkpoints; `miles validate` and `miles report` must not load it
-    from miles_core.lineage.trace import group_lineage, render_lineage
+    from miles_core.lineage.group_lineage import group_lineage, render_lineage
 
     with storage_budget(ns.storage_timeout):
         trace = group_lineage(ns.run_uri, ns.group_id)

@@ -1,7 +1,7 @@
 """How the driver reaches its roles: typed clients whose every method is a call in flight (`Pending`).
 
     rollout = RolloutClient.of_actor(actor)           # the rollout manager's Ray actor
-    batch = board.wait(rollout.next_batch(version))   # miles_core.driver.switchboard: the driver's one wait
+    batch = board.wait(rollout.next_train_batch(version))   # miles_core.driver.switchboard: the driver's one wait
 
 A method of a client names the method it calls (no method is ever named by a string) and returns a
 `Pending[T]`: Ray refs (one per trainer rank, or the one actor's) or, for an object in this process
@@ -16,6 +16,8 @@ import concurrent.futures
 import threading
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar
+
+from miles_core.rank_batches import TrainBatch
 
 T = TypeVar("T")
 
@@ -135,9 +137,10 @@ class RolloutClient:
     def stop(self, grace_seconds: float = 30.0) -> Pending[None]:
         return self._submit(self.target.stop, grace_seconds)
 
-    def next_batch(self, version: int) -> Pending[Any]:
-        """B groups for a step trained under `version` (a DrainedBatch; None once the manager stops)."""
-        return self._submit(self.target.next_batch, version)
+    def next_train_batch(self, version: int) -> Pending[TrainBatch | None]:
+        """B groups for a step trained under `version`, as the trainer's DP parts by reference (None once the
+        manager stops)."""
+        return self._submit(self.target.next_train_batch, version)
 
     def set_version(self, version: int) -> Pending[None]:
         return self._submit(self.target.set_version, version)

@@ -18,7 +18,7 @@ from miles_core.metrics.names import STEP_SECONDS
 @dataclass
 class Batch:
     step: int
-    groups: list  # list[Group], sorted by prompt index
+    parts: list  # one per data-parallel rank, by reference (miles_core.rank_batches.TrainBatch)
     group_ids: list[str]
     metrics: dict[str, float] = field(default_factory=dict)
     failures: dict = field(default_factory=dict)  # samples tried/failed per kind (miles_core.rollout.failures)

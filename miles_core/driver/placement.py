@@ -17,17 +17,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 from miles_core.config.rules import raise_problems
-from dataclasses import dataclass
-from typing import Any, Callable
-
 from miles_core.driver.clients import Pending, RolloutClient
 from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
 from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
+from miles_core.rank_batches import data_layout, split_for_run
 from miles_core.rollout.manager import rollout_manager_actor
 
 
@@ -103,7 +103,9 @@ class TrainerGroup:
         from miles_core.train.worker import TrainerWorker, rendezvous_address
 
         t = cfg.train
+        self.cfg = cfg
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
+        self.layout = data_layout(cfg)
         opts = self._place(cfg, placement_timeout_seconds)
         worker = ray.remote(concurrency_groups={LIFE: 1})(TrainerWorker)
         for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
@@ -172,8 +174,16 @@ class TrainerGroup:
     def restore_latest(self) -> Pending[tuple[int, dict] | None]:
         return self._on_every_rank(lambda a: a.restore_latest)
 
+    def train_parts(self, step: int, parts: Sequence[Any]) -> Pending[dict]:
+        """Train on a rollout given as its data-parallel parts (index = DP rank): references the rollout side
+        put in the object store (each rank reads its own; the driver reads none) or `RankBatch`es."""
+        if len(parts) != self.layout.dp_size:
+            raise ValueError(f"{len(parts)} data-parallel parts for a trainer of DP size {self.layout.dp_size}")
+        return Pending([a.train_part.remote(step, parts[self.layout.dp_rank(r)]) for r, a in enumerate(self.actors)])
+
     def train_step(self, step: int, groups: list) -> Pending[dict]:
-        return self._on_every_rank(lambda a: a.train_step, step, groups)
+        """Train on `groups` (in this process: cut into their parts here, for callers that hold the groups)."""
+        return self.train_parts(step, split_for_run(groups, self.layout, self.cfg))
 
     def push_weights(self, step: int, version: int) -> Pending[dict]:
         return self._on_every_rank(lambda a: a.push_weights, step, version)

@@ -33,9 +33,8 @@ from typing import Iterator, Mapping
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from miles_core.buffer.metrics import ABORTED_GROUPS_FILTERED, UNUSED_RECYCLED
-from miles_core.metrics.names import PUBLISHED_VERSION, WEIGHT_EXPORT_SECONDS
-from miles_core.rollout.metrics import PRODUCER_STARTED_GROUPS
+from miles_core.metrics.names import (ABORTED_GROUPS_FILTERED, PRODUCER_STARTED_GROUPS, PUBLISHED_VERSION,
+                                      UNUSED_RECYCLED, WEIGHT_EXPORT_SECONDS)
 
 log = logging.getLogger(__name__)
 

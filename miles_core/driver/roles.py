@@ -16,7 +16,7 @@ from rich.progress import BarColumn, TextColumn, TimeElapsedColumn
 from rich.progress import Progress as RichProgress
 
 from miles_core.driver.clients import Pending, RolloutClient
-from miles_core.driver.feed import NoFeed
+from miles_core.driver.feed_publisher import NoFeed
 from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch, BatchSource
 from miles_core.driver.pushes import WeightVersion
@@ -24,13 +24,13 @@ from miles_core.driver.switchboard import Switchboard
 from miles_core.driver.timeline import NoTimeline
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
+from miles_core.rank_batches import TrainBatch
 from miles_core.rollout.failures import FailureBudget
 
 log = logging.getLogger(__name__)
 
-def _as_batch(step: int, drained) -> Batch:
-    return Batch(step, list(drained.groups), list(drained.group_ids), dict(drained.metrics),
-                 dict(getattr(drained, "failures", None) or {}))
+def _as_batch(step: int, drained: TrainBatch) -> Batch:
+    return Batch(step, list(drained.parts), list(drained.group_ids), dict(drained.metrics), dict(drained.failures))
 
 
 class OnDemandBatches:
@@ -41,7 +41,7 @@ class OnDemandBatches:
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
-        batch = _as_batch(step, self.board.wait(self.rollout.next_batch(self.version.exported)))
+        batch = _as_batch(step, self.board.wait(self.rollout.next_train_batch(self.version.exported)))
         batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
 
@@ -68,10 +68,10 @@ class PrefetchedBatches:
 
     def next_batch(self, step: int) -> Batch:
         t0 = time.monotonic()
-        pending = self.pending if self.pending is not None else self.rollout.next_batch(self.version.exported)
+        pending = self.pending if self.pending is not None else self.rollout.next_train_batch(self.version.exported)
         drained = self.board.wait(pending)
         pushes_after_step = (step + 1) % self.update_interval == 0
-        self.pending = self.rollout.next_batch(self.version.exported + int(pushes_after_step))
+        self.pending = self.rollout.next_train_batch(self.version.exported + int(pushes_after_step))
         batch = _as_batch(step, drained)
         batch.metrics[N.TRAIN_WAIT_SECONDS] = time.monotonic() - t0
         return batch
@@ -91,7 +91,7 @@ class TrainerRole:
         self.trainer, self.board = trainer, board
 
     def train_step(self, step: int, batch: Batch) -> dict:
-        return self.board.wait(self.trainer.train_step(step, batch.groups))
+        return self.board.wait(self.trainer.train_parts(step, batch.parts))
 
 
 class Checkpointer:
@@ -224,7 +224,7 @@ class Roles:
     progress: Progress
     deadline: Deadline
     fence: Callable[[], None] = lambda: None  # raises when this writer lost the run root's lease
-    feed: FeedRole = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed)
+    feed: FeedRole = field(default_factory=NoFeed)  # what producer jobs read after each step (miles_core.driver.feed_publisher)
     fleet: FleetRole = field(default_factory=NoFleet)  # the engine fleet's size (miles_core.driver.fleet_reconciler)
     timeline: TimelineRole = field(default_factory=NoTimeline)  # the trace's window (miles_core.driver.timeline)
     # samples whose reward / generate function failed, over a window of steps (miles_core.rollout.failures)

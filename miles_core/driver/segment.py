@@ -24,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
-from miles_core.driver.feed import feed_publisher
+from miles_core.driver.feed_publisher import feed_publisher
 from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
 from miles_core.driver.placement import Cluster, check_fits, ensure_ray, start_cluster

@@ -3,7 +3,7 @@
     board = Switchboard(watched=[trainer.alive()])          # calls that end only when a rank dies
     board.every(cfg.buffer.producer_poll_seconds, feed.refresh)   # duties, run from the wait
     board.track(delivery, on_done=weights.delivered)        # a weight delivery in flight (a handle)
-    batch = board.wait(rollout.next_batch(version))
+    batch = board.wait(rollout.next_train_batch(version))
 
 While the driver waits for one call (the next batch, a training step, a checkpoint), the same wait
 covers the weight delivery in flight (its end runs `on_done` at once: the version is announced, or its

@@ -3,7 +3,7 @@
     result = run_producer("s3://bucket/miles/runs/qwen", num_engines=2)   # blocks until the run ends
 
 It joins by the run root's URI and shares nothing else with the trainer's cluster:
-- reads the run's config (latest segment), its prepared prompts and the feed (miles_core.rollout.feed):
+- reads the run's config (latest segment), its prepared prompts and the feed (miles_core.rollout.feed_record):
   the published weight version and where its weights are, the buffer's room, the staleness bound;
 - starts its engines on its own Ray (RAY_ADDRESS, or a local instance) from the published weights,
   and loads each newer version as the feed names it (pause, load, resume: in-flight work is kept);
@@ -39,7 +39,7 @@ from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_re
 from miles_core.metrics import trace
 from miles_core.rollout.claims import ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource
-from miles_core.rollout.feed import Feed, FeedError, read_feed
+from miles_core.rollout.feed_record import Feed, FeedError, read_feed
 from miles_core.rollout.manager import RejectionNotifier, make_producer
 from miles_core.rollout.prompts import load_prompts
 from miles_core.samples import Group

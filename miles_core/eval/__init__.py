@@ -8,6 +8,7 @@ For the Flyte tasks:
     backfill_plan / evaluate_snapshot / backfill / results_table / eval_curves_html
 The core, shared by every mode:
     evaluate(engine_client, dataset, sampling) -> DatasetEval               (miles_core.eval.evaluate)
+The eval metric names and skip reasons are in miles_core.metrics.names (`EVAL_METRICS`, `SKIP_REASONS`).
 """
 
 from miles_core.eval.backfill import (backfill, backfill_plan, eval_curves_html, evaluate_snapshot,
@@ -15,14 +16,12 @@ from miles_core.eval.backfill import (backfill, backfill_plan, eval_curves_html,
 from miles_core.eval.datasets import EvalDataset, EvalRow, EvalSampling, load_eval_datasets, sampling_from_config
 from miles_core.eval.evaluate import DatasetEval, aggregate, evaluate, evaluate_all
 from miles_core.eval.follower import follow_snapshots
-from miles_core.eval.metric_names import EVAL_METRIC_PATTERNS, EVAL_METRICS, SKIP_REASONS
 from miles_core.eval.pass_at_k import pass_at_k, pass_ks
 from miles_core.eval.scheduler import EvalScheduler, NoEvals, build_eval_scheduler, start_dedicated_engines
 from miles_core.eval.snapshots import SnapshotLayout, retire_snapshots
 
 __all__ = [
-    "DatasetEval", "EVAL_METRICS", "EVAL_METRIC_PATTERNS", "EvalDataset", "EvalRow", "EvalSampling",
-    "EvalScheduler", "NoEvals", "SKIP_REASONS", "SnapshotLayout", "aggregate", "backfill", "backfill_plan",
+    "DatasetEval", "EvalDataset", "EvalRow", "EvalSampling", "EvalScheduler", "NoEvals", "SnapshotLayout", "aggregate", "backfill", "backfill_plan",
     "build_eval_scheduler", "eval_curves_html", "evaluate", "evaluate_all", "evaluate_snapshot",
     "follow_snapshots", "load_eval_datasets", "pass_at_k", "pass_ks", "results_table", "retire_snapshots",
     "sampling_from_config", "start_dedicated_engines",

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
 from miles_core.eval.datasets import EvalDataset, EvalSampling
-from miles_core.eval.metric_names import mean_reward_metric, pass_at_k_metric
 from miles_core.eval.pass_at_k import pass_at_k, pass_ks
+from miles_core.metrics import names as N
 from miles_core.samples import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -183,16 +183,16 @@ def aggregate(ds: str, samples: list[Sample], n: int, pass_threshold: float = 1.
         by_prompt.setdefault(s.prompt_index, []).append(s)
     rewards = [float(s.reward or 0.0) for s in samples]
     metrics = {
-        mean_reward_metric(ds): sum(rewards) / len(rewards),
-        f"eval/{ds}/truncated_ratio": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        f"eval/{ds}/response_len/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        N.eval_reward_metric(ds): sum(rewards) / len(rewards),
+        N.eval_truncated_ratio_metric(ds): sum(s.finish_reason == "length" for s in samples) / len(samples),
+        N.eval_response_len_metric(ds): sum(len(s.response_ids) for s in samples) / len(samples),
     }
     for k in pass_ks(n):
         vals = []
         for group in by_prompt.values():
             c = sum(float(s.reward or 0.0) >= pass_threshold - 1e-9 for s in group)
             vals.append(pass_at_k(len(group), c, min(k, len(group))))
-        metrics[pass_at_k_metric(ds, k)] = sum(vals) / len(vals)
+        metrics[N.eval_pass_at_k_metric(ds, k)] = sum(vals) / len(vals)
     return metrics
 
 

@@ -49,7 +49,7 @@ class EvalJob:
 class Outcome:
     step: int
     metrics: dict[str, float] = field(default_factory=dict)
-    skipped: str = ""  # a SKIP_REASONS entry when the eval did not happen
+    skipped: str = ""  # a miles_core.metrics.names.SKIP_REASONS entry when the eval did not happen
     detail: str = ""
 
 

@@ -11,7 +11,7 @@ import re
 import time
 from dataclasses import asdict, dataclass, field
 
-from miles_core.eval.metric_names import DURATION_SECONDS, LAG_STEPS, skipped_metric
+from miles_core.metrics import names as N
 from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class EvalResult:
                "n_prompts": self.n_prompts, "n_samples": self.n_samples, "mode": self.mode,
                "duration_seconds": self.duration_seconds, "snapshot_uri": self.snapshot_uri,
                "evaluated_at": self.evaluated_at}
-        prefix = f"eval/{self.dataset}"
+        prefix = N.eval_reward_metric(self.dataset)
         for name, value in self.metrics.items():
             col = "mean_reward" if name == prefix else name[len(prefix) + 1:] if name.startswith(prefix + "/") else name
             row[col] = float(value)
@@ -160,9 +160,9 @@ def record_evals(store: Store, evals, *, step: int, version: int | None, snapsho
             sampling=sampling.to_dict(), mode=mode, duration_seconds=ev.duration_seconds, lag_steps=lag_steps,
             failed_samples=getattr(ev, "failed_samples", 0), error=getattr(ev, "error", "")))
         logged.update(ev.metrics)
-    logged[DURATION_SECONDS] = float(duration_seconds)
+    logged[N.EVAL_DURATION_SECONDS] = float(duration_seconds)
     if lag_steps is not None:
-        logged[LAG_STEPS] = float(lag_steps)
+        logged[N.EVAL_LAG_STEPS] = float(lag_steps)
     if metrics is not None:
         metrics.log(step, logged)
     return logged
@@ -170,7 +170,7 @@ def record_evals(store: Store, evals, *, step: int, version: int | None, snapsho
 
 def record_skip(store: Store | None, step: int, reason: str, detail: str = "", metrics=None) -> dict[str, float]:
     """Count a skipped eval: `eval/skipped_{reason}` = 1 at `step`, and a `_skipped` marker when `store`."""
-    name = skipped_metric(reason)
+    name = N.eval_skipped_metric(reason)
     if store is not None:
         try:
             write_skipped(store, step, reason, detail)

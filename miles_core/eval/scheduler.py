@@ -25,7 +25,6 @@ from typing import Any, Callable, Sequence
 
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datasets, sampling_from_config
-from miles_core.eval.metric_names import EXPORT_SECONDS
 from miles_core.eval.modes import (
     DedicatedEngines,
     EvalContext,
@@ -37,6 +36,7 @@ from miles_core.eval.modes import (
 )
 from miles_core.eval.results import follower_alive, record_skip, request_key, requests, settled_steps, step_dir
 from miles_core.eval.snapshots import MARKERS, SnapshotLayout, on_cadence, retire_snapshots
+from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.prepare.initial_model import ensure_model
 from miles_core.storage import Store
@@ -217,7 +217,7 @@ class EvalScheduler:
                     return ""
                 return self._skip(step, "export_failed", f"{type(e).__name__}: {e}")
             if self.metrics is not None:
-                self.metrics.log(step, {EXPORT_SECONDS: time.monotonic() - t0})
+                self.metrics.log(step, {N.EVAL_EXPORT_SECONDS: time.monotonic() - t0})
         try:
             complete = self.layout.is_complete(step)
         except Exception as e:  # noqa: BLE001

@@ -35,6 +35,7 @@ from miles_core.config import ConfigError, RunConfig, parse_flags, replace_field
 from miles_core.config.sections import TrainSection
 from miles_core.lineage.command import FLAGS, changed_fields, overrides
 from miles_core.lineage.recorded import LineageError, RecordedRun
+from miles_core.metrics.names import LOSS
 from miles_core.metrics.sink import MetricsSink, read_metrics
 from miles_core.prepare.checks import validate
 from miles_core.prepare.initial_model import ensure_model
@@ -46,7 +47,6 @@ from miles_core.train.initial_weights import apply_load, apply_ref_load
 from miles_core.train.trainer import Trainer
 
 REPLAY_KEY = "REPLAY.json"
-LOSS = "train/loss"
 # Training settings that a single in-process trainer cannot honour or that write elsewhere.
 NOT_REPLAYABLE = ("actor_num_nodes", "actor_num_gpus_per_node", "tensor_model_parallel_size",
                   "pipeline_model_parallel_size", "context_parallel_size", "balance_data", "save", "save_interval",
@@ -155,7 +155,7 @@ def _stored_rows(src: RecordedRun, wanted: set[str]) -> dict:
 
 
 def _recorded_losses(src: RecordedRun) -> dict[int, float | None]:
-    """train/loss per step as the run logged it (the last event of a step: a resumed segment's)."""
+    """The loss (`LOSS`, train/loss) per step as the run logged it (the last event of a step: a resumed segment's)."""
     return {e["step"]: e["value"] for e in read_metrics(src.store, "trainer") if e["name"] == LOSS}
 
 

@@ -105,7 +105,7 @@ PANELS = [
 
 def eval_metric_names(events: list[dict]) -> list[str]:
     return [n for n in metric_names(events) if n.startswith(N.EVAL_PREFIX)
-            and not n.startswith(("eval/skipped_", "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds"))]
+            and not n.startswith((N.EVAL_SKIPPED_PREFIX, N.EVAL_LAG_STEPS, N.EVAL_DURATION_SECONDS, N.EVAL_EXPORT_SECONDS))]
 
 
 def _figure(title: str, names: list[str], events: list[dict], ytitle: str, hline: float | None = None,

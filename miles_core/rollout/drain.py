@@ -5,7 +5,7 @@
 takes exactly `batch_size` groups (`--rollout-batch-size`) through `ProducerGuardedBuffer`, sorts
 them by prompt index, applies the `--rollout-sample-filter-path` function (mark only: it may set
 `loss_mask` entries to 0; it may not drop groups or samples), and attaches the rollout metrics of
-the batch (`miles_core.rollout.metrics`: with producer jobs, who generated it), the buffer's window
+the batch (`miles_core.rollout.batch_metrics`: with producer jobs, who generated it), the buffer's window
 metrics and the producer's. While
 starved it logs a warning every `starved_warn_seconds` (30 s); the time it waited is
 `perf/train_wait_seconds`.
@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from miles_core.config.plugins import load_optional
-from miles_core.rollout import metrics as M
+from miles_core.metrics import names as N
+from miles_core.rollout.batch_metrics import batch_metrics, writer_metrics
 from miles_core.samples import Group
 
 log = logging.getLogger(__name__)
@@ -158,8 +159,8 @@ async def drain_batch(consumer: ProducerGuardedBuffer, batch_size: int, *, curre
     groups.sort(key=lambda g: (g.prompt_index, g.group_id))
     if sample_filter is not None:
         apply_sample_filter(sample_filter, groups)
-    metrics = M.batch_metrics(groups) | M.writer_metrics(groups)
-    metrics[M.TRAIN_WAIT_SECONDS] = wait_seconds
+    metrics = batch_metrics(groups) | writer_metrics(groups)
+    metrics[N.TRAIN_WAIT_SECONDS] = wait_seconds
     metrics.update(consumer.get_metrics())
     if producer_metrics is not None:
         metrics.update(producer_metrics())

@@ -3,6 +3,7 @@
     manager = RolloutManager(cfg, engine_urls=urls, state=ckpt_state, consumed_through_step=k)
     await manager.start()
     batch = await manager.next_batch(v)                    # DrainedBatch of exactly B groups
+    batch = await manager.next_train_batch(v)              # the same, cut into the trainer's DP parts (by reference)
     await manager.deliver_weights(uri, v + 1, engines)     # the store transport's delivery (the driver asks)
     await manager.set_version(v + 1)                       # the driver announces it once delivered
     state = manager.state()                                # into the checkpoint
@@ -35,6 +36,7 @@ from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.models.source import is_builtin, tokenizer_source
 from miles_core.models.tokenizer import load_tokenizer
+from miles_core.rank_batches import RankBatch, TrainBatch, data_layout, split_for_run
 from miles_core.rollout.claims import ClaimRenewer, PromptClaims
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.drain import (
@@ -48,7 +50,7 @@ from miles_core.rollout.episodes import GenerateArgs, load_generate_function
 from miles_core.rollout.producer import Producer, RouteLayout
 from miles_core.rollout.prompts import load_prompts
 from miles_core.rollout.rewards import Rewarder, load_reward
-from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
+from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
 from miles_core.samples import Group
 from miles_core.storage import Store
 from miles_core.weights.sync import Exported, StoreWeightTransport, WeightSync
@@ -194,6 +196,7 @@ class RolloutManager:
         r = cfg.rollout
         self.cfg = cfg
         self.batch_size = r.rollout_batch_size
+        self.layout = data_layout(cfg)
         self.batch_mode = cfg.driver != "fully-async"
         if engine is None:
             engine = EngineClient(list(engine_urls or []), request_timeout_seconds=r.engine_request_timeout_seconds)
@@ -267,6 +270,19 @@ class RolloutManager:
                 return None
             raise
 
+    async def next_train_batch(self, current_version: int) -> TrainBatch | None:
+        """`next_batch`, as the trainer takes it: cut into one part per data-parallel rank
+        (miles_core.rank_batches), each handed over by `_hand_over` (by reference in the Ray actor), so the
+        driver receives the group ids, metrics and failure tally and never the samples."""
+        drained = await self.next_batch(current_version)
+        if drained is None:
+            return None
+        parts = split_for_run(drained.groups, self.layout, self.cfg)
+        return TrainBatch(drained.group_ids, drained.metrics, drained.failures, [self._hand_over(p) for p in parts])
+
+    def _hand_over(self, part: RankBatch) -> Any:
+        return part
+
     async def _next_batch(self, version: int) -> DrainedBatch:
         if self.batch_mode:
             return await generate_batch(self.producer, self.consumer, self.batch_size, current_version=version,
@@ -326,7 +342,7 @@ class RolloutManager:
         return self.producer.state()
 
     def feed_state(self, version: int | None = None) -> dict:
-        """What producer jobs need of this buffer (miles_core.driver.feed): the groups queued that a step
+        """What producer jobs need of this buffer (miles_core.driver.feed_publisher): the groups queued that a step
         under `version` can still use (stale ones are about to be dropped: they hold no room), its
         capacity, and how many other writers committed lately (they share the room)."""
         usable = getattr(self.buffer, "usable_queue_size", None)
@@ -380,3 +396,9 @@ class TracedRolloutManager(RolloutManager):
     async def stop(self, grace_seconds: float = 30.0) -> None:
         await super().stop(grace_seconds)
         await asyncio.get_running_loop().run_in_executor(None, trace.shutdown)
+
+    def _hand_over(self, part: RankBatch) -> Any:
+        """Into the object store, owned by this actor: the ranks read it by reference."""
+        import ray
+
+        return ray.put(part)

@@ -45,13 +45,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.rollout import metrics as M
+from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget, Ticket
 from miles_core.rollout.data_source import DataSource, RestoreReport
 from miles_core.rollout.episodes import GenerateArgs, GenerateFunction, GenerateFunctionError
 from miles_core.rollout.failures import streak_error
 from miles_core.rollout.rewards import Rewarder
-from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget, Ticket
 from miles_core.samples import Group, Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -466,12 +466,12 @@ class Producer:
         now = time.monotonic()
         seconds = max(now - self._window_t0, 1e-9)
         out = {
-            M.TOKENS_PER_SECOND: self._window_tokens / seconds,
-            M.REWARD_FAILED: float(self.rewarder.take_failed()),
-            M.GENERATE_FAILED: float(self._generate_failed),
-            M.PRODUCER_GROUPS_PER_SECOND: self._window_groups / seconds,
-            M.PRODUCER_IN_FLIGHT_GROUPS: float(len(self._groups)),
-            M.PRODUCER_STARTED_GROUPS: float(self.admission.started_groups),
+            N.TOKENS_PER_SECOND: self._window_tokens / seconds,
+            N.REWARD_FAILED: float(self.rewarder.take_failed()),
+            N.GENERATE_FAILED: float(self._generate_failed),
+            N.PRODUCER_GROUPS_PER_SECOND: self._window_groups / seconds,
+            N.PRODUCER_IN_FLIGHT_GROUPS: float(len(self._groups)),
+            N.PRODUCER_STARTED_GROUPS: float(self.admission.started_groups),
         }
         self._window_t0, self._window_tokens, self._window_groups = now, 0, 0
         self._generate_failed = 0

@@ -1,11 +1,10 @@
-"""Data parallelism of the trainer: which samples a rank trains on, and the sums ranks share.
+"""Data parallelism of the trainer: the sums ranks share.
 
-Every rank receives the whole drained batch (one Ray object read by all ranks) and computes the
-same (sample, advantage) list, so GRPO advantages and the global token count need no
-communication. `shard(items, dp_size, dp_rank, balance)` then picks this DP rank's samples; the
-peers of one DP rank (its TP group) pick the same ones. The loss of every micro-batch is divided by
-the *global* token count, so summing gradients over DP ranks (`all_reduce_grads`, or Megatron's
-DDP with `calculate_per_token_loss` on GPU) gives exactly the DP=1 gradient of the same batch.
+Each DP rank receives its own part of the rollout (miles_core.rank_batches, cut on the rollout side:
+`shard` picks the samples, each part carries the global token count); the peers of one DP rank (its
+TP group) receive the same part. The loss of every micro-batch is divided by the *global* token count,
+so summing gradients over DP ranks (`all_reduce_grads`, or Megatron's DDP with
+`calculate_per_token_loss` on GPU) gives exactly the DP=1 gradient of the same batch.
 
 - default split: contiguous runs of (almost) equal sample counts, in batch order;
 - `--balance-data`: longest first onto the rank with the fewest tokens so far (LPT), each rank's
@@ -28,23 +27,6 @@ import torch
 import torch.distributed as dist
 
 from miles_core.train import collectives
-
-
-def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
-    """This DP rank's share of `items`; `tokens(item)` is its token count (used with `balance`)."""
-    if dp_size == 1:
-        return list(items)
-    if not balance:
-        per, extra = divmod(len(items), dp_size)
-        start = dp_rank * per + min(dp_rank, extra)
-        return list(items[start:start + per + (dp_rank < extra)])
-    loads = [0] * dp_size
-    owner = [0] * len(items)
-    for i in sorted(range(len(items)), key=lambda i: (-tokens(items[i]), i)):
-        r = min(range(dp_size), key=lambda r: (loads[r], r))
-        owner[i] = r
-        loads[r] += tokens(items[i])
-    return [item for i, item in enumerate(items) if owner[i] == dp_rank]
 
 
 def all_reduce_grads(params: list[torch.nn.Parameter], group) -> None:

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-Tensor = torch.Tensor
+from miles_core.metrics import names as N
 
-METRIC_NAMES = ("train/tis_mean", "train/tis_clipfrac", "train/ppo_kl", "train/pg_clipfrac",
-                "train/train_rollout_logprob_abs_diff", "train/grad_norm", "train/entropy", "train/loss")
+Tensor = torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -47,20 +46,6 @@ class LossConfig:
     @property
     def needs_rollout_logprobs(self) -> bool:
         return self.use_decoupled_loss or self.use_rollout_logprobs or self.use_tis
-
-
-def grpo_advantages(rewards: Tensor, normalize_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """Per-sample advantages of one group: r - mean(r), divided by (std + eps) when asked.
-
-    std is torch's default (unbiased, n - 1), as in slime; a group of one sample gets 0.
-    """
-    rewards = rewards.to(torch.float32)
-    if rewards.numel() < 2:
-        return torch.zeros_like(rewards)
-    adv = rewards - rewards.mean()
-    if normalize_std:
-        adv = adv / (rewards.std() + eps)
-    return adv
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -120,26 +105,25 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         return float((x.detach() * mask).sum())
 
     sums = {
-        "train/tis_mean": s(weight),
-        "train/tis_clipfrac": s(tis_clipped),
-        "train/ppo_kl": s(-log_ratio),
-        "train/pg_clipfrac": s(clipped),
-        "train/train_rollout_logprob_abs_diff": s((current - rollout_logp).abs()) if rollout_logp is not None else 0.0,
-        "train/entropy": s(entropy) if entropy is not None else 0.0,
-        "train/loss": float(loss.detach()) * max(total_tokens, 1.0),
+        N.TIS_MEAN: s(weight),
+        N.TIS_CLIPFRAC: s(tis_clipped),
+        N.PPO_KL: s(-log_ratio),
+        N.PG_CLIPFRAC: s(clipped),
+        N.TRAIN_ROLLOUT_LOGPROB_ABS_DIFF: s((current - rollout_logp).abs()) if rollout_logp is not None else 0.0,
+        N.ENTROPY: s(entropy) if entropy is not None else 0.0,
+        N.LOSS: float(loss.detach()) * max(total_tokens, 1.0),
     }
     if cfg.use_kl_loss:
-        sums["train/kl_loss"] = kl_sum
+        sums[N.KL_LOSS] = kl_sum
     return loss, sums
 
 
-SUM_KEYS = ("train/tis_mean", "train/tis_clipfrac", "train/ppo_kl", "train/pg_clipfrac",
-            "train/train_rollout_logprob_abs_diff", "train/entropy", "train/loss")
+SUM_KEYS = (N.TIS_MEAN, N.TIS_CLIPFRAC, N.PPO_KL, N.PG_CLIPFRAC, N.TRAIN_ROLLOUT_LOGPROB_ABS_DIFF, N.ENTROPY, N.LOSS)
 
 
 def sum_keys(cfg: LossConfig) -> tuple[str, ...]:
     """The keys of `policy_loss`'s sums under `cfg` (ranks without samples report zeros for them)."""
-    return SUM_KEYS + (("train/kl_loss",) if cfg.use_kl_loss else ())
+    return SUM_KEYS + ((N.KL_LOSS,) if cfg.use_kl_loss else ())
 
 
 def finalize_metrics(sums: dict[str, float], total_tokens: float) -> dict[str, float]:

@@ -14,9 +14,9 @@ On CPU: fp32, plain `torch.optim.AdamW`. On GPU, and on CPU with --bf16 or
 --use-distributed-optimizer: Megatron DDP + Megatron's optimizer (`megatron_model.build_training`;
 on CPU inside `cpu_shim.megatron_on_cpu`).
 
-One Trainer per rank (miles_core.driver.placement places them). Every rank gets the whole batch and trains
-on its data-parallel shard (miles_core.train.data_parallel); the loss is normalised by the global
-token count and gradients are summed over DP ranks, so DP=N makes the DP=1 update. Collectives
+One Trainer per rank (miles_core.driver.placement places them). Each rank trains on its data-parallel
+part of the rollout (`train_part`; miles_core.rank_batches cuts the parts on the rollout side); the loss
+is normalised by the global token count and gradients are summed over DP ranks, so DP=N makes the DP=1 update. Collectives
 (`train_step`, `hf_state_dict`, `logprobs`, checkpoint save) must be called on every rank.
 Use it as a context manager (or call `close()`) to release the model.
 """
@@ -35,13 +35,16 @@ from megatron.core.distributed import finalize_model_grads
 from safetensors.torch import save_file
 
 from miles_core.config.rules import moe_aux_loss_coeff, moe_flag_problems
+from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.samples import Group, Sample, SampleStatus
+from miles_core.rank_batches import DataLayout, RankBatch, RankStep, split_rollout
+from miles_core.rank_batches import loss_mask as _loss_mask
+from miles_core.rank_batches import sequence_length as _length
+from miles_core.samples import Group, Sample
 from miles_core.train import data_parallel as DP
 from miles_core.train import collectives, hf_convert, hf_shards, packing
-from miles_core.train import metric_names as TM
 from miles_core.train.cpu_shim import megatron_on_cpu
-from miles_core.train.losses import LossConfig, finalize_metrics, grpo_advantages, policy_loss, sum_keys
+from miles_core.train.losses import LossConfig, finalize_metrics, policy_loss, sum_keys
 from miles_core.train.megatron_model import (ModelSpec, build_model, build_training, has_moe_aux_loss,
                                             masked_token_logprobs, moe_aux_loss_value, scale_moe_aux_loss,
                                             unwrap)
@@ -49,24 +52,11 @@ from miles_core.train.optimizer_state import load_optimizer_state, optimizer_sta
 from miles_core.train.routing_replay import Seen, batch_routes, replaying
 
 WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
-EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
 
 
 class TrainError(RuntimeError):
     def __init__(self, message: str):
         super().__init__(message)
-
-
-def trainable_samples(groups: list[Group], normalize_std: bool) -> list[tuple[Sample, float]]:
-    """(sample, advantage) for every sample that can be trained on, advantages per group."""
-    out = []
-    for g in groups:
-        kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
-        if not kept:
-            continue
-        adv = grpo_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float64), normalize_std)
-        out.extend(zip(kept, adv.tolist()))
-    return out
 
 
 class Trainer:
@@ -141,56 +131,65 @@ class Trainer:
     # ------------------------------------------------------------------ training
 
     def train_step(self, step: int, groups: list[Group]) -> dict[str, float]:
-        """One rollout's training: `optimizer_steps` optimizer steps over `groups` in order
-        (--global-batch-size samples each); returns the train/* metrics (docs/fully-async.md)."""
+        """One rollout's training over `groups` (every rank given the whole rollout: this rank cuts its own
+        part, miles_core.rank_batches); see `train_part`."""
+        layout = DataLayout(self.dp_size, self.tp)
+        parts = split_rollout(groups, layout, optimizer_steps=self.optimizer_steps, balance=self.cfg.balance_data,
+                              normalize_std=self.cfg.normalize_advantages_std)
+        return self.train_part(step, parts[self.dp_rank])
+
+    def train_part(self, step: int, part: RankBatch) -> dict[str, float]:
+        """One rollout's training from this DP rank's part of it: one optimizer step per step of the part
+        (--global-batch-size samples each, over every DP rank); returns the train/* metrics
+        (docs/fully-async.md)."""
+        if part.dp_rank != self.dp_rank:
+            raise TrainError(f"data-parallel rank {self.dp_rank} was handed the part of DP rank {part.dp_rank}")
         t0 = time.perf_counter()
-        items = trainable_samples(groups, self.cfg.normalize_advantages_std)
         self.model.train()
         sums: dict[str, float] = {}
         total_tokens, grad_norms, layout = 0.0, [], packing.LayoutCounts()
-        for batch in optimizer_batches(items, self.optimizer_steps):
-            batch_sums, batch_tokens, grad_norm = self._optimizer_step_on(batch, layout)
-            for k, v in batch_sums.items():
+        for optimizer_step in part.steps:
+            step_sums, grad_norm = self._optimizer_step_on(optimizer_step, layout)
+            for k, v in step_sums.items():
                 sums[k] = sums.get(k, 0.0) + v
-            total_tokens += batch_tokens
+            total_tokens += optimizer_step.tokens
             grad_norms.append(grad_norm)
         with trace.span("metrics", lane="train"):
             if self.dp_size > 1:  # every rank reduces the same keys, also one that got no samples
                 sums = DP.all_reduce_sums({k: sums.get(k, 0.0) for k in self._sum_keys()}, self.dp_group)
             routing = self._routing_metrics(sums)
-            metrics = finalize_metrics(sums, total_tokens) if items else {}
+            metrics = finalize_metrics(sums, total_tokens) if part.samples else {}
             metrics.update(routing)
-        metrics["train/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics[TM.OPTIMIZER_STEPS] = float(len(grad_norms))
-        metrics[TM.SAMPLES] = float(len(items))
-        metrics[TM.TOKENS] = total_tokens
-        metrics[TM.MICRO_BATCHES] = float(layout.micro_batches)
-        metrics[TM.PADDING_FRACTION] = layout.padding_fraction
-        metrics[TM.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
+        metrics[N.GRAD_NORM] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics[N.OPTIMIZER_STEPS] = float(len(grad_norms))
+        metrics[N.TRAIN_SAMPLES] = float(part.samples)
+        metrics[N.TRAIN_TOKENS] = total_tokens
+        metrics[N.MICRO_BATCHES] = float(layout.micro_batches)
+        metrics[N.PADDING_FRACTION] = layout.padding_fraction
+        metrics[N.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
         return metrics
 
-    def _optimizer_step_on(self, items: list[tuple[Sample, float]], layout: packing.LayoutCounts | None = None,
-                           ) -> tuple[dict[str, float], float, float]:
-        """One optimizer step over `items` (the whole global batch; this rank trains on its DP
-        shard): (this rank's metric sums, the batch's token count, grad norm). `layout` counts this
-        rank's micro-batches and their padding."""
+    def _optimizer_step_on(self, part: RankStep, layout: packing.LayoutCounts | None = None,
+                           ) -> tuple[dict[str, float], float]:
+        """One optimizer step on this rank's share `part` of the global batch: (this rank's metric sums,
+        grad norm). The loss is normalised by the global batch's tokens. `layout` counts this rank's
+        micro-batches and their padding."""
         self._zero_grad()
-        total_tokens = float(sum(sum(_loss_mask(s)) for s, _ in items))  # global: every rank sees the batch
-        mine = DP.shard(items, self.dp_size, self.dp_rank, self.cfg.balance_data, tokens=lambda it: _length(it[0]))
+        total_tokens, mine = part.tokens, part.items
         sums: dict[str, float] = {}
         micros = self._micro_batches(mine)
         idle = self._idle_micro_batches(len(micros))  # agreed before any forward: each is a collective under EP
         with trace.span("forward+backward", lane="train", samples=len(mine)):
             for micro in micros:
-                _, part = self._micro_batch(micro, total_tokens, layout)
-                for k, v in part.items():
+                _, sample_sums = self._micro_batch(micro, total_tokens, layout)
+                for k, v in sample_sums.items():
                     sums[k] = sums.get(k, 0.0) + v
             for _ in range(idle):
-                self._micro_batch([_idle(items[0])], total_tokens)
+                self._micro_batch([_idle(part.first)], total_tokens)
         # nothing to learn from (every token masked out): no step, so weight decay does not move weights
         with trace.span("optimizer", lane="train"):
             grad_norm = self._optimizer_step() if total_tokens > 0 else 0.0
-        return sums, total_tokens, grad_norm
+        return sums, grad_norm
 
     def _idle_micro_batches(self, mine: int) -> int:
         """How many micro-batches with nothing to learn this rank runs after its `mine`: under expert
@@ -237,7 +236,7 @@ class Trainer:
         aux_tokens = self._weigh_moe_aux_loss(batch["mask"], total_tokens)
         loss.backward()
         if aux_tokens is not None:  # read after the backward: under full recompute the routers run in it
-            sums[TM.MOE_AUX_LOSS] = moe_aux_loss_value(self.model) * aux_tokens
+            sums[N.MOE_AUX_LOSS] = moe_aux_loss_value(self.model) * aux_tokens
         return loss, sums
 
     def _routes(self, items, tokens: torch.Tensor) -> tuple[torch.Tensor | None, slice | None]:
@@ -269,19 +268,19 @@ class Trainer:
         return replaying(model, routes, **replay) if routes is not None else contextlib.nullcontext()
 
     def _routing_metrics(self, sums: dict[str, float]) -> dict[str, float]:
-        """train/routing_mismatch(_own) from the step's sums (taken out of `sums`): under sequence
-        parallelism each TP rank compared its slice of the sequence, so the counts add over TP too.
-        Empty for a dense model or when no sample carried routes."""
+        """The routing-mismatch shares (N.ROUTING_MISMATCH, N.ROUTING_MISMATCH_OWN) from the step's sums
+        (taken out of `sums`): under sequence parallelism each TP rank compared its slice of the
+        sequence, so the counts add over TP too. Empty for a dense model or when no sample carried routes."""
         if not self.spec.moe:
             return {}
-        keys = (TM.ROUTING_DIFFER, TM.ROUTING_DIFFER_OWN, TM.ROUTING_COMPARED)
+        keys = (N.ROUTING_DIFFER, N.ROUTING_DIFFER_OWN, N.ROUTING_COMPARED)
         counts = torch.tensor([sums.pop(k, 0.0) for k in keys], dtype=torch.float64)
         if self.cfg.sequence_parallel and self.tp_group is not None:
             collectives.all_reduce(counts, self.tp_group)
         differ, own, compared = counts.tolist()
         if not compared:
             return {}
-        return {TM.ROUTING_MISMATCH: differ / compared, TM.ROUTING_MISMATCH_OWN: own / compared}
+        return {N.ROUTING_MISMATCH: differ / compared, N.ROUTING_MISMATCH_OWN: own / compared}
 
     def _weigh_moe_aux_loss(self, mask: torch.Tensor, total_tokens: float) -> float | None:
         """Before a micro-batch's backward, a MoE model's load-balancing loss gets the micro-batch's
@@ -296,8 +295,8 @@ class Trainer:
 
     def _sum_keys(self) -> tuple[str, ...]:
         """The metric sums every DP rank reduces (the loss's, and the aux loss of a MoE model that has one)."""
-        routing = (TM.ROUTING_DIFFER, TM.ROUTING_DIFFER_OWN, TM.ROUTING_COMPARED) if self.spec.moe else ()
-        return sum_keys(self.loss_cfg) + ((TM.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ()) + routing
+        routing = (N.ROUTING_DIFFER, N.ROUTING_DIFFER_OWN, N.ROUTING_COMPARED) if self.spec.moe else ()
+        return sum_keys(self.loss_cfg) + ((N.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ()) + routing
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer:
@@ -443,20 +442,6 @@ def non_weight_files(src_dir: str) -> dict[str, bytes]:
     return out
 
 
-def optimizer_batches(items: list, steps: int) -> list[list]:
-    """`items` in order, cut into `steps` global batches as equal as possible (miles: a rollout of
-    rollout_batch_size x n samples gives that / --global-batch-size optimizer steps). Samples
-    excluded from training leave their batch smaller; an empty rollout still yields one batch."""
-    steps = max(1, min(steps, len(items)))
-    size, extra = divmod(len(items), steps)
-    out, start = [], 0
-    for i in range(steps):
-        end = start + size + (1 if i < extra else 0)
-        out.append(items[start:end])
-        start = end
-    return out
-
-
 def _idle(item: tuple[Sample, float]) -> tuple[Sample, float]:
     """`item` with nothing to learn (its loss mask all 0): the forward and backward of an idle micro-batch."""
     s = item[0]
@@ -468,20 +453,7 @@ def _routing_sums(seen: Seen) -> dict[str, float]:
     those whose top-k differed in the routing used and in the routers' own choice."""
     differ, compared = seen.mismatch("used")
     own, _ = seen.mismatch("own")
-    return {TM.ROUTING_DIFFER: differ, TM.ROUTING_DIFFER_OWN: own, TM.ROUTING_COMPARED: compared}
-
-
-def _loss_mask(s: Sample) -> list[int]:
-    if not s.loss_mask:
-        return [1] * len(s.response_ids)
-    if len(s.loss_mask) != len(s.response_ids):
-        raise TrainError(f"sample {s.group_id}/{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
-                         f"for {len(s.response_ids)} response tokens")
-    return [int(m) for m in s.loss_mask]
-
-
-def _length(s: Sample) -> int:
-    return len(s.prompt_ids) + len(s.response_ids)
+    return {N.ROUTING_DIFFER: differ, N.ROUTING_DIFFER_OWN: own, N.ROUTING_COMPARED: compared}
 
 
 def _pack(items, need_rollout: bool, device, use_loss_mask: bool = True) -> dict[str, torch.Tensor]:

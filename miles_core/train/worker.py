@@ -31,6 +31,7 @@ from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import free_port
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
+from miles_core.rank_batches import RankBatch, data_layout
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
@@ -76,6 +77,10 @@ class TrainerWorker:
 
         self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
+        layout = data_layout(cfg)
+        if layout.dp_rank(rank) != self.trainer.dp_rank:  # the parts the rollout side cuts would go astray
+            raise RuntimeError(f"rank {rank} is data-parallel rank {self.trainer.dp_rank} in Megatron's groups, "
+                               f"but {layout.dp_rank(rank)} in the rollout's DataLayout")
         apply_ref_load(self.trainer, cfg.train.ref_load)
         self.run_store = Store(cfg.run_uri)
         trace.join(cfg, self.run_store, f"trainer-rank{rank}")
@@ -127,8 +132,9 @@ class TrainerWorker:
             self.loop.run_until_complete(self.engines.close())
         self.engines = self.sync = None
 
-    def train_step(self, step: int, groups: list) -> dict:
-        return self.trainer.train_step(step, groups)
+    def train_part(self, step: int, part: RankBatch) -> dict:
+        """Train on this rank's data-parallel part of the rollout (Ray resolved its reference here)."""
+        return self.trainer.train_part(step, part)
 
     def push_weights(self, step: int, version: int) -> dict:
         """Export the weights of `step` as `version` (rank 0 answers; the others take part in the gathers).

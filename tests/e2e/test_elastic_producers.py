@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.rollout.feed import read_feed
+from miles_core.rollout.feed_record import read_feed
 from miles_core.storage import Store
 from tests.chaos import checker
 

@@ -17,10 +17,10 @@ import threading
 import pytest
 
 from miles_core.buffer import DropUnused, DurableBuffer, RetryUnused, build_buffer, build_unused_handler
-from miles_core.buffer import metrics as M
 from miles_core.buffer.inspect import inspect_buffer
 from miles_core.cli import main as cli_main
 from miles_core.config import embedded_default, replace_fields
+from miles_core.metrics import names as N
 from miles_core.samples import Group, Sample, SampleStatus, groups_to_ipc, ipc_to_groups
 from miles_core.storage import Store
 
@@ -100,7 +100,7 @@ def test_aborted_group_rejected_at_put_and_handed_to_handler(storage_root):
         buf.put(make_group(2))
         m = buf.get_metrics()
         assert seen == [("g0001", "aborted")]
-        assert m[M.ABORTED_GROUPS_FILTERED] == 1 and m[M.QUEUE_SIZE] == 1
+        assert m[N.ABORTED_GROUPS_FILTERED] == 1 and m[N.QUEUE_SIZE] == 1
         assert buf.available_group_ids() == ["g0002"]
     assert inspect_buffer(storage_root)["committed"] == 1
 
@@ -116,7 +116,7 @@ def test_dynamic_filter_drops_with_reason(storage_root):
         put_all(buf, [make_group(i) for i in range(4)])
         m = buf.get_metrics()
     assert m["rollout/dynamic_filter/drop_zero_std"] == 2
-    assert m[M.QUEUE_SIZE] == 2 and m[M.UNUSED_DROPPED] == 0
+    assert m[N.QUEUE_SIZE] == 2 and m[N.UNUSED_DROPPED] == 0
 
 
 def test_stale_groups_rejected_at_get_and_counted_in_staleness(storage_root):
@@ -129,9 +129,9 @@ def test_stale_groups_rejected_at_get_and_counted_in_staleness(storage_root):
         assert buf.get(current_version=6).group_id == "g0001"
         assert buf.get(current_version=6).group_id == "g0002"
         m = buf.get_metrics()
-    assert m[M.STALE_GROUPS_FILTERED] == 1
-    assert m[M.AVG_STALENESS] == 3.0 and m[M.MAX_STALENESS] == 5
-    assert m[M.UNUSED_DROPPED] == 1
+    assert m[N.STALE_GROUPS_FILTERED] == 1
+    assert m[N.AVG_STALENESS] == 3.0 and m[N.MAX_STALENESS] == 5
+    assert m[N.UNUSED_DROPPED] == 1
 
 
 def test_retry_handler_recycles_cleared_prompt_group(storage_root):
@@ -142,7 +142,7 @@ def test_retry_handler_recycles_cleared_prompt_group(storage_root):
         buf.put(make_group(8, version=3))
         assert buf.get(current_version=3).group_id == "g0008"
         m = buf.get_metrics()
-    assert m[M.UNUSED_RECYCLED] == 1
+    assert m[N.UNUSED_RECYCLED] == 1
     (g,) = recycled
     assert g.group_id == "g0007#r1" and g.prompt_index == 7
     assert all(s.prompt_ids == [1, 2, 3] and not s.response_ids and not s.token_versions
@@ -156,10 +156,10 @@ def test_metrics_window_resets(storage_root):
         buf.get(current_version=4)
         first = buf.get_metrics()
         second = buf.get_metrics()
-    assert first[M.BYTES_WRITTEN] > 0 and first[M.PUT_SECONDS] > 0 and first[M.MAX_STALENESS] == 3
-    assert first[M.BUFFER_MAX_STALENESS] == 3 and first[M.BUFFER_AVG_STALENESS] == 3
-    assert second[M.BYTES_WRITTEN] == 0 and M.PUT_SECONDS not in second and M.AVG_STALENESS not in second
-    assert second[M.QUEUE_SIZE] == 2  # a level, not a counter
+    assert first[N.BYTES_WRITTEN] > 0 and first[N.PUT_SECONDS] > 0 and first[N.MAX_STALENESS] == 3
+    assert first[N.BUFFER_MAX_STALENESS] == 3 and first[N.BUFFER_AVG_STALENESS] == 3
+    assert second[N.BYTES_WRITTEN] == 0 and N.PUT_SECONDS not in second and N.AVG_STALENESS not in second
+    assert second[N.QUEUE_SIZE] == 2  # a level, not a counter
 
 
 def test_blocked_producer_wakes_on_every_get(storage_root):
@@ -183,7 +183,7 @@ def test_blocked_producer_wakes_on_every_get(storage_root):
         assert returned[1].wait(20)
         t.join(20)
         assert buf.available_group_ids() == ["g0002", "g0003"]
-        assert buf.get_metrics()[M.PRODUCER_BLOCKED_SECONDS] > 0
+        assert buf.get_metrics()[N.PRODUCER_BLOCKED_SECONDS] > 0
 
 
 def test_get_ignores_unknown_context_keys_and_times_out(storage_root):
@@ -275,7 +275,7 @@ def test_fully_consumed_objects_are_not_reread(storage_root):
     store.put_bytes(keys[0], b"garbage that would be quarantined if it were read")
     with open_buffer(storage_root) as buf:
         assert buf.available_group_ids() == ["g0002"]
-        assert buf.get_metrics()[M.QUARANTINED] == 0
+        assert buf.get_metrics()[N.QUARANTINED] == 0
 
 
 def test_corrupt_object_is_quarantined_and_counted(storage_root):
@@ -288,7 +288,7 @@ def test_corrupt_object_is_quarantined_and_counted(storage_root):
     store.put_bytes("buffer/groups/wbad/000000000001.arrow", groups_to_ipc([make_group(9)])[:-40])
     with open_buffer(storage_root) as buf:
         assert buf.available_group_ids() == ["g0000"]
-        assert buf.get_metrics()[M.QUARANTINED] == 2
+        assert buf.get_metrics()[N.QUARANTINED] == 2
     q = store.list("buffer/quarantine/")
     assert "buffer/quarantine/wbad/000000000000.arrow" in q
     reason = store.get_json("buffer/quarantine/wbad/000000000000.arrow.reason.json")

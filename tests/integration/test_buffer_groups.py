@@ -17,9 +17,9 @@ import threading
 import pytest
 
 from miles_core.buffer import BufferTimeout, DataBufferError, DropUnused, DurableBuffer, build_buffer
-from miles_core.buffer import metrics as M
 from miles_core.buffer import objects as O
 from miles_core.config import embedded_default, replace_fields
+from miles_core.metrics import names as N
 from miles_core.samples import ipc_to_groups
 from miles_core.storage import Store
 from tests.integration.test_buffer_durable import make_group
@@ -91,7 +91,7 @@ def test_staleness_boundary(storage_root):
         buf.put(make_group(1, version=2))  # at version 4: staleness 2
         assert buf.get(current_version=4, timeout_seconds=10).group_id == "g0001"
         m = buf.get_metrics()
-    assert m[M.STALE_GROUPS_FILTERED] == 1 and m[M.MAX_STALENESS] == 3
+    assert m[N.STALE_GROUPS_FILTERED] == 1 and m[N.MAX_STALENESS] == 3
 
 
 def _run_steps(root: str, steps: range, per_step: int, compact_at=(), delete=False) -> None:

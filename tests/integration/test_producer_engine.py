@@ -16,10 +16,10 @@ import pytest
 from miles_core.config import RunConfig, embedded_default, replace_fields
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
+from miles_core.metrics.names import ROLLOUT_METRIC_NAMES
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.rollout.builtin_tasks import builtin_rows
 from miles_core.rollout.manager import RolloutManager
-from miles_core.rollout.metrics import ROLLOUT_METRIC_NAMES
 from miles_core.samples import SampleStatus
 
 

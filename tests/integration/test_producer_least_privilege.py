@@ -32,7 +32,7 @@ from miles_core.metrics import trace
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.models.source import tokenizer_source
 from miles_core.prepare.dataset import prepare_dataset
-from miles_core.rollout.feed import FEED_KEY, Feed, read_feed, write_feed
+from miles_core.rollout.feed_record import FEED_KEY, Feed, read_feed, write_feed
 from miles_core.storage import COMPLETE_MARKER, StorageError, Store
 from miles_core.storage.node_local import localize
 from miles_core.storage.run_root import FINISHED, RUNNING, read_status, write_config, write_status

@@ -11,7 +11,6 @@ import threading
 import pytest
 
 from miles_core.buffer import (
-    METRIC_NAMES,
     BufferClosed,
     DataBuffer,
     DataBufferError,
@@ -21,10 +20,10 @@ from miles_core.buffer import (
     build_buffer,
     build_unused_handler,
 )
-from miles_core.buffer import metrics as M
 from miles_core.buffer.contract import retry_group_id
 from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.config.plugins import PluginError
+from miles_core.metrics import names as N
 from miles_core.prepare.checks import validate
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.storage import StorageUnavailable, Store
@@ -49,7 +48,7 @@ class ListBuffer:
         return self.items.pop(0)
 
     def get_metrics(self):
-        return {M.QUEUE_SIZE: len(self.items)}
+        return {N.QUEUE_SIZE: len(self.items)}
 
 
 class NoGet:
@@ -111,19 +110,19 @@ def test_metric_names_are_the_design_names():
         "queue_size", "aborted_groups_filtered", "stale_groups_filtered", "avg_staleness", "max_staleness",
         "buffer_avg_staleness", "buffer_max_staleness", "put_seconds", "bytes_written", "quarantined")}
     design |= {"rollout/dynamic_filter/drop_{reason}", "perf/producer_blocked_seconds"}
-    assert design <= set(METRIC_NAMES)
-    assert set(METRIC_NAMES) - design == {M.UNUSED_DROPPED, M.UNUSED_RECYCLED, M.DUPLICATE_GROUPS_FILTERED}
-    assert M.drop_metric("Zero Std!") == "rollout/dynamic_filter/drop_zero_std"
+    assert design <= set(N.BUFFER_METRIC_NAMES)
+    assert set(N.BUFFER_METRIC_NAMES) - design == {N.UNUSED_DROPPED, N.UNUSED_RECYCLED, N.DUPLICATE_GROUPS_FILTERED}
+    assert N.dynamic_filter_drop_metric("Zero Std!") == "rollout/dynamic_filter/drop_zero_std"
 
 
 def test_every_emitted_metric_is_declared(root):
-    """get_metrics never emits a name missing from METRIC_NAMES (dynamic drops match the pattern)."""
+    """get_metrics never emits a name missing from BUFFER_METRIC_NAMES (dynamic drops match the pattern)."""
     with open_buffer(root, dynamic_filter=lambda g: (g.prompt_index != 1, "x")) as buf:
         for i in range(3):
             buf.put(make_group(i))
         buf.get(current_version=3)
         emitted = set(buf.get_metrics())
-    assert {n for n in emitted if not n.startswith("rollout/dynamic_filter/")} <= set(METRIC_NAMES)
+    assert {n for n in emitted if not n.startswith("rollout/dynamic_filter/")} <= set(N.BUFFER_METRIC_NAMES)
     assert "rollout/dynamic_filter/drop_x" in emitted
 
 
@@ -131,7 +130,7 @@ def test_unused_handler_modes():
     """drop counts drops per window; retry needs the data source's recycle and ids get an attempt suffix."""
     drop = build_unused_handler("drop")
     drop.handle(make_group(0), "stale")
-    assert drop.metrics() == {M.UNUSED_DROPPED: 1} and drop.metrics() == {M.UNUSED_DROPPED: 0}
+    assert drop.metrics() == {N.UNUSED_DROPPED: 1} and drop.metrics() == {N.UNUSED_DROPPED: 0}
     with pytest.raises(ValueError, match="recycle"):
         build_unused_handler("retry")
     with pytest.raises(ValueError, match="drop, retry"):
@@ -215,11 +214,11 @@ def test_record_consumed_steps_must_increase(root):
 
 
 def test_docs_metric_table_matches_code():
-    """docs/data-path.md lists exactly METRIC_NAMES in its metrics table, so the docs cannot drift."""
+    """docs/data-path.md lists exactly BUFFER_METRIC_NAMES in its metrics table, so the docs cannot drift."""
     import pathlib
     import re
 
     doc = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "data-path.md").read_text()
     table = doc[doc.index("## Metrics"):doc.index("## Inspecting")]
     documented = set(re.findall(r"^\| `([^`]+)` \|", table, flags=re.M))
-    assert documented == set(METRIC_NAMES)
+    assert documented == set(N.BUFFER_METRIC_NAMES)

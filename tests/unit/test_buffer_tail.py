@@ -16,9 +16,9 @@ import time
 import pytest
 
 from miles_core.buffer import DropUnused
-from miles_core.buffer import metrics as M
 from miles_core.buffer.durable import DurableBuffer
 from miles_core.buffer.objects import consumed_key
+from miles_core.metrics import names as N
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.storage import Store
 
@@ -76,7 +76,7 @@ def test_a_duplicate_prompt_attempt_is_refused_and_a_retry_is_not(store):
         assert wait_for(lambda: buf.queue_size == 3)
         got = sorted(buf.get(timeout_seconds=1).group_id for _ in range(3))
         assert got == ["e0-p3-a0-trainer", "e0-p3-a1-prod", "e0-p4-a0-prod"]
-        assert buf.get_metrics()[M.DUPLICATE_GROUPS_FILTERED] == 1
+        assert buf.get_metrics()[N.DUPLICATE_GROUPS_FILTERED] == 1
         buf.record_consumed(0, got)
     assert store.get_json(consumed_key(0))["rejected"] == ["e0-p3-a0-prod"]
 

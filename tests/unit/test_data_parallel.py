@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from miles_core.train.data_parallel import clip_grad_norm, shard
+from miles_core.rank_batches import shard
+from miles_core.train.data_parallel import clip_grad_norm
 
 
 def _lengths(seed: int, n: int) -> list[int]:

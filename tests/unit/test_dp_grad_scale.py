@@ -113,7 +113,7 @@ def test_dp2_gradient_is_the_dp1_gradient_not_a_rescaled_one(tmp_path):
     saved = [torch.load(tmp_path / f"rank{r}.pt") for r in range(DP)]
     one, ranks = saved[0]["dp1"], [s["dp2"] for s in saved]
 
-    from miles_core.train.data_parallel import shard
+    from miles_core.rank_batches import shard
 
     samples = [s for g in _groups() for s in g.samples]  # every one trainable, all tokens in the loss
     shard_tokens = [sum(len(s.response_ids) for s in shard(samples, DP, r, False)) for r in range(DP)]

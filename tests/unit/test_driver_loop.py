@@ -35,6 +35,7 @@ from miles_core.driver.roles import (
     batch_source,
 )
 from miles_core.driver.switchboard import RankEnded, Switchboard
+from miles_core.rank_batches import TrainBatch
 
 
 def done(value=None) -> concurrent.futures.Future:
@@ -432,10 +433,7 @@ def test_checkpointer_without_interval_saves_only_at_the_last_step():
 
 
 def drained(ids):
-    class D:
-        groups, group_ids, metrics = [], list(ids), {"rollout/x": 1.0}
-
-    return D()
+    return TrainBatch(list(ids), {"rollout/x": 1.0}, {}, [])
 
 
 def test_batch_source_is_chosen_once_from_the_driver():
@@ -449,23 +447,23 @@ def test_prefetched_batches_request_the_next_batch_for_the_version_it_will_train
     """Batch k+1 is asked for before training on k; with a push after step k its staleness is checked
     against version v+1; with --update-weights-interval 2 only every second step pushes."""
     log: list = []
-    rollout = FakeClient(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
+    rollout = FakeClient(log, "rollout", next_train_batch=lambda v: drained([f"v{v}"]))
     src = PrefetchedBatches(rollout, Switchboard(), WeightVersion(exported=5), update_interval=2)
     b0 = src.next_batch(0)
-    assert rollout.calls == [("next_batch", 5), ("next_batch", 5)]  # step 0 does not push (interval 2)
+    assert rollout.calls == [("next_train_batch", 5), ("next_train_batch", 5)]  # step 0 does not push (interval 2)
     assert b0.group_ids == ["v5"] and b0.metrics["perf/train_wait_seconds"] >= 0.0
     src.before_weight_update()
     src.next_batch(1)
-    assert rollout.calls[-1] == ("next_batch", 6)  # step 1 pushes: batch 2 is trained under v6
+    assert rollout.calls[-1] == ("next_train_batch", 6)  # step 1 pushes: batch 2 is trained under v6
 
 
 def test_on_demand_batches_ask_for_one_batch_at_the_current_version():
     log: list = []
-    rollout = FakeClient(log, "rollout", next_batch=lambda v: drained([f"v{v}"]))
+    rollout = FakeClient(log, "rollout", next_train_batch=lambda v: drained([f"v{v}"]))
     src = OnDemandBatches(rollout, Switchboard(), WeightVersion(exported=3))
     assert src.next_batch(0).group_ids == ["v3"]
     src.before_weight_update()
-    assert rollout.calls == [("next_batch", 3)]
+    assert rollout.calls == [("next_train_batch", 3)]
 
 
 # ----------------------------------------------------------------------------- the switchboard
@@ -476,14 +474,14 @@ def test_a_driver_waiting_for_a_batch_learns_at_once_that_a_rank_died(wait):
     """The groups of a version come only once it was delivered: a driver waiting for them must not wait for
     ever when a trainer rank dies meanwhile. The ranks' `alive` calls are in the same wait and end it."""
     log: list = []
-    rollout = FakeClient(log, "rollout", pending={"next_batch"}, next_batch=lambda v: drained(["g"]))
+    rollout = FakeClient(log, "rollout", pending={"next_train_batch"}, next_train_batch=lambda v: drained(["g"]))
     alive = Pending(future=concurrent.futures.Future())
     src = PrefetchedBatches(rollout, Switchboard(watched=[alive]), WeightVersion(exported=1))
     if wait == "before_weight_update":
-        rollout.pending.discard("next_batch")
+        rollout.pending.discard("next_train_batch")
         src.next_batch(0)
-        rollout.pending.add("next_batch")
-        src.pending = rollout.next_batch(2)  # the prefetch of the next batch, never answered
+        rollout.pending.add("next_train_batch")
+        src.pending = rollout.next_train_batch(2)  # the prefetch of the next batch, never answered
     died = threading.Timer(0.05, lambda: alive.future.set_exception(RuntimeError("trainer rank 0 died")))
     died.start()
     with pytest.raises(RuntimeError, match="rank 0 died"):

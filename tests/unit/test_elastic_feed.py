@@ -1,4 +1,4 @@
-"""The feed a producer job reads (miles_core.rollout.feed) and the heartbeat it writes
+"""The feed a producer job reads (miles_core.rollout.feed_record) and the heartbeat it writes
 (miles_core.elastic.heartbeat).
 
 Guards: a producer running past the buffer's capacity or the staleness bound, a feed or heartbeat
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from miles_core.elastic import heartbeat as H
-from miles_core.rollout.feed import FEED_KEY, Feed, FeedError, read_feed, write_feed
+from miles_core.rollout.feed_record import FEED_KEY, Feed, FeedError, read_feed, write_feed
 from miles_core.storage import Store
 
 
@@ -91,7 +91,7 @@ def test_the_feed_is_rewritten_while_a_step_waits_and_never_without_the_lease(tm
 
     from miles_core.config import parse_flags
     from miles_core.driver.clients import Pending
-    from miles_core.driver.feed import feed_publisher
+    from miles_core.driver.feed_publisher import feed_publisher
     from miles_core.driver.pushes import WeightVersion
     from miles_core.driver.switchboard import Switchboard
 

@@ -410,7 +410,7 @@ def test_eval_runs_the_function_with_evaluation_true_and_keeps_its_reward():
     dataset's single-turn reward); the versions of its tokens are reported for the pin check."""
     from miles_core.eval.datasets import EvalSampling, load_eval_datasets
     from miles_core.eval.evaluate import evaluate
-    from miles_core.eval.metric_names import mean_reward_metric
+    from miles_core.metrics.names import eval_reward_metric
 
     cfg = replace_fields(embedded_default(), custom_generate_function_path="miles_core.rollout.multiturn:reverse4_two_turns",
                          eval_prompt_data=["held=builtin:reverse4-heldout"], eval_max_prompts=2)
@@ -422,7 +422,7 @@ def test_eval_runs_the_function_with_evaluation_true_and_keeps_its_reward():
         answers += [[d[0], d[1], SEP_ID], [d[2], d[3], EOS_ID]]
     eng = AnswerEngine(answers)
     out = asyncio.run(evaluate(eng, ds, EvalSampling(max_response_len=3), concurrency=1))
-    assert out.metrics[mean_reward_metric("held")] == pytest.approx(1.0)
+    assert out.metrics[eval_reward_metric("held")] == pytest.approx(1.0)
     assert out.metrics["eval/held/pass@1"] == pytest.approx(1.0)
     assert out.weight_versions == [1] and len(eng.params) == 4
 

@@ -12,10 +12,10 @@ from math import comb
 import pytest
 
 from miles_core.config import ConfigError, embedded_default, parse_flags
-from miles_core.eval import EVAL_METRIC_PATTERNS, SKIP_REASONS, aggregate, evaluate, pass_at_k, pass_ks
+from miles_core.eval import aggregate, evaluate, pass_at_k, pass_ks
 from miles_core.eval.datasets import EvalDataError, EvalDataset, EvalRow, EvalSampling, load_eval_datasets, sampling_from_config
-from miles_core.eval.metric_names import skipped_metric
 from miles_core.eval.results import EvalResult, evaluated, read_result, record_skip, settled_steps, write_result
+from miles_core.metrics.names import EVAL_METRIC_PATTERNS, SKIP_REASONS, eval_skipped_metric
 from miles_core.samples import Sample
 from miles_core.storage import Store
 
@@ -72,7 +72,7 @@ def test_metric_patterns_are_the_interface():
         "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds", "eval/skipped_{reason}"}
     assert set(SKIP_REASONS) == {"busy", "export_failed", "ckpt_missing", "crashed", "unhealthy", "pin_violation"}
     with pytest.raises(ValueError):
-        skipped_metric("tired")
+        eval_skipped_metric("tired")
 
 
 class ScriptedClient:

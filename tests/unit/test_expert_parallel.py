@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_core.train import metric_names as TM
+from miles_core.metrics import names as N
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
@@ -268,7 +268,7 @@ def test_dp2_ep2_gradients_equal_dp1_ep1(results, name):
     for key in ("train/loss", "train/entropy", "train/ppo_kl", "train/grad_norm"):
         assert ranks[0]["metrics"][key] == pytest.approx(one["metrics"][key], rel=1e-5, abs=1e-7), key
     assert any(float(g.abs().sum()) > 0 for n, g in one["grads"].items() if n in experts)  # experts learn
-    assert [r["metrics"][TM.MICRO_BATCHES] for r in ranks] == [2, 1]  # rank 1 ran an idle one besides
+    assert [r["metrics"][N.MICRO_BATCHES] for r in ranks] == [2, 1]  # rank 1 ran an idle one besides
 
 
 @pytest.mark.parametrize("name", MODELS)

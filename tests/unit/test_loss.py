@@ -14,7 +14,9 @@ import math
 import pytest
 import torch
 
-from miles_core.train.losses import METRIC_NAMES, LossConfig, finalize_metrics, grpo_advantages, policy_loss
+from miles_core.metrics.names import LOSS_METRIC_NAMES as METRIC_NAMES
+from miles_core.rank_batches import grpo_advantages
+from miles_core.train.losses import LossConfig, finalize_metrics, policy_loss
 
 torch.set_num_threads(1)
 ln = math.log

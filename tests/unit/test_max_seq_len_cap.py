@@ -9,10 +9,10 @@ import pytest
 
 from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.prepare.checks import validate
+from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
 from miles_core.rollout.data_source import DataSource
 from miles_core.rollout.producer import Producer, sample_params
 from miles_core.rollout.rewards import Rewarder
-from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
 from tests.unit.test_producer import MemoryBuffer, Result, run
 
 

@@ -110,11 +110,13 @@ def test_bad_component_name_rejected(tmp_path):
 
 
 def test_perf_metric_names_are_documented():
-    from miles_core.metrics.names import PRODUCER_METRICS, RUN_METRICS
+    from miles_core.metrics import names as N
 
-    assert set(METRIC_NAMES) == set(PERF_METRICS) | set(RUN_METRICS) | set(PRODUCER_METRICS)
+    components = (N.PERF_METRICS, N.RUN_METRICS, N.PRODUCER_METRICS, N.ROLLOUT_METRICS, N.BUFFER_METRICS,
+                  N.LOSS_METRICS, N.TRAIN_STEP_METRICS, N.EVAL_METRICS)
+    assert set(METRIC_NAMES) == set().union(*components) and len(METRIC_NAMES) == len(set(METRIC_NAMES))
+    assert all(all(c.values()) for c in components)  # every name has its meaning
     assert all(n.startswith("perf/") and PERF_METRICS[n] for n in PERF_METRICS)
-    assert all(RUN_METRICS[n] for n in RUN_METRICS) and all(PRODUCER_METRICS.values())
     assert {"perf/tokens_per_second", "perf/train_wait_seconds", "perf/producer_blocked_seconds",
             "perf/weight_update_seconds", "perf/step_seconds"} <= set(METRIC_NAMES)
 

@@ -17,12 +17,13 @@ import torch
 
 from miles_core.config import ConfigError, parse_flags
 from miles_core.config.sections import TrainSection
+from miles_core.metrics.names import OPTIMIZER_STEPS
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.storage import Store
 from miles_core.train.checkpoint import CheckpointError, CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
-from miles_core.train.metric_names import OPTIMIZER_STEPS
-from miles_core.train.trainer import Trainer, optimizer_batches
+from miles_core.rank_batches import optimizer_batches
+from miles_core.train.trainer import Trainer
 from tests.unit.test_train import make_groups, params
 
 torch.set_num_threads(1)

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from miles_core.buffer import build_unused_handler
+from miles_core.metrics.names import ROLLOUT_METRIC_NAMES
+from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
+from miles_core.rollout.batch_metrics import batch_metrics
 from miles_core.rollout.data_source import DataSource, position_of
 from miles_core.rollout.drain import (
     ProducerGuardedBuffer,
@@ -26,10 +29,8 @@ from miles_core.rollout.drain import (
     generate_batch,
 )
 from miles_core.rollout.manager import RejectionNotifier
-from miles_core.rollout.metrics import ROLLOUT_METRIC_NAMES, batch_metrics
 from miles_core.rollout.producer import Producer, RolloutWorkerError, fill_sample
 from miles_core.rollout.rewards import Rewarder
-from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
 from miles_core.samples import Sample, SampleStatus
 
 # ----------------------------------------------------------------------------- fakes

@@ -99,7 +99,7 @@ def test_the_loop_fails_the_run_when_the_budget_trips():
 
         def next_batch(self, step):
             b = batches.next_batch(step)
-            return Batch(b.step, b.groups, b.group_ids, b.metrics, failures)
+            return Batch(b.step, b.parts, b.group_ids, b.metrics, failures)
 
     roles.batches = FailingBatches()
     roles.failures = FailureBudget(0.5, 2)

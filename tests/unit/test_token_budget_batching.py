@@ -30,12 +30,13 @@ import torch.distributed as dist
 
 from miles_core.config import ConfigError, parse_flags
 from miles_core.config.sections import TrainSection
+from miles_core.metrics import names as N
 from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.samples import Group, Sample, SampleStatus
-from miles_core.train import metric_names as TM
 from miles_core.train.megatron_model import masked_token_logprobs, unwrap
 from miles_core.train.packing import block_causal_mask, pack_rows, plan_micro_batches
-from miles_core.train.trainer import Trainer, _pack, _pack_row, trainable_samples
+from miles_core.rank_batches import trainable_samples
+from miles_core.train.trainer import Trainer, _pack, _pack_row
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 
 torch.set_num_threads(1)
@@ -170,8 +171,8 @@ def test_trainer_step_with_a_token_budget_is_the_padded_step(trainer):
     assert set(g_pack) == set(g_pad)
     for name, g in g_pad.items():
         torch.testing.assert_close(g_pack[name], g, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
-    assert m_pad[TM.MICRO_BATCHES] == 6 and m_pad[TM.PADDING_FRACTION] > 0.1
-    assert m_pack[TM.PADDING_FRACTION] == 0.0 and m_pack[TM.MICRO_BATCHES] >= 5  # 131 tokens / 24
+    assert m_pad[N.MICRO_BATCHES] == 6 and m_pad[N.PADDING_FRACTION] > 0.1
+    assert m_pack[N.PADDING_FRACTION] == 0.0 and m_pack[N.MICRO_BATCHES] >= 5  # 131 tokens / 24
 
 
 # ------------------------------------------------------------------ config rules
@@ -230,7 +231,7 @@ def test_dp2_packed_gradients_are_the_dp1_padded_ones(tmp_path):
     one = saved[0]["dp1"]
     for r, rank in enumerate(saved):
         two = rank["dp2"]
-        assert two["metrics"][TM.PADDING_FRACTION] == 0.0 and two["metrics"][TM.MICRO_BATCHES] >= 3
+        assert two["metrics"][N.PADDING_FRACTION] == 0.0 and two["metrics"][N.MICRO_BATCHES] >= 3
         for key in LOSS_KEYS:
             assert two["metrics"][key] == pytest.approx(one["metrics"][key], rel=RTOL, abs=1e-7), (r, key)
         for name, g in one["grads"].items():

@@ -21,7 +21,8 @@ from miles_core.models.builtin import materialize_checkpoint
 from miles_core.train import token_logprobs as TL
 from miles_core.train.losses import policy_loss, token_entropy
 from miles_core.train.megatron_model import forward_logits, masked_token_logprobs, unwrap
-from miles_core.train.trainer import Trainer, _pack, trainable_samples
+from miles_core.rank_batches import trainable_samples
+from miles_core.train.trainer import Trainer, _pack
 from tests.unit.test_train import make_groups
 
 torch.set_num_threads(1)

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from miles_core.config.sections import TrainSection
+from miles_core.metrics.names import LOSS_METRIC_NAMES as METRIC_NAMES
 from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.samples import Group, Sample, SampleStatus
-from miles_core.train.losses import METRIC_NAMES
-from miles_core.train.trainer import Trainer, trainable_samples
+from miles_core.rank_batches import trainable_samples
+from miles_core.train.trainer import Trainer
 
 torch.set_num_threads(1)
 

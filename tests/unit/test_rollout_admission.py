@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_core.rollout.scheduler import StalenessAdmission, SubmissionBudget
+from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
 
 
 def test_sample_granularity_counts_credits_and_admits_after_n_finish():

@@ -1,4 +1,4 @@
-"""The trainer's side of producer jobs: the feed they read (miles_core.rollout.feed).
+"""The trainer's side of producer jobs: the feed they read (miles_core.rollout.feed_record).
 
     feed = feed_publisher(cfg, store, rollout, version, segment, lease.check)   # NoFeed unless producers
     feed.publish(step)      # the loop, after each step's weight push
@@ -19,7 +19,7 @@ from typing import Callable
 
 from miles_core.driver.clients import RolloutClient
 from miles_core.driver.pushes import WeightVersion
-from miles_core.rollout.feed import Feed, write_feed
+from miles_core.rollout.feed_record import Feed, write_feed
 
 
 class NoFeed:

@@ -1,0 +1,171 @@
+"""A rollout cut into the trainer's data-parallel parts (docs/training.md#data-parallelism).
+
+    parts = split_rollout(groups, DataLayout(dp_size=2), optimizer_steps=1, balance=False, normalize_std=True)
+    parts[dp_rank]      # RankBatch: this DP rank's samples per optimizer step, with each step's global token count
+
+The rollout side cuts each batch here and puts one part per DP rank in Ray's object store; the driver
+hands the references to the ranks without reading them, and each rank reads only its own part (a
+tensor-parallel peer reads the same one). A part carries what a rank needs of the whole rollout: each
+optimizer step's global loss-token count (the loss is normalised by it, so DP=N makes the DP=1 update)
+and the rollout's count of trainable samples. Pure Python: the rollout side imports no trainer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles_core.samples import Group, Sample, SampleStatus
+
+EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
+Item = tuple[Sample, float]  # a sample and its advantage
+
+
+class RankBatchError(ValueError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class DataLayout:
+    """Which data-parallel part each trainer rank trains: Megatron's rank order (tensor-parallel ranks
+    innermost) with pipeline and context parallel size 1, so rank r is in DP rank r // tp."""
+    dp_size: int = 1
+    tp: int = 1
+
+    @classmethod
+    def of(cls, world_size: int, tp: int) -> "DataLayout":
+        if world_size % tp:
+            raise RankBatchError(f"{world_size} trainer ranks do not divide into tensor-parallel groups of {tp}")
+        return cls(world_size // tp, tp)
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+
+@dataclass
+class RankStep:
+    """One optimizer step's share of a DP rank: its items, the step's loss tokens over every DP rank, and
+    the step's first item (an idle micro-batch's stand-in on a rank that got none, under expert parallelism)."""
+    items: list[Item]
+    tokens: float
+    first: Item | None
+
+
+@dataclass
+class RankBatch:
+    dp_rank: int
+    steps: list[RankStep] = field(default_factory=list)
+    samples: int = 0  # trainable samples in the whole rollout
+
+
+def loss_mask(s: Sample) -> list[int]:
+    """The sample's loss mask (all 1 without one); one entry per response token."""
+    if not s.loss_mask:
+        return [1] * len(s.response_ids)
+    if len(s.loss_mask) != len(s.response_ids):
+        raise RankBatchError(f"sample {s.group_id}/{s.sample_index}: loss_mask has {len(s.loss_mask)} entries "
+                             f"for {len(s.response_ids)} response tokens")
+    return [int(m) for m in s.loss_mask]
+
+
+def sequence_length(s: Sample) -> int:
+    return len(s.prompt_ids) + len(s.response_ids)
+
+
+def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6):
+    """Per-sample advantages of one group (a tensor of rewards): r - mean(r), divided by (std + eps) when
+    asked. std is torch's default (unbiased, n - 1), as in slime; a group of one sample gets 0."""
+    import torch
+
+    rewards = rewards.to(torch.float32)
+    if rewards.numel() < 2:
+        return torch.zeros_like(rewards)
+    adv = rewards - rewards.mean()
+    if normalize_std:
+        adv = adv / (rewards.std() + eps)
+    return adv
+
+
+def trainable_samples(groups: list[Group], normalize_std: bool) -> list[Item]:
+    """(sample, advantage) for every sample that can be trained on, advantages per group."""
+    import torch
+
+    out = []
+    for g in groups:
+        kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
+        if not kept:
+            continue
+        adv = grpo_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float64), normalize_std)
+        out.extend(zip(kept, adv.tolist()))
+    return out
+
+
+def optimizer_batches(items: list, steps: int) -> list[list]:
+    """`items` in order, cut into `steps` global batches as equal as possible (miles: a rollout of
+    rollout_batch_size x n samples gives that / --global-batch-size optimizer steps). Samples
+    excluded from training leave their batch smaller; an empty rollout still yields one batch."""
+    steps = max(1, min(steps, len(items)))
+    size, extra = divmod(len(items), steps)
+    out, start = [], 0
+    for i in range(steps):
+        end = start + size + (1 if i < extra else 0)
+        out.append(items[start:end])
+        start = end
+    return out
+
+
+def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
+    """DP rank `dp_rank`'s share of `items`: contiguous slices, or with `balance` (--balance-data) the
+    longest first onto the least loaded rank; `tokens(item)` is an item's token count."""
+    if dp_size == 1:
+        return list(items)
+    if not balance:
+        per, extra = divmod(len(items), dp_size)
+        start = dp_rank * per + min(dp_rank, extra)
+        return list(items[start:start + per + (dp_rank < extra)])
+    loads = [0] * dp_size
+    owner = [0] * len(items)
+    for i in sorted(range(len(items)), key=lambda i: (-tokens(items[i]), i)):
+        r = min(range(dp_size), key=lambda r: (loads[r], r))
+        owner[i] = r
+        loads[r] += tokens(items[i])
+    return [item for i, item in enumerate(items) if owner[i] == dp_rank]
+
+
+def split_rollout(groups: list[Group], layout: DataLayout, *, optimizer_steps: int, balance: bool,
+                  normalize_std: bool) -> list[RankBatch]:
+    """The rollout's part for each DP rank (index = DP rank)."""
+    items = trainable_samples(groups, normalize_std)
+    parts = [RankBatch(r, samples=len(items)) for r in range(layout.dp_size)]
+    for batch in optimizer_batches(items, optimizer_steps):
+        tokens = float(sum(sum(loss_mask(s)) for s, _ in batch))
+        first = batch[0] if batch else None
+        for part in parts:
+            mine = shard(batch, layout.dp_size, part.dp_rank, balance, tokens=lambda it: sequence_length(it[0]))
+            part.steps.append(RankStep(mine, tokens, first))
+    return parts
+
+
+def split_for_run(groups: list[Group], layout: DataLayout, cfg) -> list[RankBatch]:
+    """`split_rollout` with the run's settings (`cfg`, a RunConfig): --global-batch-size's optimizer steps,
+    --balance-data and --normalize-advantages-std."""
+    t = cfg.train
+    return split_rollout(groups, layout, optimizer_steps=cfg.optimizer_steps_per_rollout, balance=t.balance_data,
+                         normalize_std=t.normalize_advantages_std)
+
+
+@dataclass
+class TrainBatch:
+    """What the driver receives of a step's batch: the consumed group ids, the rollout's metrics and failure
+    tally, and one part per DP rank (a Ray object reference from the rollout manager's actor, or the
+    `RankBatch` itself in one process), which the driver hands to the ranks unread."""
+    group_ids: list[str]
+    metrics: dict[str, float]
+    failures: dict
+    parts: list
+
+
+def data_layout(cfg) -> DataLayout:
+    """The run's DataLayout (`cfg`, a RunConfig): its trainer ranks and tensor-parallel size."""
+    t = cfg.train
+    return DataLayout.of(t.actor_num_nodes * t.actor_num_gpus_per_node, t.tensor_model_parallel_size)
