@@ -70,13 +70,16 @@ def _failed(ref) -> bool:
 
 def wait_any(pendings: Sequence[Pending], timeout: float | None) -> None:
     """Until one of `pendings` finishes or `timeout` passes (None: no limit)."""
-    if any(p.done() for p in pendings):
-        return
     refs: list = []
     futures: list[concurrent.futures.Future] = []
     for p in {id(p): p for p in pendings}.values():  # a call may be both waited for and tracked
         for w in p.unfinished():
             (futures if isinstance(w, concurrent.futures.Future) else refs).append(w)
+    # After collecting, not before: a call that finished (or failed) before its look above is seen here; one
+    # that finishes later is among what is waited for. Looked at first, one finishing in between was lost,
+    # and the wait slept on the others (a rank's `alive` call: for ever).
+    if any(p.done() for p in pendings):
+        return
     if refs and not futures:
         import ray
 

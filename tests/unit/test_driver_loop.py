@@ -538,3 +538,28 @@ def test_a_delivery_to_an_engine_the_fleet_dropped_meanwhile_is_made_again_witho
     board.wait(rollout.state())  # sees the failure: made again to e0
     wp.settle()
     assert version.delivered == 1 and tries == [["http://e0"]]
+
+
+def test_a_call_finishing_while_the_wait_looks_is_not_lost(monkeypatch):
+    """Pins the wait's order: the calls' unfinished parts are collected, then finished calls are looked for.
+    Guards: a call (the version's announcement to the rollout side) that finished between the first look and
+    the collection left the wait sleeping on the ranks' `alive` calls only, for ever (a run hung after its
+    first delivery under load in CI)."""
+    from miles_core.driver import clients
+
+    class FinishesWhileLooked(Pending):
+        finished = False
+
+        def done(self) -> bool:
+            return self.finished
+
+        def unfinished(self) -> list:
+            self.finished = True  # it finishes just as its parts are collected
+            return []
+
+    def must_not_sleep(*args, **kwargs):
+        raise AssertionError("the wait slept on the other calls although one had finished")
+
+    monkeypatch.setattr(clients.concurrent.futures, "wait", must_not_sleep)
+    alive = Pending(future=concurrent.futures.Future())  # a rank's alive call: never answers
+    clients.wait_any([FinishesWhileLooked(future=concurrent.futures.Future()), alive], None)
