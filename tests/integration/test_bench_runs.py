@@ -1,0 +1,68 @@
+"""The benchmarks run as a user runs them (`python bench/<name>.py ...`, their own processes) at tiny
+sizes: each writes its results file in the schema of bench/results_file.py with its ratio figures
+(tests/unit/test_bench_results.py holds the in-process parts and the schema check). Nothing asserts on
+speed; bench/weights.py (~1 min), the elastic quick mode (a trainer and two producer processes, ~5 min
+under CI's load) and the gpu_check smoke (~30 s) are `slow`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench import async_speedup, results_file
+from tests.unit.test_bench_results import check_schema, load_strict, run_bench
+
+
+def test_engine_writes_ratios_against_both_baselines(tmp_path):
+    out = tmp_path / "engine.json"
+    run_bench("engine", "--repeats", "1", "--batch", "6", "--bucket-size", "2", "--no-http", "--cases", "tail",
+              "--results", str(out))
+    record = check_schema(load_strict(out), "engine", ("bucket_size", "repeats"))
+    assert record["figures"]["tail_ratio_vs_padded"] > 0 and record["figures"]["tail_ratio_vs_bucketed"] > 0
+    (row,) = record["rows"]
+    assert row["useful_tokens"] <= row["bucketed_tokens"] <= row["padded_tokens"]
+
+
+
+
+@pytest.mark.slow
+def test_weights_writes_push_pause_and_ratio(tmp_path):
+    out = tmp_path / "weights.json"
+    run_bench("weights", "--models", "tiny", "--transports", "store", "--repeats", "1", "--results", str(out),
+              timeout=300)
+    record = check_schema(load_strict(out), "weights", ("models", "transports"))
+    assert record["figures"]["tiny_store_ratio"] > 0
+    costs = async_speedup.measured_push_costs(str(out))
+    assert costs["tiny-store"].push_seconds == record["rows"][0]["push_s"]
+
+
+@pytest.mark.slow
+def test_elastic_quick_writes_steps_per_minute_ratios_and_the_kill_cost(tmp_path):
+    """Pins: the quick mode runs every phase (a trainer and two producer processes, a SIGKILL) and writes
+    the ratios to alone, each producer's time to its first consumed group and the kill's accounting; none
+    of the killed producer's committed groups goes missing."""
+    out = tmp_path / "elastic.json"
+    run_bench("elastic", "--quick", "--results", str(out), timeout=900)
+    record = check_schema(load_strict(out), "elastic", ("seconds_per_token", "window_steps", "claim_ttl_seconds"))
+    figures = record["figures"]
+    assert figures["one_ratio"] > 0 and figures["two_ratio"] > 0 and figures["p2_first_consumed_seconds"] > 0
+    assert figures["kill_in_flight_groups"] >= 0 and figures["kill_committed_groups"] == (
+        figures["kill_committed_consumed"] + figures["kill_committed_rejected_at_get"]
+        + figures["kill_committed_still_buffered"])
+    assert [r["phase"] for r in record["rows"] if r["kind"] == "phase"] == ["alone", "one", "two", "after_kill"]
+
+
+@pytest.mark.slow
+def test_gpu_check_cpu_smoke_writes_results_only_when_asked(tmp_path):
+    out = tmp_path / "gpu.json"
+    before = os.path.getmtime(results_file.default_path("gpu_check")) \
+        if os.path.exists(results_file.default_path("gpu_check")) else None
+    run_bench("gpu_check", "--cpu-smoke", "--results", str(out), timeout=300)
+    record = check_schema(load_strict(out), "gpu_check", ("cpu_smoke",))
+    assert record["figures"]["ratio"] > 0 and record["figures"]["resume_ok"] is True
+    run_bench("gpu_check", "--cpu-smoke", "--out", "", timeout=300)
+    after = os.path.getmtime(results_file.default_path("gpu_check")) \
+        if os.path.exists(results_file.default_path("gpu_check")) else None
+    assert before == after  # the smoke run never overwrites the device figures
