@@ -22,7 +22,8 @@ from miles_core.rank_batches import DataLayout, TrainBatch, split_rollout
 from miles_core.rollout.drain import DrainedBatch
 from miles_core.samples import Group, Sample, SampleStatus
 
-SHAPES = {"embedded default": (32, 8, 5, 5), "real-model preset": (8, 4, 60, 16), "production step": (64, 8, 1024, 3072)}
+SHAPES = {"embedded default": (32, 8, 5, 5), "real-model preset": (8, 4, 60, 16),
+          "production step": (64, 8, 1024, 3072)}
 DP = 4
 
 
@@ -46,7 +47,8 @@ def size(obj) -> int:
 def main() -> None:
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
-        print(f"{'shape':<20} {'driver before':>14} {'driver after':>13} {'ratio':>8} {'rank before':>12} {'rank after':>11}")
+        print(f"{'shape':<20} {'driver before':>14} {'driver after':>13} {'ratio':>8} {'rank before':>12} "
+              f"{'rank after':>11}")
         for name, shape in SHAPES.items():
             gs = groups(*shape)
             ids, metrics = [g.group_id for g in gs], {"rollout/reward/mean": 0.5}

@@ -7,7 +7,8 @@ The rollout side cuts each batch here and puts one part per DP rank in Ray's obj
 hands the references to the ranks without reading them, and each rank reads only its own part (a
 tensor-parallel peer reads the same one). A part carries what a rank needs of the whole rollout: each
 optimizer step's global loss-token count (the loss is normalised by it, so DP=N makes the DP=1 update)
-and the rollout's count of trainable samples. Pure Python: the rollout side imports no trainer.
+and the rollout's count of trainable samples. The rollout side imports no trainer from here (torch only
+for the advantages, inside `trainable_samples`).
 """
 
 from __future__ import annotations
@@ -114,22 +115,28 @@ def optimizer_batches(items: list, steps: int) -> list[list]:
     return out
 
 
-def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
-    """DP rank `dp_rank`'s share of `items`: contiguous slices, or with `balance` (--balance-data) the
-    longest first onto the least loaded rank; `tokens(item)` is an item's token count."""
+def shards(items: list, dp_size: int, balance: bool, tokens=len) -> list[list]:
+    """Every DP rank's share of `items` (index = DP rank), each in `items`' order: contiguous slices, or with
+    `balance` (--balance-data) the longest first onto the least loaded rank; `tokens(item)` is an item's
+    token count."""
     if dp_size == 1:
-        return list(items)
+        return [list(items)]
     if not balance:
         per, extra = divmod(len(items), dp_size)
-        start = dp_rank * per + min(dp_rank, extra)
-        return list(items[start:start + per + (dp_rank < extra)])
+        starts = [r * per + min(r, extra) for r in range(dp_size + 1)]
+        return [list(items[starts[r]:starts[r + 1]]) for r in range(dp_size)]
     loads = [0] * dp_size
     owner = [0] * len(items)
     for i in sorted(range(len(items)), key=lambda i: (-tokens(items[i]), i)):
         r = min(range(dp_size), key=lambda r: (loads[r], r))
         owner[i] = r
         loads[r] += tokens(items[i])
-    return [item for i, item in enumerate(items) if owner[i] == dp_rank]
+    return [[item for i, item in enumerate(items) if owner[i] == r] for r in range(dp_size)]
+
+
+def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) -> list:
+    """DP rank `dp_rank`'s share of `items` (see `shards`)."""
+    return shards(items, dp_size, balance, tokens)[dp_rank]
 
 
 def split_rollout(groups: list[Group], layout: DataLayout, *, optimizer_steps: int, balance: bool,
@@ -140,8 +147,7 @@ def split_rollout(groups: list[Group], layout: DataLayout, *, optimizer_steps: i
     for batch in optimizer_batches(items, optimizer_steps):
         tokens = float(sum(sum(loss_mask(s)) for s, _ in batch))
         first = batch[0] if batch else None
-        for part in parts:
-            mine = shard(batch, layout.dp_size, part.dp_rank, balance, tokens=lambda it: sequence_length(it[0]))
+        for part, mine in zip(parts, shards(batch, layout.dp_size, balance, tokens=lambda it: sequence_length(it[0]))):
             part.steps.append(RankStep(mine, tokens, first))
     return parts
 

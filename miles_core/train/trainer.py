@@ -16,8 +16,9 @@ on CPU inside `cpu_shim.megatron_on_cpu`).
 
 One Trainer per rank (miles_core.driver.placement places them). Each rank trains on its data-parallel
 part of the rollout (`train_part`; miles_core.rank_batches cuts the parts on the rollout side); the loss
-is normalised by the global token count and gradients are summed over DP ranks, so DP=N makes the DP=1 update. Collectives
-(`train_step`, `hf_state_dict`, `logprobs`, checkpoint save) must be called on every rank.
+is normalised by the global token count and gradients are summed over DP ranks, so DP=N makes the DP=1
+update. Collectives (`train_step` or `train_part`, `hf_state_dict`, `logprobs`, checkpoint save) must be
+called on every rank.
 Use it as a context manager (or call `close()`) to release the model.
 """
 
