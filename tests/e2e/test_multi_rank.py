@@ -38,24 +38,26 @@ def _metric_by_step(run_uri: str, name: str) -> dict[int, float]:
 
 
 def test_one_rank_moe_embedded_loop_meets_the_default_bar(tmp_path):
-    """The embedded loop (`./dev run`'s preset, fully async, one rank) with builtin:tiny-qwen3-moe on
-    builtin:copy4 learns: the last 10% of 150 steps >= 0.5 and >= 5x the first 5. Measured: 0.070 -> 0.783 on
-    an idle 2-core machine (the embedded default's bar, 0.6, met), 0.071 -> 0.572 in CI's three saturated
-    lanes (the engine's batches, and with them the samples, depend on timing, as in the two-rank run below).
+    """The embedded loop as `./dev run` runs it (the preset's 160 fully async steps, one rank) with
+    builtin:tiny-qwen3-moe on builtin:copy4 meets the embedded default's bar: the last 10% of steps
+    >= 0.6 and >= 5x the first 5. Measured on 2 cores at 150 steps: 0.070 -> 0.783 idle, 0.075 -> 0.820
+    beside four busy loops, 0.068 -> 0.930 beside the unit suite (0.572 in a CI run before the driver's
+    lost-call fix, when weight announcements could stall behind a lost wait).
     Guards: an MoE trainer path (router, experts, aux loss) that runs but does not learn."""
-    flags = (f"--num-rollout {STEPS} --hf-checkpoint builtin:tiny-qwen3-moe --prompt-data builtin:copy4 "
+    steps = 160  # the preset's --num-rollout
+    flags = ("--hf-checkpoint builtin:tiny-qwen3-moe --prompt-data builtin:copy4 "
              "--save-interval none --eval-interval none --eval-prompt-data --run-id moe1")
     _run(tmp_path, flags, timeout=1200)
     run = tmp_path / "runs" / "moe1"
     rewards = _reward_by_step(f"file://{run}")
-    assert sorted(rewards) == list(range(STEPS))
+    assert sorted(rewards) == list(range(steps))
     first = sum(rewards[s] for s in range(5)) / 5
-    last = sum(rewards[s] for s in range(STEPS - STEPS // 10, STEPS)) / (STEPS // 10)
-    print(f"one-rank tiny-qwen3-moe copy4: first 5 steps {first:.3f}, last {STEPS // 10} steps {last:.3f}; every "
-          "10th step: " + " ".join(f"{rewards[s]:.2f}" for s in range(0, STEPS, 10)))
-    assert last >= 0.5 and last >= 5 * first, (first, last)
+    last = sum(rewards[s] for s in range(steps - steps // 10, steps)) / (steps // 10)
+    print(f"one-rank tiny-qwen3-moe copy4: first 5 steps {first:.3f}, last {steps // 10} steps {last:.3f}; every "
+          "10th step: " + " ".join(f"{rewards[s]:.2f}" for s in range(0, steps, 10)))
+    assert last >= 0.6 and last >= 5 * first, (first, last)
     ids = _consumed_ids(run)
-    assert len(ids) == STEPS * 32 and len(set(ids)) == len(ids), "a group was consumed twice"
+    assert len(ids) == steps * 32 and len(set(ids)) == len(ids), "a group was consumed twice"
 
 
 def test_two_rank_moe_trainer_with_expert_parallelism_and_routing_replay_learns(tmp_path):
