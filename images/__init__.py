@@ -4,7 +4,7 @@
   Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.
 - `gpu_image`: a CUDA 13.0 base image (the CUDA of SGLang's torch) + the same pinned set
   (requirements.lock, but SGLang's CUDA torch) + SGLang + this project. Runs `train` (engines and
-  trainer) and GPU evals. tests/unit/test_gpu_pins.py checks that SGLang's and megatron-core's own
+  trainer) and GPU evals. tests/integration/test_gpu_pins.py checks that SGLang's and megatron-core's own
   requirements hold in the lock and resolves this set for linux x86_64.
 
 Tasks take their image from `task_image("cpu" | "gpu")`:

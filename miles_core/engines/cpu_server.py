@@ -3,7 +3,7 @@
     python -m miles_core.engines.cpu_server --model-path DIR --host 127.0.0.1 --port P --weight-version N
 
 Endpoints, with SGLang 0.5.23's request/response shapes and rules (docs/engines.md cites the source;
-tests/unit/test_sglang_conformance.py pins them): `POST /generate` (one request or a batch; non-streaming
+tests/integration/test_sglang_conformance.py pins them): `POST /generate` (one request or a batch; non-streaming
 and `"stream": true` SSE), `POST /pause_generation {mode}`, `POST /continue_generation {}`, `GET|POST /flush_cache`,
 `POST /update_weights_from_disk`, `GET /model_info` (and the deprecated `/get_model_info`),
 `POST /abort_request {rid}`, `GET /health` (and `/health_generate`), and SGLang's distributed weight

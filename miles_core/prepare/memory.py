@@ -39,7 +39,7 @@ bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
   --recompute-granularity full keeps each recomputed layer's input (n·h, /t with sequence parallel)
   and holds one chunk's full activations while it is recomputed (uniform: L/k inputs + k layers;
   block: k inputs + the L - k other layers); selective drops the probabilities of every layer but
-  the one being recomputed. tests/unit/test_memory_measured.py holds the estimate to a CPU run's
+  the one being recomputed. tests/integration/test_memory_measured.py holds the estimate to a CPU run's
   peak of live tensors (torch's MemTracker), on dense models and on tiny Qwen3-MoE and GLM-4.5
   (EP=1, its activations mostly the top-k copies and their experts': the estimate is 1.11-1.16x the
   measured peak, 1.34-1.46x under full recompute, as a dense model's);

@@ -6,7 +6,7 @@ takes tensors where they are. Callers hand `all_reduce`, `all_gather` and `barri
 they hold them: the tensor goes to `group_device(group)` (the current CUDA device for NCCL, left
 where it is for gloo) and the result comes back on the caller's device. `all_reduce` works in place,
 like `torch.distributed.all_reduce`. Every `torch.distributed` collective in `miles_core/train` goes
-through here (tests/unit/test_collectives.py checks the source); Megatron's own collectives run on
+through here (tests/unit/test_collectives.py checks the source; tests/integration/test_rank_groups.py runs it on gloo ranks); Megatron's own collectives run on
 its CUDA activations and are not ours.
 
 Strict mode (`MILES_STRICT_DEVICE=cuda`, read by `ensure_process_groups`; or

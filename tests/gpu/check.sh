@@ -26,7 +26,7 @@
 #
 # Other modes: --bench-only, --tests-only, --preflight-only, and --cpu-smoke (anywhere, no GPU: the
 # preflight without CUDA and the bench's --cpu-smoke, writing to $OUT only; this script's own test,
-# tests/unit/test_gpu_check.py). Results: $OUT (or /tmp/gpu_check_out)
+# tests/integration/test_gpu_check.py). Results: $OUT (or /tmp/gpu_check_out)
 # receives preflight.log, gpu_check.log, gpu_check.json (every phase, written after each one),
 # results/gpu_check.json (the results file, bench/results_file.py's schema: copy it to
 # bench/results/) and pytest.log. Exit status: 3 preflight, else the bench's (1 = a phase failed,

@@ -11,8 +11,8 @@ import os
 
 import pytest
 
-from bench import async_speedup, results_file
-from tests.unit.test_bench_results import check_schema, load_strict, run_bench
+from bench import async_speedup, buffer, resume, results_file
+from tests.unit.test_bench_results import TINY, check_schema, load_strict, run_bench
 
 
 def test_engine_writes_ratios_against_both_baselines(tmp_path):
@@ -66,3 +66,47 @@ def test_gpu_check_cpu_smoke_writes_results_only_when_asked(tmp_path):
     after = os.path.getmtime(results_file.default_path("gpu_check")) \
         if os.path.exists(results_file.default_path("gpu_check")) else None
     assert before == after  # the smoke run never overwrites the device figures
+
+
+def test_async_speedup_writes_speedup_efficiency_and_the_sensitivity_table(tmp_path):
+    """Pins: speedup and each driver's efficiency are figures; the table has one row per (sigma, push cost)
+    with speedup = sync / fully async s/step; the staleness limit is the product default; every driver's
+    push phase lasts at least the push (sync and one-step-off pay it too)."""
+    out = tmp_path / "async.json"
+    async_speedup.main(TINY + ["--table-steps", "2", "--table-sigmas", "0.5,1.5", "--table-push",
+                               "0.01:0.005,0.02:0.02", "--results", str(out)])
+    record = check_schema(load_strict(out), "async_speedup", ("push_seconds", "max_weight_staleness", "table_push"))
+    figures = record["figures"]
+    assert figures["speedup"] > 0 and figures["push_seconds"] == 0.02 and figures["pause_seconds"] == 0.01
+    assert {f"{d}_efficiency" for d in async_speedup.DRIVERS} <= set(figures)
+    assert record["config"]["max_weight_staleness"] == 2 == async_speedup.PRODUCT_MAX_WEIGHT_STALENESS
+    drivers = [r for r in record["rows"] if r["kind"] == "driver"]
+    assert [r["driver"] for r in drivers] == list(async_speedup.DRIVERS)
+    assert all(r["phases"]["push"] >= 0.02 for r in drivers)
+    cells = [r for r in record["rows"] if r["kind"] == "sensitivity"]
+    assert [(c["sigma"], c["push"]) for c in cells] == [(s, p) for s in (0.5, 1.5) for p in ("0.01:0.005", "0.02:0.02")]
+    for c in cells:
+        assert c["speedup"] == pytest.approx(c["sync_step_seconds"] / c["fully_async_step_seconds"])
+        assert c["efficiency"] == pytest.approx(c["ideal_step_seconds"] / c["fully_async_step_seconds"])
+
+
+def test_buffer_writes_ratio_tokens_per_second_and_index_memory(tmp_path):
+    """Pins: the ratio against raw writes, the buffer's tokens/s beside groups/s, the index measured over
+    `--index-groups` reopened groups."""
+    out = tmp_path / "buffer.json"
+    buffer.main(["--groups", "12", "--producers", "3", "--stores", "file", "--repeats", "1", "--index-groups", "300",
+                 "--index-groups-per-object", "16", "--results", str(out)])
+    record = check_schema(load_strict(out), "buffer", ("groups", "index_groups", "stores"))
+    figures = record["figures"]
+    assert figures["file_ratio"] > 0 and figures["file_buffer_tokens_per_s"] > figures["file_buffer_groups_per_s"]
+    assert figures["index_groups"] == 300 and figures["index_bytes_per_group"] > 0
+    index = record["rows"][-1]
+    assert index["kind"] == "index_memory" and index["objects"] == 19
+
+
+def test_resume_writes_reopen_times_and_their_ratio(tmp_path):
+    out = tmp_path / "resume.json"
+    resume.main(["--consumed", "96", "--backlogs", "32", "--stores", "file", "--repeats", "1", "--results", str(out)])
+    record = check_schema(load_strict(out), "resume", ("consumed", "backlogs"))
+    assert record["figures"]["file_backlog_32_ratio_history_over_compacted"] > 0
+    assert record["rows"][0]["backlog"] == 32

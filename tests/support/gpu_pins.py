@@ -15,7 +15,7 @@ Two checks:
   reads the wheels' metadata only (nothing is installed or built, ~60 MB of cache for ~310
   packages). It reaches torch's CUDA runtime wheels (nvidia-*, cuda-toolkit) too: PyPI holds them.
 
-`python -m tests.support.gpu_pins [--resolve]` prints both; tests/unit/test_gpu_pins.py is the CI check.
+`python -m tests.support.gpu_pins [--resolve]` prints both; tests/integration/test_gpu_pins.py is the CI check.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ values), methods reached through values other than module names (only the Tensor
 names built at run time other than `DYNAMIC`'s (state_tree's and cpu_server's `getattr(torch, dtype)`),
 and signatures of C builtins that carry none.
 
-`python -m tests.support.torch_api` prints the surface and the verdict; tests/unit/test_torch_api.py
+`python -m tests.support.torch_api` prints the surface and the verdict; tests/integration/test_torch_api.py
 is the CI check.
 """
 

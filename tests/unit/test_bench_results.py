@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import async_speedup, buffer, elastic, results_file, resume
+from bench import async_speedup, buffer, elastic, results_file
 from bench.async_speedup import TimedEngines, WeightClock, Workload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,28 +59,6 @@ def run_bench(name: str, *args: str, timeout: float = 120) -> None:
 
 TINY = ["--steps", "3", "--batch-size", "4", "--n", "2", "--engines", "2", "--slots-per-engine", "2", "--median-tokens",
         "4", "--generation-step-seconds", "0.03", "--push-seconds", "0.02", "--pause-seconds", "0.01"]
-
-
-def test_async_speedup_writes_speedup_efficiency_and_the_sensitivity_table(tmp_path):
-    """Pins: speedup and each driver's efficiency are figures; the table has one row per (sigma, push cost)
-    with speedup = sync / fully async s/step; the staleness limit is the product default; every driver's
-    push phase lasts at least the push (sync and one-step-off pay it too)."""
-    out = tmp_path / "async.json"
-    async_speedup.main(TINY + ["--table-steps", "2", "--table-sigmas", "0.5,1.5", "--table-push",
-                               "0.01:0.005,0.02:0.02", "--results", str(out)])
-    record = check_schema(load_strict(out), "async_speedup", ("push_seconds", "max_weight_staleness", "table_push"))
-    figures = record["figures"]
-    assert figures["speedup"] > 0 and figures["push_seconds"] == 0.02 and figures["pause_seconds"] == 0.01
-    assert {f"{d}_efficiency" for d in async_speedup.DRIVERS} <= set(figures)
-    assert record["config"]["max_weight_staleness"] == 2 == async_speedup.PRODUCT_MAX_WEIGHT_STALENESS
-    drivers = [r for r in record["rows"] if r["kind"] == "driver"]
-    assert [r["driver"] for r in drivers] == list(async_speedup.DRIVERS)
-    assert all(r["phases"]["push"] >= 0.02 for r in drivers)
-    cells = [r for r in record["rows"] if r["kind"] == "sensitivity"]
-    assert [(c["sigma"], c["push"]) for c in cells] == [(s, p) for s in (0.5, 1.5) for p in ("0.01:0.005", "0.02:0.02")]
-    for c in cells:
-        assert c["speedup"] == pytest.approx(c["sync_step_seconds"] / c["fully_async_step_seconds"])
-        assert c["efficiency"] == pytest.approx(c["ideal_step_seconds"] / c["fully_async_step_seconds"])
 
 
 def test_push_costs_come_from_the_weights_results_file(tmp_path):
@@ -129,20 +107,6 @@ def test_an_engine_sample_in_flight_stalls_for_a_push_from_another_thread():
 
 
 # ----------------------------------------------------------------------------- buffer
-
-
-def test_buffer_writes_ratio_tokens_per_second_and_index_memory(tmp_path):
-    """Pins: the ratio against raw writes, the buffer's tokens/s beside groups/s, the index measured over
-    `--index-groups` reopened groups."""
-    out = tmp_path / "buffer.json"
-    buffer.main(["--groups", "12", "--producers", "3", "--stores", "file", "--repeats", "1", "--index-groups", "300",
-                 "--index-groups-per-object", "16", "--results", str(out)])
-    record = check_schema(load_strict(out), "buffer", ("groups", "index_groups", "stores"))
-    figures = record["figures"]
-    assert figures["file_ratio"] > 0 and figures["file_buffer_tokens_per_s"] > figures["file_buffer_groups_per_s"]
-    assert figures["index_groups"] == 300 and figures["index_bytes_per_group"] > 0
-    index = record["rows"][-1]
-    assert index["kind"] == "index_memory" and index["objects"] == 19
 
 
 def test_the_raw_baseline_writes_the_objects_the_buffer_wrote(tmp_path):
@@ -216,14 +180,6 @@ def test_length_buckets_keep_every_request_and_merge_equal_lengths():
     assert [[n for _, n in b] for b in out] == [[1, 2], [5, 5], [7, 9, 9]]
     assert padded_tokens(work, 2) == 2 * 2 + 2 * 5 + 3 * 9 < padded_tokens(work, None) == 7 * 9
     assert len(buckets([([1], 5)] * 6, 2)) == 1
-
-
-def test_resume_writes_reopen_times_and_their_ratio(tmp_path):
-    out = tmp_path / "resume.json"
-    resume.main(["--consumed", "96", "--backlogs", "32", "--stores", "file", "--repeats", "1", "--results", str(out)])
-    record = check_schema(load_strict(out), "resume", ("consumed", "backlogs"))
-    assert record["figures"]["file_backlog_32_ratio_history_over_compacted"] > 0
-    assert record["rows"][0]["backlog"] == 32
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("*.json")), ids=lambda p: p.name)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from miles_core.cli import main
-from miles_core.config import config_from_json, embedded_default, parse_flags
+from miles_core.config import config_from_json, parse_flags
 
 MILES = Path(sys.executable).with_name("miles")
 
@@ -29,26 +29,6 @@ def test_console_script_installed():
     """Pins: the `miles` console script exists next to the venv's python (pyproject [project.scripts]).
     Guards: a renamed entry point that leaves the README command dead."""
     assert MILES.exists(), f"{MILES} missing: reinstall the project (./dev setup)"
-
-
-def test_script_validate_conflict_exits_2_naming_both_flags():
-    """Pins: `miles validate --fully-async --colocate` exits 2 and names both flags on stderr, no traceback.
-    Guards: a stack trace or exit 1 as the answer to a bad config (§14)."""
-    proc = _run_script("validate", "--preset", "tiny-reverse4", "--fully-async", "--colocate")
-    assert proc.returncode == 2
-    assert "--fully-async" in proc.stderr and "--colocate" in proc.stderr
-    assert "Traceback" not in proc.stderr and proc.stdout == ""
-
-
-def test_script_validate_of_the_preset_prints_the_embedded_default_and_no_args_names_what_is_required():
-    """Pins: `miles validate --preset tiny-reverse4` exits 0 and prints JSON that round-trips into the
-    embedded default; with no args it exits 2 naming the flags miles requires and the preset.
-    Guards: the embedded default drifting from what the CLI reports; a run of nothing accepted."""
-    proc = _run_script("validate", "--preset", "tiny-reverse4")
-    assert proc.returncode == 0, proc.stderr
-    assert config_from_json(proc.stdout) == embedded_default() == parse_flags(["--preset", "tiny-reverse4"])
-    proc = _run_script("validate")
-    assert proc.returncode == 2 and "--hf-checkpoint" in proc.stderr and "--preset tiny-reverse4" in proc.stderr
 
 
 def test_main_validate_conflict(capsys):

@@ -131,7 +131,7 @@ def test_proxy_dict_state_is_refused_not_pickled():
 def test_a_checkpoint_resumes_only_with_the_same_optimizer_kind():
     """A state saved without --use-distributed-optimizer does not load into a DistributedOptimizer
     (and back): the error names the flag instead of a KeyError deep in Megatron. The distributed
-    optimizer's own round trip: tests/unit/test_distributed_optimizer.py."""
+    optimizer's own round trip: tests/integration/test_distributed_optimizer.py."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 

@@ -47,31 +47,6 @@ def surfaces(tmp_path_factory):
     return torch_api.collect(), torch_api.collect(root, sources=("planted.py",), dynamic=())
 
 
-def test_the_surface_holds_the_collectives_and_resolves_in_the_cpu_torch(surfaces):
-    from miles_core.train import collectives
-
-    code, planted = surfaces
-    chains = set(code.chains)
-    # collectives.py reaches torch.distributed's collectives by name (getattr over WRAPPED)
-    assert {f"torch.distributed.{n}" for n in collectives.WRAPPED} <= chains
-    assert {"torch.distributed.barrier", "torch.distributed.get_backend", "torch.cuda.current_device"} <= chains
-    helper = [u for u in code.uses if u.chain == "torch.distributed.distributed_c10d._new_process_group_helper"]
-    assert any({"group_name", "timeout", "device_id"} <= set(u.keywords) for u in helper), helper
-    assert all(c.startswith("torch") for c in chains)
-    # aliases: `import torch.distributed as dist`, `from torch.nn import functional as F`, a from-import
-    assert {
-        "torch.compile",
-        "torch.distributed._StoreCollectives",
-        "torch.distributed.all_reduce_v2",
-        "torch.nn.functional.silu",
-        "torch.distributed.distributed_c10d._new_group_via_split_group",
-    } <= set(planted.chains)
-    assert [u.keywords for u in planted.uses if u.chain == "torch.compile"] == [("shapes_spec",)]
-    ref = torch_api.probe(sys.executable, code.chains)
-    unresolved = {c: d["error"] for c, d in ref["chains"].items() if not d["ok"]}
-    assert not unresolved, f"chains the CPU torch {ref['version']} does not have (checked nowhere): {unresolved}"
-
-
 @pytest.fixture(scope="module")
 def verdicts(surfaces):
     code, planted = surfaces
@@ -108,3 +83,28 @@ def test_the_check_fails_on_apis_the_gpu_torch_lacks(verdicts):
     assert len(p.call_problems) == 1 and "shapes_spec" in p.call_problems[0], p.call_problems
     assert list(p.unresolved_in_reference) == ["torch.distributed.all_reduce_v2"]
     assert "torch.nn.functional.silu" in p.resolved
+
+
+def test_the_surface_holds_the_collectives_and_resolves_in_the_cpu_torch(surfaces):
+    from miles_core.train import collectives
+
+    code, planted = surfaces
+    chains = set(code.chains)
+    # collectives.py reaches torch.distributed's collectives by name (getattr over WRAPPED)
+    assert {f"torch.distributed.{n}" for n in collectives.WRAPPED} <= chains
+    assert {"torch.distributed.barrier", "torch.distributed.get_backend", "torch.cuda.current_device"} <= chains
+    helper = [u for u in code.uses if u.chain == "torch.distributed.distributed_c10d._new_process_group_helper"]
+    assert any({"group_name", "timeout", "device_id"} <= set(u.keywords) for u in helper), helper
+    assert all(c.startswith("torch") for c in chains)
+    # aliases: `import torch.distributed as dist`, `from torch.nn import functional as F`, a from-import
+    assert {
+        "torch.compile",
+        "torch.distributed._StoreCollectives",
+        "torch.distributed.all_reduce_v2",
+        "torch.nn.functional.silu",
+        "torch.distributed.distributed_c10d._new_group_via_split_group",
+    } <= set(planted.chains)
+    assert [u.keywords for u in planted.uses if u.chain == "torch.compile"] == [("shapes_spec",)]
+    ref = torch_api.probe(sys.executable, code.chains)
+    unresolved = {c: d["error"] for c, d in ref["chains"].items() if not d["ok"]}
+    assert not unresolved, f"chains the CPU torch {ref['version']} does not have (checked nowhere): {unresolved}"
