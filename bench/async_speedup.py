@@ -97,7 +97,8 @@ from miles_core.metrics.names import STALE_GROUPS_FILTERED  # noqa: E402
 from miles_core.prepare.checks import validate  # noqa: E402
 from miles_core.rollout.builtin_tasks import builtin_rows  # noqa: E402
 from miles_core.rollout.failures import FailureBudget  # noqa: E402
-from miles_core.rollout.manager import RolloutManager, digit_decode  # noqa: E402
+from miles_core.rollout.assembly import digit_decode  # noqa: E402
+from miles_core.rollout.manager import RolloutManager  # noqa: E402
 
 DRIVERS = ("sync", "one-step-off", "fully-async")
 AREAL_SPEEDUP = 2.77

@@ -27,20 +27,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from miles_core.buffer import build_unused_handler
 from miles_core.buffer.contract import load_dynamic_filter
 from miles_core.buffer.durable import DurableBuffer
-from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
+from miles_core.buffer.objects import TRAINER_HOLDER, new_writer_id
 from miles_core.config.record import read_run_config
 from miles_core.driver.placement import ensure_ray
 from miles_core.elastic import heartbeat as H
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.metrics import trace
-from miles_core.rollout.claims import ClaimRenewer, PromptClaims
-from miles_core.rollout.data_source import DataSource
+from miles_core.rollout.assembly import build_rollout_side, rejection_handler
+from miles_core.rollout.claims import ClaimRenewer
 from miles_core.rollout.feed_record import Feed, FeedError, read_feed
-from miles_core.rollout.manager import RejectionNotifier, make_producer
 from miles_core.rollout.prompts import load_prompts
 from miles_core.samples import Group
 from miles_core.storage import Store, validate_name
@@ -294,24 +292,21 @@ class ProducerJob:
 
     def _build_producer(self):
         cfg, b = self.cfg, self.cfg.buffer
-        rows = load_prompts(self.store)
-        self.claims = PromptClaims(self.store, self.producer_id, writer=self.writer_id, num_rows=len(rows),
-                                   block_size=b.prompt_claim_block_size or cfg.rollout.rollout_batch_size,
-                                   ttl_seconds=b.prompt_claim_ttl_seconds)
-        source = DataSource(rows, cfg.rollout.n_samples_per_prompt, seed=cfg.run.seed,
-                            shuffle=cfg.data.rollout_shuffle, claims=self.claims,
-                            committed_by=CommittedPositions(self.store))
-        producer = make_producer(cfg, source, self.engine, max_staleness=None)  # the feed's room bounds it
-        handler = RejectionNotifier(build_unused_handler(b.async_unused_samples_handler, recycle=producer.recycle),
-                                    producer.on_rejected)
-        writer = DurableBuffer(self.store, capacity_groups=cfg.budget_groups + 1, unused_handler=handler,
-                               dynamic_filter=load_dynamic_filter(cfg.rollout.dynamic_sampling_filter_path),
-                               coalesce_seconds=b.buffer_coalesce_seconds, writer_id=self.writer_id,
-                               index_commits=False)
-        self.sink = CountingSink(writer)
-        producer.sink = self.sink
-        producer.gates.append(self._room)
-        return producer
+
+        def counting_writer(producer):
+            writer = DurableBuffer(self.store, capacity_groups=cfg.budget_groups + 1,
+                                   unused_handler=rejection_handler(b.async_unused_samples_handler, producer),
+                                   dynamic_filter=load_dynamic_filter(cfg.rollout.dynamic_sampling_filter_path),
+                                   coalesce_seconds=b.buffer_coalesce_seconds, writer_id=self.writer_id,
+                                   index_commits=False)
+            return CountingSink(writer)
+
+        # staleness: none of its own, the feed's room bounds it (a gate)
+        side = build_rollout_side(cfg, self.store, rows=load_prompts(self.store), engine=self.engine,
+                                  holder=self.producer_id, writer_id=self.writer_id, claims=True,
+                                  sink_for=counting_writer, max_staleness=None, gates=(self._room,))
+        self.claims, self.sink = side.claims, side.sink
+        return side.producer
 
     async def _shutdown(self, reason: str) -> None:
         """Stop generating (in-flight groups get a short grace to commit), give the claims back, stop

@@ -17,7 +17,7 @@ from miles_core.models.source import tokenizer_source
 from miles_core.prepare.dataset import prepare_dataset
 from miles_core.rollout.builtin_tasks import TEXT_BUILTIN_DATASETS, builtin_rows
 from miles_core.rollout.episodes import GenerateArgs, load_generate_function
-from miles_core.rollout.manager import tokenizer_decode
+from miles_core.rollout.assembly import tokenizer_decode
 from miles_core.rollout.prompts import load_prompts
 from miles_core.rollout.rewards import BUILTIN_REWARD_TASKS, Rewarder, load_reward, task_reward
 from miles_core.samples import Group, Sample

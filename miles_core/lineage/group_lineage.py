@@ -25,7 +25,7 @@ from miles_core.eval.results import all_results, requests
 from miles_core.eval.snapshots import SnapshotLayout
 from miles_core.lineage.producers import TRAINER, producer_of
 from miles_core.lineage.recorded import LineageError, RecordedRun
-from miles_core.rollout.manager import tokenizer_decode
+from miles_core.rollout.assembly import tokenizer_decode
 
 
 def group_lineage(run_uri: str, group_id: str) -> dict:

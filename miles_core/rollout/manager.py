@@ -25,20 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from typing import Any, Callable
 
-from miles_core.buffer import build_buffer, build_unused_handler
-from miles_core.buffer.objects import TRAINER_HOLDER, CommittedPositions, new_writer_id
+from miles_core.buffer import build_buffer
+from miles_core.buffer.objects import TRAINER_HOLDER, new_writer_id
 from miles_core.engines.client import EngineClient
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.models.source import is_builtin, tokenizer_source
-from miles_core.models.tokenizer import load_tokenizer
 from miles_core.rank_batches import RankBatch, TrainBatch, data_layout, split_for_run
-from miles_core.rollout.claims import ClaimRenewer, PromptClaims
-from miles_core.rollout.data_source import DataSource
+from miles_core.rollout.assembly import build_rollout_side, notify_filter_drops, rejection_handler
+from miles_core.rollout.claims import ClaimRenewer
 from miles_core.rollout.drain import (
     DrainedBatch,
     ProducerGuardedBuffer,
@@ -46,143 +43,11 @@ from miles_core.rollout.drain import (
     generate_batch,
     load_sample_filter,
 )
-from miles_core.rollout.episodes import GenerateArgs, load_generate_function
-from miles_core.rollout.producer import Producer, RouteLayout
+from miles_core.rollout.producer import Producer
 from miles_core.rollout.prompts import load_prompts
-from miles_core.rollout.rewards import Rewarder, load_reward
-from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
-from miles_core.samples import Group
 from miles_core.storage import Store
 from miles_core.weights.sync import Exported, StoreWeightTransport, WeightSync
-
 log = logging.getLogger(__name__)
-
-
-def sampling_params(rollout_section) -> dict:
-    r = rollout_section
-    return {"max_new_tokens": r.rollout_max_response_len, "temperature": r.rollout_temperature,
-            "top_p": r.rollout_top_p, "top_k": r.rollout_top_k}
-
-
-class RejectionNotifier:
-    """Wraps the unused-samples handler so the producer hears of every rejected group (its
-    started-groups count and batch quota depend on it), then delegates."""
-
-    def __init__(self, inner: Any, on_rejected: Callable[[Group, str], None]):
-        self.inner = inner
-        self.on_rejected = on_rejected
-
-    def handle(self, group: Group, reason: str) -> None:
-        self.on_rejected(group, reason)
-        self.inner.handle(group, reason)
-
-    def metrics(self) -> dict[str, float]:
-        fn = getattr(self.inner, "metrics", None)
-        return fn() if callable(fn) else {}
-
-
-def notify_filter_drops(buffer: Any, on_rejected: Callable[[Group, str], None]) -> None:
-    """The dynamic filter drops groups without the unused-samples handler; wrap it (when the buffer
-    exposes it as `dynamic_filter`, as the default buffer does) so drops reach the producer too."""
-    fn = getattr(buffer, "dynamic_filter", None)
-    if fn is None:
-        return
-
-    def counted(group: Group):
-        keep, reason = fn(group)
-        if not keep:
-            on_rejected(group, f"filtered:{reason}")
-        return keep, reason
-
-    buffer.dynamic_filter = counted
-
-
-def digit_decode(ids: list[int]) -> str:
-    """Response text for the builtin digit vocabulary: the digits, specials dropped."""
-    return "".join(str(t) for t in ids if 0 <= t <= 9)
-
-
-def tokenizer_decode(cfg) -> Callable[[list[int]], str]:
-    """Response ids -> text for the run's model: `digit_decode` for a builtin model, else the
-    tokenizer of `tokenizer_source(cfg)` (object storage, an imported GGUF's directory, a path),
-    loaded on first use (only text rewards need it). Thread-safe: the Rewarder calls it from its
-    worker threads."""
-    if is_builtin(cfg.model.hf_checkpoint):
-        return digit_decode
-    lock, tok = threading.Lock(), []
-
-    def decode(ids: list[int]) -> str:
-        with lock:
-            if not tok:
-                tok.append(load_tokenizer(tokenizer_source(cfg)))
-        return tok[0].decode(ids, skip_special_tokens=True)
-
-    return decode
-
-
-def run_claims(cfg, holder: str, writer: str, num_rows: int) -> PromptClaims | None:
-    """Prompt claims in the run root when producers may join the run (else None: no claim I/O)."""
-    b = cfg.buffer
-    if not b.allow_rollout_producers:
-        return None
-    return PromptClaims(Store(cfg.run_uri), holder, writer=writer, num_rows=num_rows,
-                        block_size=b.prompt_claim_block_size or cfg.rollout.rollout_batch_size,
-                        ttl_seconds=b.prompt_claim_ttl_seconds)
-
-
-def claim_mode(cfg, claims: PromptClaims | None) -> dict:
-    """The DataSource arguments that make it serve claimed blocks only (nothing without claims)."""
-    if claims is None:
-        return {}
-    return {"claims": claims, "committed_by": CommittedPositions(Store(cfg.run_uri))}
-
-
-def make_producer(cfg, source: DataSource, engine, decode: Callable[[list[int]], str] | None = None, *,
-                  batch_mode: bool = False, max_staleness: int | None | bool = True) -> Producer:
-    """The run's producer over `source` and `engine` (its sink is set later): rewards, submission
-    budget, staleness admission (`max_staleness=None`: none; True: the run's), sampling settings and
-    the custom generate function, all from the run's config."""
-    r = cfg.rollout
-    rewarder = Rewarder(load_reward(r.custom_rm_path), decode or tokenizer_decode(cfg),
-                        timeout_seconds=r.reward_timeout_seconds)
-    budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
-    staleness = r.max_weight_staleness if max_staleness is True else max_staleness
-    admission = StalenessAdmission(staleness, r.rollout_batch_size * r.update_weights_interval)
-    return Producer(source=source, engine=engine, sink=None, rewarder=rewarder, budget=budget,
-                    admission=admission, sampling_params=sampling_params(r), batch_mode=batch_mode,
-                    max_seq_len=cfg.data.max_seq_len,
-                    generate_fn=load_generate_function(r.custom_generate_function_path,
-                                                       r.custom_generate_timeout_seconds),
-                    generate_args=GenerateArgs(engine=engine, config=cfg), routes=route_layout(cfg),
-                    generate_failure_limit=generate_failure_limit(cfg))
-
-
-def generate_failure_limit(cfg) -> int | None:
-    """Custom-generate episodes failing in a row that fail the rollout worker: a window's worth of samples
-    (--failed-sample-window-steps x --rollout-batch-size x --n-samples-per-prompt), all failed, is above
-    any --max-failed-sample-fraction but 1 (never)."""
-    r = cfg.rollout
-    if r.max_failed_sample_fraction >= 1:
-        return None
-    return r.failed_sample_window_steps * r.rollout_batch_size * r.n_samples_per_prompt
-
-
-def route_layout(cfg) -> RouteLayout | None:
-    """What samples keep of the engine's routed experts under --use-rollout-routing-replay (None:
-    off): the model's layers, MoE layers and top-k, from its config.json (the builtin model's
-    config, else the initial HF directory's, one small read)."""
-    if not cfg.train.use_rollout_routing_replay:
-        return None
-    from miles_core.models.builtin import builtin_config
-    from miles_core.models.families import spec_of
-    from miles_core.models.source import model_uri
-
-    m = cfg.model
-    if is_builtin(m.hf_checkpoint):
-        hf_config = builtin_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads)
-    else:
-        hf_config = Store(model_uri(cfg)).get_json("config.json")
-    return RouteLayout.from_spec(spec_of(hf_config))
 
 
 class RolloutManager:
@@ -204,26 +69,29 @@ class RolloutManager:
         if rows is None:
             rows = load_prompts(Store(cfg.run_uri))
         self.writer_id = new_writer_id()
-        self.claims = run_claims(cfg, TRAINER_HOLDER, self.writer_id, len(rows))
-        # Renewed from now on: blocks adopted at restore below must not lapse before start().
-        self.claims_renewer = ClaimRenewer(self.claims).start() if self.claims is not None else None
-        source = DataSource(rows, r.n_samples_per_prompt, seed=cfg.run.seed, shuffle=cfg.data.rollout_shuffle,
-                            **claim_mode(cfg, self.claims))
-        self.producer = make_producer(cfg, source, engine, decode, batch_mode=self.batch_mode)
-        admission = self.producer.admission
-        handler = self._unused_handler(cfg.buffer.async_unused_samples_handler)
-        if buffer_factory is None:
-            if consumed_through_step is None:
+
+        def buffer_for(producer: Producer):
+            handler = rejection_handler(cfg.buffer.async_unused_samples_handler, producer)
+            if buffer_factory is not None:
+                buffer = buffer_factory(handler)
+            elif consumed_through_step is None:
                 raise ValueError("RolloutManager needs consumed_through_step (the resume checkpoint's step, -1 "
                                  "without one) to open the run's buffer")
-            self.buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step,
-                                       writer_id=self.writer_id)
-        else:
-            self.buffer = buffer_factory(handler)
-        notify_filter_drops(self.buffer, self.producer.on_rejected)
+            else:
+                buffer = build_buffer(cfg, handler, consumed_through_step=consumed_through_step,
+                                      writer_id=self.writer_id)
+            notify_filter_drops(buffer, producer.on_rejected)
+            return buffer
+
+        side = build_rollout_side(cfg, Store(cfg.run_uri), rows=rows, engine=engine, holder=TRAINER_HOLDER,
+                                  writer_id=self.writer_id, claims=cfg.buffer.allow_rollout_producers,
+                                  sink_for=buffer_for, decode=decode, batch_mode=self.batch_mode)
+        self.producer, self.buffer, self.claims = side.producer, side.sink, side.claims
+        admission = self.producer.admission
+        # Renewed from now on: blocks adopted at restore below must not lapse before start().
+        self.claims_renewer = ClaimRenewer(self.claims).start() if self.claims is not None else None
         if isinstance(self.engine, EngineClient):  # a fleet of 0 engines starts no group until one joins
             self.producer.set_engines_available(bool(self.engine.urls))
-        self.producer.sink = self.buffer
         # Resume (or a fresh start over a run root whose buffer already holds groups, e.g. a crash
         # before the first checkpoint): skip what the buffer committed, count it as started.
         committed = getattr(self.buffer, "committed_positions", None)
@@ -234,10 +102,6 @@ class RolloutManager:
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
         self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)
         self.stopping = False
-
-    def _unused_handler(self, mode: str) -> RejectionNotifier:
-        inner = build_unused_handler(mode, recycle=self.producer.recycle if mode == "retry" else None)
-        return RejectionNotifier(inner, self.producer.on_rejected)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

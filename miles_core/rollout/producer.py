@@ -43,7 +43,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
@@ -115,11 +115,18 @@ _FINISH_STATUS = {"stop": SampleStatus.COMPLETED, "length": SampleStatus.TRUNCAT
 class Producer:
     """See the module docstring. Build it, then `start()` (or `await run()`) inside a running loop."""
 
-    def __init__(self, *, source: DataSource, engine: Engine, sink: GroupSink, rewarder: Rewarder,
+    def __init__(self, *, source: DataSource, engine: Engine, rewarder: Rewarder,
                  budget: SubmissionBudget, admission: StalenessAdmission, sampling_params: dict,
+                 sink: GroupSink | None = None, sink_for: Callable[[Producer], GroupSink] | None = None,
+                 gates: Sequence[Callable[[], bool]] = (),
                  batch_mode: bool = False, put_threads: int | None = None, max_seq_len: int | None = None,
                  generate_fn: GenerateFunction | None = None, generate_args: GenerateArgs | None = None,
                  routes: RouteLayout | None = None, generate_failure_limit: int | None = None):
+        """`sink` is where finished groups go; or `sink_for(producer)` builds it, for a sink whose
+        unused-samples handler reports back to this producer (`on_rejected`, `recycle`): exactly one
+        of the two. `gates`: more conditions to start a group (call `wake()` when one opens)."""
+        if (sink is None) == (sink_for is None):
+            raise TypeError("Producer takes exactly one of sink= and sink_for=")
         self.source = source
         self.routes = routes  # --use-rollout-routing-replay: each sample keeps its routed experts
         self.engine = engine
@@ -131,7 +138,6 @@ class Producer:
         # rejected, so no batch would ever reach the driver's FailureBudget; None: never
         self.generate_failure_limit = generate_failure_limit
         self._generate_streak, self._streak_first = 0, ""
-        self.sink = sink
         self.rewarder = rewarder
         self.tally = rewarder.tally  # reward and generate failures (miles_core.rollout.failures)
         self.budget = budget
@@ -141,7 +147,7 @@ class Producer:
         self.error: BaseException | None = None
         self.paused = False
         self.engines_available = True
-        self.gates: list[Callable[[], bool]] = []  # more conditions to start a group; call `wake()` when one opens
+        self.gates = tuple(gates)
         self._stopping = False
         self._quota: int | None = 0 if batch_mode else None  # None: unlimited (fully async)
         self._groups: dict[asyncio.Task, Group] = {}
@@ -157,6 +163,7 @@ class Producer:
         self._window_groups = 0
         self.tokens_total = 0  # response tokens generated since start (a producer job's heartbeat)
         budget.listeners.append(self._wake.set)
+        self.sink: GroupSink = sink if sink is not None else sink_for(self)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> asyncio.Task:

@@ -160,3 +160,24 @@ def test_the_table_names_files_that_exist():
         assert owners, fact
         for path in owners | told:
             assert (ROOT / path).is_file(), (fact, path)
+
+
+def test_the_rollout_side_is_built_once_and_nothing_is_wired_into_a_producer_afterwards():
+    """One builder (miles_core/rollout/assembly.py) for the trainer's cluster and for producer jobs;
+    a producer's sink and gates are given at construction, never assigned or appended later."""
+    later = []
+    for path, tree in SOURCES.items():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr in ("sink", "gates") and not (
+                        isinstance(t.value, ast.Name) and t.value.id == "self"):
+                    later.append(f"{path}: {ast.unparse(t)} = ...")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append"
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "gates"):
+                later.append(f"{path}: {ast.unparse(node)}")
+    assert later == []
+    builders = {path for path, tree in SOURCES.items() for node in ast.walk(tree)
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("DataSource", "PromptClaims", "make_producer")}
+    assert builders == {"miles_core/rollout/assembly.py"}, builders

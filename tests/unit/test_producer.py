@@ -28,7 +28,7 @@ from miles_core.rollout.drain import (
     drain_batch,
     generate_batch,
 )
-from miles_core.rollout.manager import RejectionNotifier
+from miles_core.rollout.assembly import RejectionNotifier
 from miles_core.rollout.producer import Producer, RolloutWorkerError, fill_sample
 from miles_core.rollout.rewards import Rewarder
 from miles_core.samples import Sample, SampleStatus

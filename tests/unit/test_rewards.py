@@ -170,11 +170,11 @@ def test_decoder_loads_the_run_tokenizer_lazily(monkeypatch, which):
     decode digits. Guards: a tokenizer loaded at build time or from `--hf-checkpoint` as it is."""
     from miles_core.config import RunConfig, replace_fields
     from miles_core.eval import datasets
-    from miles_core.rollout import manager
-    from miles_core.rollout.manager import digit_decode
+    from miles_core.rollout import assembly
+    from miles_core.rollout.assembly import digit_decode
 
-    owner = manager  # eval's decoder is the rollout's
-    build = manager.tokenizer_decode if which == "rollout" else datasets._decoder
+    owner = assembly  # eval's decoder is the rollout's
+    build = assembly.tokenizer_decode if which == "rollout" else datasets._decoder
     loaded = []
 
     class FakeTokenizer:
