@@ -8,20 +8,25 @@ of the world is expert data parallelism, while the dense layers keep TP x DP ove
 (rank order tp-cp-ep-dp-pp: an EP group is ranks TP apart, inside the dense DP group). Under a
 launcher (torchrun, or Ray actors that export MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE) the env:// rendezvous
 is used; a lone process gets a world of one through a private file:// rendezvous, so nothing
-listens on a port. With `MILES_STRICT_DEVICE=cuda` the trainer's groups (the world, DP, TP, and the
-expert groups: EP, which carries the token dispatch's all-to-all, expert TP, EP x expert TP and expert
-DP) enforce NCCL's device rule on CPU too (miles_core.train.collectives).
+listens on a port.
+
+The rank setup hook: `MILES_RANK_SETUP_HOOK=module:function` names a function the first call hands the
+trainer's groups (the world, DP, TP, and the expert groups: EP, which carries the token dispatch's
+all-to-all, expert TP, EP x expert TP and expert DP) once they exist, in every rank process. The test
+harness installs NCCL's device rule on CPU through it (docs/training.md#collectives-and-the-device-rule).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import tempfile
 
 import torch
 import torch.distributed as dist
 
-from miles_core.train import collectives
+
+RANK_SETUP_ENV = "MILES_RANK_SETUP_HOOK"
 
 
 def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_parallel_size: int = 1) -> None:
@@ -57,8 +62,21 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_p
         raise RuntimeError(f"--expert-model-parallel-size={ep} x the expert tensor parallel size {tp} does not "
                            f"divide the world size {world}.")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    # MILES_STRICT_DEVICE=cuda: on CPU, the trainer's gloo groups stand for the NCCL ones of a GPU run
-    collectives.enforce_device_rule_from_env(trainer_groups())
+    run_rank_setup_hook(trainer_groups())
+
+
+def run_rank_setup_hook(groups: list) -> None:
+    """Call the function `MILES_RANK_SETUP_HOOK` names (module:function) with `groups`; nothing when unset."""
+    spec = os.environ.get(RANK_SETUP_ENV, "")
+    if not spec:
+        return
+    module, sep, name = spec.partition(":")
+    if not (sep and module and name):
+        raise ValueError(f"{RANK_SETUP_ENV}={spec!r}: expected module:function")
+    hook = getattr(importlib.import_module(module), name, None)
+    if not callable(hook):
+        raise ValueError(f"{RANK_SETUP_ENV}={spec!r}: {module} has no function {name}")
+    hook(groups)
 
 
 def trainer_groups() -> list:

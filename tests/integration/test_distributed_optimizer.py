@@ -1,6 +1,6 @@
 """--use-distributed-optimizer and --bf16 on CPU: the GPU trainer's Megatron DDP + optimizer classes
 (megatron-core 0.16.1's `DistributedOptimizer`, `Float16OptimizerWithFloat16Params`), run by the
-real Trainer on two gloo DP ranks under NCCL's device rule (MILES_STRICT_DEVICE=cuda), through
+real Trainer on two gloo DP ranks under NCCL's device rule (the strict device harness), through
 `cpu_shim.megatron_on_cpu` and nothing else.
 
 Pins:
@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
+from tests.support import strict_device as strict
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -147,7 +148,7 @@ def _launch(tmp: str) -> None:
 
     hf_dir = materialize_checkpoint("builtin:tiny-gpt", 1, os.path.join(tmp, "tiny-gpt"))
     other_dir = materialize_checkpoint("builtin:tiny-gpt", 2, os.path.join(tmp, "tiny-gpt-2"))
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
+    os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     fork_ranks(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)], timeout=300)
     fork_ranks(_dp1, [(hf_dir, tmp)], timeout=300)
     exit_launcher(0)

@@ -13,7 +13,7 @@ other uniform scale (each rank normalising by its own shard's token count, a red
 by the world size). The DP comparison in tests/integration/test_trainer_ranks.py checks parameters
 after one AdamW step, which is nearly invariant to a uniform gradient scale, so it misses these.
 The batch has uneven sample lengths, so the two shards hold different token counts. The ranks run
-under MILES_STRICT_DEVICE=cuda, so a DP collective handed a CPU tensor that NCCL would refuse on GPU
+under the strict device harness, so a DP collective handed a CPU tensor that NCCL would refuse on GPU
 fails here too (miles_core.train.collectives).
 """
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.support.ranks import exit_launcher, run_launcher
+from tests.support import strict_device as strict
 
 DP = 2
 RTOL, ATOL = 1e-5, 1e-7  # fp32 on CPU; only the order of summation differs between layouts
@@ -68,7 +69,7 @@ def _worker(rank: int, hf_dir: str, tmp: str) -> None:
     cfg = dataclasses.replace(TrainSection(), lr=0.0, clip_grad=1e9, micro_batch_size=3)
     with Trainer(cfg, hf_dir) as tr:
         assert (tr.dp_size, tr.dp_rank) == (DP, rank) and tr.dp_group is not None
-        assert collectives.strict_device(tr.dp_group) == "cuda"  # the DP group stands for NCCL
+        assert collectives.standing_device(tr.dp_group) == "cuda"  # the DP group stands for NCCL
         dp_state = tr.dp_size, tr.dp_rank, tr.dp_group
         tr.dp_size, tr.dp_rank, tr.dp_group = 1, 0, None
         one = {"metrics": tr.train_step(0, _groups()), "grads": _grads(tr)}
@@ -90,7 +91,7 @@ def _launch(tmp: str) -> None:
     from miles_core.models.builtin import materialize_checkpoint
 
     hf_dir = materialize_checkpoint("builtin:tiny-gpt", 1, os.path.join(tmp, "tiny-gpt"))
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
+    os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     ctx = mp.get_context("fork")
     ranks = [ctx.Process(target=_worker, args=(r, hf_dir, tmp)) for r in range(DP)]
     for p in ranks:

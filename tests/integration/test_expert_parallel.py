@@ -1,5 +1,5 @@
 """Expert parallelism in the CPU trainer: the real Trainer on real process groups (torch.distributed over
-gloo, Megatron's parallel state, MILES_STRICT_DEVICE=cuda), on tiny random Qwen3-MoE and GLM-4.5
+gloo, Megatron's parallel state, the strict device harness), on tiny random Qwen3-MoE and GLM-4.5
 checkpoints built with transformers' own classes.
 
 Pins:
@@ -36,6 +36,7 @@ import torch.multiprocessing as mp
 
 from miles_core.metrics import names as N
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
+from tests.support import strict_device as strict
 
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
 PROMPT = 5
@@ -149,11 +150,11 @@ def _ep2_rank(rank: int, models: dict[str, str], tmp: str) -> None:
             out[name]["bf16"] = {"metrics": tr.train_step(0, _groups()),
                                  "checkpoint": _checkpoint_round_trip(tr, os.path.join(tmp, f"ckpt-bf16-{name}"))}
     group = ps.get_expert_model_parallel_group()
-    out["strict"] = collectives.strict_device(group)
+    out["strict"] = collectives.standing_device(group)
     try:
         dist.all_to_all_single(torch.zeros(2), torch.ones(2), group=group)
         out["all_to_all_refused"] = ""
-    except collectives.DeviceRuleError as e:
+    except strict.DeviceRuleError as e:
         out["all_to_all_refused"] = str(e)
     torch.save(out, os.path.join(tmp, f"ep2-rank{rank}.pt"))
     dist.barrier()
@@ -193,12 +194,12 @@ def _launch(tmp: str) -> None:
     import miles_core.train.trainer  # noqa: F401
 
     models = _write_models(tmp)
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
+    os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     code = 0
     try:
         fork_ranks(_ep2_rank, [(r, models, tmp) for r in range(2)], timeout=600)
         fork_ranks(_tp2_ep2_rank, [(r, models, tmp) for r in range(4)], timeout=600)
-        del os.environ["MILES_STRICT_DEVICE"]
+        del os.environ[strict.RANK_SETUP_ENV]
         _one_rank(models, tmp)
     except Exception as e:  # noqa: BLE001 - reported through the exit code, the traceback on stderr
         import traceback

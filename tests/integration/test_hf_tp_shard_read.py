@@ -1,7 +1,7 @@
 """Each TP rank reads only its shard of an HF checkpoint (miles_core.train.hf_shards), and loads
 exactly what the whole-checkpoint path (hf_convert.load_hf_state + load_into_megatron) loads.
 
-Pins, on a real TP=2 group (two processes, torch.distributed over gloo, MILES_STRICT_DEVICE=cuda)
+Pins, on a real TP=2 group (two processes, torch.distributed over gloo, the strict device harness)
 for a GQA llama (untied, written as a sharded checkpoint with model.safetensors.index.json), a
 Qwen2 (qkv bias, tied) and gpt2 (tied and untied; Conv1D [in, out] weights): the Megatron state
 each rank loads through the lazy reader, into the policy and a second (KL reference) model in one
@@ -30,6 +30,7 @@ from miles_core.models.safetensors_dir import MissingWeights, SafetensorsReader
 from miles_core.train import hf_convert, hf_shards
 from miles_core.train.megatron_model import ModelSpec
 from tests.support.ranks import fork_ranks
+from tests.support import strict_device as strict
 
 TP = 2
 SLACK = 0.01  # of the sharded bytes; the split is exact for these shapes
@@ -182,7 +183,7 @@ def _launch(dirs: dict[str, str], tmp: str) -> None:
 
     import miles_core.train.megatron_model  # noqa: F401
 
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
+    os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     try:
         fork_ranks(_worker, [(r, dirs, tmp) for r in range(TP)])
         code = 0

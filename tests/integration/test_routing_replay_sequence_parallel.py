@@ -1,6 +1,6 @@
 """Routing replay under --sequence-parallel: each TP rank's routers replay their slice of the padded
 sequence. The real Trainer at TP=2 with --sequence-parallel on two processes (gloo, under
-MILES_STRICT_DEVICE=cuda) against TP=1, on a tiny Qwen3-MoE, samples carrying random engine routes,
+the strict device harness) against TP=1, on a tiny Qwen3-MoE, samples carrying random engine routes,
 micro-batches of odd and even length (so the padding to a multiple of TP runs); lr 0.
 
 Pins: with --use-rollout-routing-replay, train/routing_mismatch is 0 on both ranks and the loss and
@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
+from tests.support import strict_device as strict
 
 TP, EXPERTS, TOPK, LAYERS = 2, 8, 2, 2
 
@@ -80,7 +81,7 @@ def _launch(tmp: str) -> None:
     import miles_core.train.trainer  # noqa: F401
 
     hf_dir = _write_model(tmp)
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"
+    os.environ.update(strict.ENV)
     fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(TP)], timeout=240)
     torch.save({replay: _run(hf_dir, 1, replay) for replay in (True, False)}, os.path.join(tmp, "tp1.pt"))
     exit_launcher(0)

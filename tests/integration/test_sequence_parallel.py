@@ -1,5 +1,5 @@
 """Megatron sequence parallelism in the CPU trainer (--sequence-parallel): the real Trainer at TP=2 on
-two processes (torch.distributed over gloo, under MILES_STRICT_DEVICE=cuda), with and without it,
+two processes (torch.distributed over gloo, under the strict device harness), with and without it,
 and at TP=1, on a Llama (RMSNorm, RoPE, GQA, untied), a GPT-2 (LayerNorm with biases, biases in
 the row-parallel linears, learned positions, tied) and a Qwen3 (q/k norms over each head: each TP
 rank holds half the heads, so their gradients are partial sums even without sequence parallelism);
@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
+from tests.support import strict_device as strict
 
 TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
@@ -110,7 +111,7 @@ def _worker(rank: int, models: dict[str, str], tmp: str) -> None:
     for name, hf_dir in models.items():
         for variant, flags in VARIANTS.items():
             out[name, variant] = _run(hf_dir, TP, **flags)
-    assert collectives.strict_device(None) == "cuda"  # the groups stood for NCCL
+    assert collectives.standing_device(None) == "cuda"  # the groups stood for NCCL
     torch.save(out, os.path.join(tmp, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -126,7 +127,7 @@ def _launch(tmp: str) -> None:
     import miles_core.train.trainer  # noqa: F401
 
     models = _write_models(tmp)
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"  # NCCL's device rule on the ranks' gloo groups
+    os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     fork_ranks(_worker, [(r, models, tmp) for r in range(TP)], timeout=240)
     torch.save({name: _run(hf_dir, 1) for name, hf_dir in models.items()}, os.path.join(tmp, "tp1.pt"))
     exit_launcher(0)

@@ -9,7 +9,7 @@ process, and every rank's gradients are scaled by the same clip coefficient.
 
 Guards: replicated parameters counted once per TP rank (their squares all-reduced with the shards',
 or the whole sum reduced), and sharded squares not reduced at all (each rank's own shard only),
-and a CPU tensor handed to the TP all-reduce (the group stands for NCCL: MILES_STRICT_DEVICE's rule).
+and a CPU tensor handed to the TP all-reduce (the group stands for NCCL: tests/support/strict_device.py).
 The replicated gradients here dominate (x10), so the first regression is off by ~sqrt(2) and the
 second by ~0.5% of the norm, both far outside the tolerance; the integration test on a real
 TP=2 Llama (tests/integration/test_trainer_ranks.py) saw the first only as 1.08e-4 against 1e-4.
@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tests.support import strict_device as strict
 
 TP = 2
 MAX_NORM = 1.0
@@ -63,12 +64,11 @@ def _rank_params(rank: int) -> list[torch.nn.Parameter]:
 
 
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
-    from miles_core.train import collectives
     from miles_core.train.data_parallel import clip_grad_norm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=TP)
-    collectives.enforce_device_rule("cuda", [None])  # the TP group stands for NCCL: CPU tensors are refused
+    strict.enforce_device_rule("cuda", [None])  # the TP group stands for NCCL: CPU tensors are refused
     try:
         params = _rank_params(rank)
         total = clip_grad_norm(params, MAX_NORM, dist.group.WORLD)

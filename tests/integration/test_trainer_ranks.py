@@ -7,7 +7,7 @@ same log-probs as TP=1 and, gathered, the same parameters after a step; a DP=2 c
 at DP=2 and at DP=1 with the same next-step loss; a TP=2 checkpoint is refused at TP=1 with an
 error naming the flag; a TP=2 trainer pushes its gathered weights over the distributed transport
 (gloo, several buckets) into a real CPU engine, whose greedy log-probs then equal the trainer's.
-Every rank runs under MILES_STRICT_DEVICE=cuda: a trainer collective handed a tensor NCCL would refuse
+Every rank runs under the strict device harness: a trainer collective handed a tensor NCCL would refuse
 on GPU fails here too (miles_core.train.collectives).
 
 Tolerances (fp32 on CPU; only the order of summation differs between layouts): parameters after one
@@ -26,6 +26,7 @@ from miles_core.config import parse_flags
 from miles_core.driver.placement import TrainerGroup
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.train import collectives
+from tests.support import strict_device as strict
 from tests.unit.test_train import make_groups
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device", "ray_local")]
@@ -52,10 +53,11 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.fixture(scope="module")
 def strict_device():
-    """NCCL's device rule on the ranks' gloo groups (miles_core.train.collectives): set before Ray starts,
-    so every rank process inherits it."""
+    """NCCL's device rule on the ranks' gloo groups (tests/support/strict_device.py, through the rank
+    setup hook): set before Ray starts, so every rank process inherits it."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(collectives.STRICT_ENV, "cuda")
+        for k, v in strict.ENV.items():
+            mp.setenv(k, v)
         yield
 
 
@@ -66,11 +68,11 @@ def _assert_strict(group: TrainerGroup) -> None:
     def declared(worker) -> list:
         tr = worker.trainer
         mine = [g for g in (tr.dp_group, tr.tp_group) if g is not None]
-        return [collectives.strict_device(g) for g in [None, *mine]]  # None: the world
+        return [collectives.standing_device(g) for g in [None, *mine]]  # None: the world
 
     found = ray.get([a.__ray_call__.remote(declared) for a in group.actors])
     assert all(set(f) == {"cuda"} for f in found), (
-        f"declared devices per rank {found}: {collectives.STRICT_ENV} did not reach the ranks (Ray started earlier?)")
+        f"declared devices per rank {found}: {strict.RANK_SETUP_ENV} did not reach the ranks (Ray started earlier?)")
 
 
 @pytest.fixture(scope="module")

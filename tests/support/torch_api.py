@@ -7,8 +7,7 @@ linux x86_64 wheel is a CUDA 13 build (tests/support/gpu_pins.py). This module:
    attribute chain rooted at a name bound to torch or to something imported from it (`import torch`,
    `import torch.distributed as dist`, `from torch.utils.checkpoint import checkpoint`, ...), with the
    keyword names and positional count of each call made through one; plus the names that
-   `DYNAMIC` tuples feed to `getattr` (collectives.WRAPPED: the torch.distributed collectives wrapped
-   under strict mode), and every other `x.name` attribute name (a heuristic for Tensor methods:
+   `DYNAMIC` tuples feed to `getattr`, and every other `x.name` attribute name (a heuristic for Tensor methods:
    those names that are `torch.Tensor` attributes in the reference torch).
 2. `probe()`: resolves each chain inside an interpreter (getattr walk, importlib for submodules) and
    reads its signature: the venv's torch 2.13.0, and a venv with the GPU torch (`target_python()`:
@@ -46,7 +45,9 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("miles_core", "tasks", "bench/gpu_check.py", "tests/gpu")
 # Names reached with getattr(module, name) over a module-level tuple: (file, tuple's name, module).
-DYNAMIC = (("miles_core/train/collectives.py", "WRAPPED", "torch.distributed"),)
+# None today: the one such tuple, the device rule's WRAPPED, is the CPU test harness's
+# (tests/support/strict_device.py), which never runs on the GPU torch.
+DYNAMIC: tuple = ()
 # Requirements of the GPU torch that `import torch` does not load (nor does this check): not installed.
 NOT_FOR_IMPORT = ("triton", "cuda-bindings")
 PYTHON = f"{sys.version_info.major}.{sys.version_info.minor}"

@@ -5,7 +5,7 @@ Pins: under strict mode, a CPU tensor handed straight to `dist.all_reduce` on a 
 NCCL is refused with an error naming the collective, the tensor's device and the group's device;
 `all_reduce_sums` (the DP metric sums, a CPU float64 tensor) goes through the collectives module and
 gets the sums; `all_gather` returns every rank's tensor on the caller's device, untagged (a later raw
-call on it is refused again); a dtype NCCL lacks is refused; MILES_STRICT_DEVICE takes only `cuda`.
+call on it is refused again); a dtype NCCL lacks is refused; the rank setup hook installs the rule.
 Every torch.distributed collective in miles_core/train is called from collectives.py alone.
 
 Guards: `all_reduce_sums` handing its CPU tensor to Megatron's DP group directly, which NCCL refuses
@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import miles_core
 import miles_core.train
 from miles_core.train import collectives
+from tests.support import strict_device as strict
 
 WORLD = 2
 COLLECTIVE_CALL = re.compile(
@@ -39,10 +41,10 @@ def _worker(rank: int, init_file: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
-        collectives.enforce_device_rule("cuda", [None])
+        strict.enforce_device_rule("cuda", [None])
         assert collectives.group_device(None) == torch.device("cuda")
 
-        with pytest.raises(collectives.DeviceRuleError, match=r"all_reduce got a tensor on cpu .* device is cuda"):
+        with pytest.raises(strict.DeviceRuleError, match=r"all_reduce got a tensor on cpu .* device is cuda"):
             dist.all_reduce(torch.ones(2), group=None)  # what today's all_reduce_sums did
 
         assert all_reduce_sums({"b": 2.0, "a": rank + 1.0}, dist.group.WORLD) == {"a": 3.0, "b": 4.0}
@@ -51,14 +53,14 @@ def _worker(rank: int, init_file: str) -> None:
         parts = collectives.all_gather(mine, None)
         assert [p.device.type for p in parts] == ["cpu", "cpu"]
         assert all(torch.equal(p, torch.full((2, 3), float(r))) for r, p in enumerate(parts))
-        with pytest.raises(collectives.DeviceRuleError):  # handed back untagged: "on the CPU" again
+        with pytest.raises(strict.DeviceRuleError):  # handed back untagged: "on the CPU" again
             dist.all_reduce(parts[0], group=None)
 
         peak = torch.tensor([float(rank), -float(rank)])
         assert collectives.all_reduce(peak, None, op=dist.ReduceOp.MAX) is peak  # in place, like dist
         assert peak.tolist() == [1.0, 0.0]
 
-        with pytest.raises(collectives.DeviceRuleError, match="uint16"):
+        with pytest.raises(strict.DeviceRuleError, match="uint16"):
             collectives.all_reduce(torch.ones(2, dtype=torch.uint16), None)
         collectives.barrier()
     finally:
@@ -87,12 +89,33 @@ def _launch(tmp: str) -> None:
     os._exit(0 if all(p.exitcode == 0 for p in ranks) else 1)
 
 
-def test_strict_mode_env_takes_only_cuda(monkeypatch):
-    monkeypatch.setenv(collectives.STRICT_ENV, "cpu")
-    with pytest.raises(ValueError, match="MILES_STRICT_DEVICE=cuda"):
-        collectives.enforce_device_rule_from_env([None])
-    monkeypatch.setenv(collectives.STRICT_ENV, "")
-    collectives.enforce_device_rule_from_env([None])  # off: touches no group (there is none here)
+def test_the_rank_setup_hook_is_called_with_the_groups_and_refuses_a_bad_name(monkeypatch):
+    from miles_core.train import process_groups
+
+    called = []
+    monkeypatch.setattr(strict, "nccl_device_rule", called.append)
+    monkeypatch.setenv(process_groups.RANK_SETUP_ENV, strict.HOOK)
+    process_groups.run_rank_setup_hook(["g"])
+    assert called == [["g"]]
+    for bad, why in (("tests.support.strict_device", "module:function"),
+                     ("tests.support.strict_device:no_such_hook", "has no function no_such_hook")):
+        monkeypatch.setenv(process_groups.RANK_SETUP_ENV, bad)
+        with pytest.raises(ValueError, match=why):
+            process_groups.run_rank_setup_hook([None])
+    monkeypatch.setenv(process_groups.RANK_SETUP_ENV, "")
+    process_groups.run_rank_setup_hook([None])  # unset: nothing
+
+
+def test_the_product_wraps_no_torch_distributed_function():
+    """The device rule's checks patch torch.distributed; that is the test harness's
+    (tests/support/strict_device.py), never the product's."""
+    import ast
+
+    for path in Path(miles_core.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "setattr":
+                target = ast.unparse(node.args[0]) if node.args else ""
+                assert target not in ("dist", "torch.distributed"), f"{path}: {ast.unparse(node)}"
 
 
 def test_every_trainer_collective_goes_through_the_collectives_module():

@@ -13,7 +13,7 @@ Pins:
   perturbed reference included) with the token budget equal those of --micro-batch-size 2, on
   samples of uneven lengths, one of them longer than the budget; the packed micro-batches compute
   no padding (train/padding_fraction 0) where the padded ones do;
-- DP=2 over gloo (two processes, MILES_STRICT_DEVICE=cuda): each rank packs its shard and the
+- DP=2 over gloo (two processes, the strict device harness): each rank packs its shard and the
   gradients equal the DP=1 padded ones;
 - the config rules: the flag pair is needed together, the budget >= 1.
 """
@@ -38,6 +38,7 @@ from miles_core.train.packing import block_causal_mask, pack_rows, plan_micro_ba
 from miles_core.rank_batches import trainable_samples
 from miles_core.train.trainer import Trainer, _pack, _pack_row
 from tests.support.ranks import exit_launcher, fork_ranks
+from tests.support import strict_device as strict
 
 torch.set_num_threads(1)
 
@@ -201,7 +202,7 @@ def _worker(rank: int, hf_dir: str, tmp: str) -> None:
     from miles_core.train import collectives
 
     with Trainer(PADDED, hf_dir) as tr:
-        assert collectives.strict_device(tr.dp_group) == "cuda"  # the DP group stands for NCCL
+        assert collectives.standing_device(tr.dp_group) == "cuda"  # the DP group stands for NCCL
         dp_state = tr.dp_size, tr.dp_rank, tr.dp_group
         tr.dp_size, tr.dp_rank, tr.dp_group = 1, 0, None
         one = {"metrics": tr.train_step(0, _groups()), "grads": _grads(tr)}
@@ -220,6 +221,6 @@ def _launch(tmp: str) -> None:
     import megatron.core.models.gpt  # noqa: F401
 
     hf_dir = materialize_checkpoint("builtin:tiny-llama", 1, os.path.join(tmp, "tiny-llama"))
-    os.environ["MILES_STRICT_DEVICE"] = "cuda"
+    os.environ.update(strict.ENV)
     fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(DP)])
     exit_launcher(0)

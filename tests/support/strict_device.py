@@ -1,0 +1,104 @@
+"""NCCL's device rule on CPU: the test harness that makes gloo groups behave as NCCL groups would.
+
+On GPU the trainer's groups are NCCL, which takes only tensors on the rank's current CUDA device and
+of a dtype NCCL knows; on CPU they are gloo, which takes anything. `enforce_device_rule("cuda",
+groups)` makes each gloo group of `groups` stand for an NCCL group (`collectives.stand_for`: the
+product's collectives then move tensors to `cuda`, simulated without CUDA) and wraps
+torch.distributed's tensor collectives so that a call on such a group refuses (`DeviceRuleError`,
+naming the collective, the tensor's device and dtype, and the declared device):
+- from anywhere but torch and Megatron, a tensor that is neither on the declared device nor placed
+  there by `miles_core.train.collectives`;
+- from anywhere but torch, a dtype outside `NCCL_DTYPES` (Megatron's own calls, the MoE token
+  dispatch's all-to-all and sequence parallelism's gathers, run on its CUDA activations on GPU, so
+  only the dtype rule binds them).
+
+In rank processes it is installed through the product's rank setup hook: set `ENV` (the hook
+`tests.support.strict_device:nccl_device_rule`) before the ranks start; `ensure_process_groups`
+calls it with the trainer's groups (the world, DP, TP and the expert groups). Ray's local workers
+import it from the driver's sys.path. What it cannot see: stream order, pinned memory, and
+`torch.cuda.set_device`, which object collectives on NCCL need.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+
+import torch
+import torch.distributed as dist
+
+from miles_core.train import collectives
+from miles_core.train.process_groups import RANK_SETUP_ENV
+
+HOOK = "tests.support.strict_device:nccl_device_rule"
+ENV = {RANK_SETUP_ENV: HOOK}  # the environment that installs the rule in every rank started after it
+# what NCCL takes for every op (float64 included); no uint16/32/64, complex or float8 reductions
+NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
+                         torch.int32, torch.int64, torch.bool})
+WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+           "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
+UNCHECKED_CALLERS = ("torch.", "megatron.")  # their collectives run on CUDA tensors on GPU
+DTYPE_CHECKED_CALLERS = ("megatron.",)  # ... but NCCL's dtype rule binds them too
+
+
+class DeviceRuleError(RuntimeError):
+    """A torch.distributed collective got a tensor NCCL would refuse."""
+
+
+def nccl_device_rule(groups: list) -> None:
+    """The rank setup hook: the trainer's gloo groups stand for NCCL groups on `cuda`."""
+    enforce_device_rule("cuda", groups)
+
+
+def enforce_device_rule(device_type: str, groups: list) -> None:
+    """Make each gloo group of `groups` (None: the default world) stand for an NCCL group on
+    `device_type`, and wrap torch.distributed's tensor collectives to check calls on them."""
+    collectives.stand_for(device_type, groups)
+    for name in WRAPPED:
+        fn = getattr(dist, name)
+        if not getattr(fn, "_miles_checked", False):
+            setattr(dist, name, _checked(name, fn))
+
+
+def _checked(name: str, fn):
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        ours = not caller.startswith(UNCHECKED_CALLERS)
+        if ours or caller.startswith(DTYPE_CHECKED_CALLERS):
+            bound = signature.bind(*args, **kwargs)
+            _check(name, bound.arguments.get("group"), _tensors(bound.arguments.values()), device=ours)
+        return fn(*args, **kwargs)
+
+    call._miles_checked = True
+    return call
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(t for t in v if isinstance(t, torch.Tensor))
+    return out
+
+
+def _check(name: str, group, tensors: list[torch.Tensor], device: bool = True) -> None:
+    """Each tensor of a call on a group standing for NCCL: on its device (`device`) and of a dtype NCCL takes."""
+    declared = collectives.standing_device(group)
+    if declared is None:
+        return
+    for t in tensors:
+        if device and collectives.placed_device_type(t) != declared:
+            raise DeviceRuleError(
+                f"torch.distributed.{name} got a tensor on {t.device} ({t.dtype}, shape {tuple(t.shape)}) for a "
+                f"group whose device is {declared} (NCCL; the strict device harness makes this gloo group stand "
+                "for it): NCCL takes only CUDA tensors. Call it through miles_core.train.collectives, which moves "
+                "the tensor to the group's device and back.")
+        if t.dtype not in NCCL_DTYPES:
+            raise DeviceRuleError(f"torch.distributed.{name} got a {t.dtype} tensor; NCCL takes "
+                                  f"{sorted(str(d).removeprefix('torch.') for d in NCCL_DTYPES)}")
