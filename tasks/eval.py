@@ -21,7 +21,7 @@ from miles_core.storage import normalize_uri
 from tasks.failures import recoverable_infrastructure
 from tasks.inputs import on_cluster, run_config
 from tasks.secrets import ENGINE_SECRETS
-from tasks.types import EvalJob, EvalPoint
+from tasks.types import DECK_FIELDS, EvalJob, EvalPoint
 
 
 @task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), secret_requests=ENGINE_SECRETS)
@@ -95,7 +95,8 @@ def eval_snapshot(job: EvalJob) -> EvalPoint:
     return EvalPoint(job.step, job.dataset, {k: float(v) for k, v in metrics.items()})
 
 
-@task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
+@task(container_image=task_image("cpu"), enable_deck=True, deck_fields=DECK_FIELDS,
+      requests=Resources(cpu="1", mem="2Gi"))
 def backfill_table(run_uri: str, points: List[EvalPoint], skipped: List[str]) -> StructuredDataset:
     """One row per (step, dataset, metric), saved in the run root under eval/backfill/{time}/ and
     returned; printed (with the skipped steps and why) for the console, and the eval curves as the Deck."""

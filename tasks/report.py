@@ -11,12 +11,13 @@ from images import task_image
 from miles_core.metrics.report import render_report
 from miles_core.metrics.trace import TIMELINE_KEY
 from miles_core.storage import Store
-from tasks.types import TrainOutcome
+from tasks.types import DECK_FIELDS, TrainOutcome
 
 REPORT_KEY = "report.html"
 
 
-@task(container_image=task_image("cpu"), enable_deck=True, requests=Resources(cpu="1", mem="2Gi"))
+@task(container_image=task_image("cpu"), enable_deck=True, deck_fields=DECK_FIELDS,
+      requests=Resources(cpu="1", mem="2Gi"))
 def report(outcome: TrainOutcome) -> HTMLPage:
     """Render reward, staleness, queue size, throughput, wait times and eval curves with the
     bottleneck reading as this task's Deck; also saved as {run root}/report.html and returned.

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict
 
+from flytekit.deck import DeckField
+
+# The decks of the tasks that render one (report, eval backfill): their own page, inputs, outputs and
+# timeline. Not flytekit's default Dependencies deck (a `pip freeze` subprocess in every execution)
+# nor the task's source code.
+DECK_FIELDS = (DeckField.INPUT, DeckField.OUTPUT, DeckField.TIMELINE)
+
 
 @dataclass
 class PreparedData:
