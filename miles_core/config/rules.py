@@ -139,6 +139,7 @@ def _ranges(cfg: RunConfig) -> list[str]:
     at_least(r.update_weights_interval, 1, "--update-weights-interval")
     p.extend(_engine_count(cfg.engine.rollout_num_engines, b.allow_rollout_producers))
     at_least(t.micro_batch_size, 1, "--micro-batch-size")
+    at_least(t.distributed_timeout_minutes, 1, "--distributed-timeout-minutes")
     at_least(t.save_interval, 1, "--save-interval")
     at_least(e.eval_interval, 1, "--eval-interval")
     at_least(e.eval_keep_snapshots, 0, "--eval-keep-snapshots")

@@ -33,6 +33,7 @@ from miles_core.failures import chaos
 from miles_core.storage import ObjectNotFound, StorageError, StorageUnavailable, Store
 from miles_core.train import checkpoint_manifest as manifest
 from miles_core.train import collectives
+from miles_core.train.process_groups import checkpoint_group
 from miles_core.weights.snapshot import export_snapshot
 from miles_core.weights.tensor_files import put_tensors
 
@@ -63,8 +64,11 @@ def _layout() -> tuple[bool, bool, str]:
 
 
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        collectives.barrier()
+    """Wait for every rank's part of a save, in the checkpoint group (a CPU group: not subject to
+    --distributed-timeout-minutes, so the slowest upload cannot get the waiting ranks torn down)."""
+    group = checkpoint_group()
+    if group is not None:
+        collectives.barrier(group)
 
 
 class CheckpointError(RuntimeError):

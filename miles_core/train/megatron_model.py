@@ -34,7 +34,7 @@ from miles_core.models.families import FAMILIES, ModelSpec, UnsupportedModel  # 
 from miles_core.models.families.rope import rope_inv_freq
 from miles_core.train.cpu_shim import (define_missing_te_names, install_cpu_shim, megatron_on_cpu,
                                       seed_model_parallel_rng)
-from miles_core.train.process_groups import ensure_process_groups
+from miles_core.train.process_groups import DEFAULT_TIMEOUT_MINUTES, ensure_process_groups
 from miles_core.train.token_logprobs import token_logprobs
 
 FAMILIES = ("gpt2",) + FAMILIES  # the builtin tiny default's and every one a user may bring
@@ -151,7 +151,7 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
 
     install_cpu_shim()
     define_missing_te_names()
-    _ensure_groups(tensor_model_parallel_size, expert_model_parallel_size)
+    _ensure_groups(tensor_model_parallel_size, expert_model_parallel_size, train)
     seed_model_parallel_rng(seed)
     cfg = transformer_config(spec, tensor_model_parallel_size=tensor_model_parallel_size, bf16=bf16,
                              expert_model_parallel_size=expert_model_parallel_size,
@@ -185,16 +185,10 @@ def build_model(spec: ModelSpec, *, tensor_model_parallel_size: int = 1, bf16: b
     return model
 
 
-def _ensure_groups(tp: int, ep: int) -> None:
-    """The process groups for TP (and EP, once `ensure_process_groups` takes an EP size)."""
-    import inspect
-
-    if "expert_model_parallel_size" in inspect.signature(ensure_process_groups).parameters:
-        ensure_process_groups(tp, expert_model_parallel_size=ep)
-        return
-    if ep != 1:
-        raise UnsupportedModel(f"--expert-model-parallel-size={ep} is not supported by this trainer's process groups")
-    ensure_process_groups(tp)
+def _ensure_groups(tp: int, ep: int, train=None) -> None:
+    """The process groups for TP and EP, with `train`'s --distributed-timeout-minutes (else the default)."""
+    timeout = train.distributed_timeout_minutes if train is not None else DEFAULT_TIMEOUT_MINUTES
+    ensure_process_groups(tp, expert_model_parallel_size=ep, timeout_minutes=timeout)
 
 
 def layer_specs(cfg, impl: str):

@@ -19,18 +19,28 @@ harness installs NCCL's device rule on CPU through it (docs/training.md#collecti
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import tempfile
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
 RANK_SETUP_ENV = "MILES_RANK_SETUP_HOOK"
+DEFAULT_TIMEOUT_MINUTES = 10.0  # NCCL's and Megatron's default (--distributed-timeout-minutes)
+CHECKPOINT_TIMEOUT = timedelta(hours=4)  # a checkpoint's slowest upload (hundreds of GB) fits in it
+_checkpoint_group = None
 
 
-def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_parallel_size: int = 1) -> None:
+def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_parallel_size: int = 1,
+                          timeout_minutes: float = DEFAULT_TIMEOUT_MINUTES) -> None:
+    """`timeout_minutes` (--distributed-timeout-minutes): how long a collective of the trainer's groups
+    (the world and Megatron's) may wait; on NCCL its watchdog tears the rank down past it."""
     from megatron.core import parallel_state
+
+    timeout = timedelta(minutes=timeout_minutes)
 
     if not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -38,12 +48,12 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_p
             if torch.cuda.is_available():
                 # Ray gives each rank actor its own CUDA_VISIBLE_DEVICES (one device): index 0
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
-            dist.init_process_group(backend, init_method="env://")
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
             fd, path = tempfile.mkstemp(prefix="miles-pg-")
             os.close(fd)
             os.unlink(path)  # the file store creates it; it must not exist yet
-            dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
+            dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1, timeout=timeout)
     tp, ep = tensor_model_parallel_size, expert_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
@@ -61,8 +71,22 @@ def ensure_process_groups(tensor_model_parallel_size: int = 1, *, expert_model_p
     if world % (tp * ep):
         raise RuntimeError(f"--expert-model-parallel-size={ep} x the expert tensor parallel size {tp} does not "
                            f"divide the world size {world}.")
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             distributed_timeout_minutes=max(1, math.ceil(timeout_minutes)))
     run_rank_setup_hook(trainer_groups())
+
+
+def checkpoint_group():
+    """The group in which ranks wait for each other's checkpoint writes: gloo (a CPU group, also on GPU
+    runs), with CHECKPOINT_TIMEOUT, so a rank waiting for an upload of hundreds of GB never sits in an
+    NCCL collective whose watchdog would tear it down. Made on first use, by every rank in the same
+    order (each save calls it at the same point); None for a world of one."""
+    global _checkpoint_group
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if _checkpoint_group is None:
+        _checkpoint_group = dist.new_group(backend="gloo", timeout=CHECKPOINT_TIMEOUT)
+    return _checkpoint_group
 
 
 def run_rank_setup_hook(groups: list) -> None:

@@ -12,6 +12,11 @@ naming the collective, the tensor's device and dtype, and the declared device):
   dispatch's all-to-all and sequence parallelism's gathers, run on its CUDA activations on GPU, so
   only the dtype rule binds them).
 
+And NCCL's watchdog: a collective on such a group that passes the group's timeout (gloo raises; NCCL's
+watchdog, with TORCH_NCCL_ASYNC_ERROR_HANDLING's default, tears the process down) ends the rank's
+process at once with `WATCHDOG_EXIT` and a line on stderr, whoever called it, instead of raising an
+exception the caller could catch and go on from, which it could not on GPU.
+
 In rank processes it is installed through the product's rank setup hook: set `ENV` (the hook
 `tests.support.strict_device:nccl_device_rule`) before the ranks start; `ensure_process_groups`
 calls it with the trainer's groups (the world, DP, TP and the expert groups). Ray's local workers
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 
 import torch
@@ -36,10 +42,11 @@ ENV = {RANK_SETUP_ENV: HOOK}  # the environment that installs the rule in every 
 # what NCCL takes for every op (float64 included); no uint16/32/64, complex or float8 reductions
 NCCL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
                          torch.int32, torch.int64, torch.bool})
-WRAPPED = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
+WRAPPED = ("barrier", "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "broadcast",
            "reduce", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv", "isend", "irecv")
 UNCHECKED_CALLERS = ("torch.", "megatron.")  # their collectives run on CUDA tensors on GPU
 DTYPE_CHECKED_CALLERS = ("megatron.",)  # ... but NCCL's dtype rule binds them too
+WATCHDOG_EXIT = 134  # what a process SIGABRTed by NCCL's watchdog reports (128 + SIGABRT)
 
 
 class DeviceRuleError(RuntimeError):
@@ -68,13 +75,30 @@ def _checked(name: str, fn):
     def call(*args, **kwargs):
         caller = sys._getframe(1).f_globals.get("__name__", "")
         ours = not caller.startswith(UNCHECKED_CALLERS)
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("group")
         if ours or caller.startswith(DTYPE_CHECKED_CALLERS):
-            bound = signature.bind(*args, **kwargs)
-            _check(name, bound.arguments.get("group"), _tensors(bound.arguments.values()), device=ours)
-        return fn(*args, **kwargs)
+            _check(name, group, _tensors(bound.arguments.values()), device=ours)
+        if collectives.standing_device(group) is None:
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            if "timed out" not in str(e).lower() and "timeout" not in str(e).lower():
+                raise
+            _watchdog(name, caller, e)
 
     call._miles_checked = True
     return call
+
+
+def _watchdog(name: str, caller: str, error: BaseException) -> None:
+    """What NCCL's watchdog does to a rank whose collective passed the group's timeout: the process ends."""
+    sys.stderr.write(f"[strict device] watchdog: torch.distributed.{name} (called from {caller}) passed its "
+                     f"process group's timeout; tearing rank {dist.get_rank()} down as NCCL's watchdog does "
+                     f"({type(error).__name__}: {str(error)[:300]})\n")
+    sys.stderr.flush()
+    os._exit(WATCHDOG_EXIT)
 
 
 def _tensors(values) -> list[torch.Tensor]:
