@@ -29,8 +29,10 @@ bf16 (always on GPU; --bf16 on CPU), 4 in fp32):
   divided by t under --sequence-parallel), Q after RoPE, K and V repeated to every head and the
   context (4·n·q/t, q = heads x head_dim: Qwen3's head_dim is its own), with q/k norms their inputs
   (n·(q + kv)/t), the MLP's fc1 output, its activation and fc2's input (4·n·f/t for a gated MLP, 3f/t
-  otherwise) and the attention probabilities plus, at the peak, the scores being turned into them
-  (2·b·(a/t)·s²). A MoE layer keeps instead of the dense MLP's: the router's logits and scores
+  otherwise) and, with the local spec's unfused attention, the softmax output (in fp32 when the
+  weights are bf16) and the probabilities: (4 + w)·b·(a/t)·s² bytes in bf16, w·b·(a/t)·s² in fp32,
+  with 4·w·b·(a/t)·s² more at the attention's peak (`_attention_planes`; Transformer Engine's fused
+  attention, `--transformer-impl transformer_engine`, keeps none). A MoE layer keeps instead of the dense MLP's: the router's logits and scores
   (2·n·E), the n·k token copies dispatched to the experts and their outputs before the combine
   (2·n·k·h), the experts' fc1/activation/fc2 input for those n·k copies at width moe_ffn / t (with
   balanced routing a rank's experts receive n·k copies whatever e is) and a shared expert's MLP.
@@ -179,22 +181,45 @@ def _activations(spec: ModelSpec, cfg: RunConfig, b: int, s: int, width: int) ->
     tp, _ = _sizes(cfg)
     sp = tp if t.sequence_parallel else 1
     h, layers, moe = spec.hidden_size, spec.num_layers, len(spec.moe_layers)
-    scores = width * 2 * b * (spec.num_heads / tp) * s * s
+    kept, peak = _attention_planes(cfg, b * (spec.num_heads / tp) * s * s, width)
     tokens = [width * b * s * _layer_per_token(spec, cfg, m) for m in (False, True)]
     layer_tokens = (layers - moe) * tokens[0] + moe * tokens[1]  # every layer's
-    biggest = max(tokens[0] if moe < layers else 0.0, tokens[1] if moe else 0.0) + scores
-    mean = layer_tokens / layers + scores
+    largest = max(tokens[0] if moe < layers else 0.0, tokens[1] if moe else 0.0)
+    biggest = largest + kept  # one layer's whole activations (a chunk being recomputed holds these)
+    mean = layer_tokens / layers + kept
     once = width * b * s * 3 * h / sp + (s * s if t.use_dynamic_batch_size else 0)  # + the packed row's bool mask
-    working = biggest  # backward: the gradients of one layer's activations
+    working = largest + peak  # backward: the gradients of one layer's activations, the attention's peak
     if t.recompute_granularity == "selective":
-        return layer_tokens + scores + working + once
+        return layer_tokens + kept + working + once
     if t.recompute_granularity == "full":
         saved = width * b * s * h / sp  # a recomputed layer's input
         k = min(t.recompute_num_layers or layers, layers)
+        # the recomputed layer in backward has its s x s state in the attention's peak, not twice
         if t.recompute_method == "block":
-            return (layers - k) * mean + k * saved + biggest + working + once
-        return -(-layers // k) * saved + k * biggest + working + once
+            return (layers - k) * mean + k * saved + biggest - kept + working + once
+        return -(-layers // k) * saved + k * biggest - kept + working + once
     return layers * mean + working + once
+
+
+def _attention_planes(cfg: RunConfig, plane: float, width: int) -> tuple[float, float]:
+    """(bytes each layer keeps, bytes at the attention's peak) of the s x s score planes (`plane`
+    elements: b x heads/t x s x s), for the attention `--transformer-impl` runs. Megatron's local
+    (unfused) attention keeps the softmax output, in fp32 when the weights are bf16
+    (attention_softmax_in_fp32), and the probabilities at the weights' width for the value product;
+    its peak (the persistent score buffer, the scores being turned into probabilities or their
+    gradients in fp32) is 4 planes at the weights' width. Measured on CPU (bf16 and fp32, 2 and 4
+    layers, 1,024 and 2,048 tokens): 6 and 4 bytes per element per layer, 8 and 16 at the peak.
+    Transformer Engine's fused attention keeps no s x s state."""
+    if transformer_impl_of(cfg) == "transformer_engine":
+        return 0.0, 0.0
+    return plane * (width + (4 if width < 4 else 0)), plane * 4 * width
+
+
+def transformer_impl_of(cfg: RunConfig) -> str:
+    """The attention the estimate counts: `auto` is counted as local (the upper bound) unless the
+    GPU image has Transformer Engine, which this estimate cannot see before the run."""
+    impl = cfg.train.transformer_impl
+    return "transformer_engine" if impl == "transformer_engine" else "local"
 
 
 LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in backward

@@ -80,7 +80,7 @@ def test_six_trainer_ranks_are_refused_with_the_quoted_message(monkeypatch):
 
 
 def test_the_memory_figure_is_the_estimate():
-    """Pins: the page's "about 37 GiB per GPU" is the estimate for this run (within 10%), under --gpu-memory-gb 80.
+    """Pins: the page's "about 43 GiB per GPU" is the estimate for this run (within 10%), under --gpu-memory-gb 80.
     Guards: a figure that drifts from the estimate when either changes; update the page with the estimate."""
     figure = float(re.search(r"trainer needs about (\d+) GiB per GPU", DOC).group(1))
     total = estimate(QWEN25_1_5B, parse_flags(example_flags())).total / GIB

@@ -54,7 +54,7 @@ def computed(model: str, flags: list[str]) -> list[str]:
 def test_the_table_has_both_models_and_every_verdict():
     rows = table_rows()
     assert {r[0] for r in rows} == set(CONFIGS) and len(rows) >= 6
-    assert {r[-1] for r in rows} == {"fits", "refused"}
+    assert {"fits", "refused"} <= {r[-1] for r in rows} <= {"fits", "warns", "refused"}
 
 
 @pytest.mark.parametrize("row", table_rows(), ids=lambda r: f"{r[0]} {r[1]}")
