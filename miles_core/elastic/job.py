@@ -34,7 +34,7 @@ from miles_core.config.record import read_run_config
 from miles_core.driver.placement import ensure_ray
 from miles_core.elastic import heartbeat as H
 from miles_core.engines.client import EngineClient
-from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
+from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, EnginesLost, custom_resource
 from miles_core.metrics import trace
 from miles_core.rollout.assembly import build_rollout_side, rejection_handler
 from miles_core.rollout.claims import ClaimRenewer
@@ -201,9 +201,20 @@ class ProducerJob:
             await self._follow_weights()
             self.producer.wake()
             if time.monotonic() >= next_beat:
+                await self._check_engines()
                 self._heartbeat(H.GENERATING if self.producer.in_flight_groups else H.WAITING)
                 next_beat = time.monotonic() + HEARTBEAT_SECONDS
             await asyncio.sleep(self.cfg.buffer.producer_poll_seconds)
+
+    async def _check_engines(self) -> None:
+        """EnginesLost when an engine's actor is gone (its node lost or preempted): nothing would
+        notice otherwise, and heartbeats and claims would be renewed for prompts never generated."""
+        lost = await asyncio.to_thread(self.fleet.lost)
+        if lost:
+            names = ", ".join(getattr(m, "name", "?") for m in lost)
+            raise EnginesLost(f"producer {self.producer_id}: {len(lost)} of {len(self.fleet.members)} engine(s) "
+                              f"lost with their actors ({names}): their node was lost or preempted; stopping so "
+                              "the task's retries start the producer again")
 
     # ------------------------------------------------------------------ the run root
     async def _poll(self) -> str:

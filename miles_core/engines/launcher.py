@@ -94,6 +94,14 @@ class EngineStartError(RuntimeError):
         super().__init__(message)
 
 
+class EnginesLost(RuntimeError):
+    """Engines of a fleet whose actors are gone (their node lost or preempted): an infrastructure
+    failure that ends a producer job, so its task's retries start it again on other nodes."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
 @dataclass(frozen=True)
 class EngineLaunchSpec:
     backend: str  # "cpu" | "sglang"

@@ -7,6 +7,7 @@ Infrastructure (a retried segment resumes from the latest checkpoint and can suc
   NodeDiedError, WorkerCrashedError, LocalRayletDiedError, ObjectLostError and its subclasses;
 - storage unreachable through every retry: StorageUnavailable;
 - an engine lost beyond its restarts: EngineStartError, EngineUnavailableError, WeightPushError;
+- a producer job's engines lost with their node: EnginesLost;
 - a trainer rank closed while the run needed it: RankEnded;
 - this writer's lease lost (LeaseLost): its renewals failed, so storage was unreachable.
 The user's (retrying cannot help): configuration and data errors (ConfigError, DatasetError,
@@ -30,6 +31,7 @@ INFRASTRUCTURE = frozenset({
     "ray.exceptions.ObjectLostError",
     "miles_core.storage.StorageUnavailable",
     "miles_core.engines.launcher.EngineStartError",
+    "miles_core.engines.launcher.EnginesLost",
     "miles_core.engines.client.EngineUnavailableError",
     "miles_core.weights.distributed.WeightPushError",
     "miles_core.driver.switchboard.RankEnded",

@@ -67,3 +67,77 @@ def test_a_live_producer_id_is_not_taken_twice(run):
     job._check_id_free(wait_seconds=0.3)  # a stopped producer's id may be used again
     with pytest.raises(ProducerError, match="run's own rollout"):
         run_producer(run.uri(), producer_id="trainer")
+
+
+def test_lost_engines_end_the_job_with_a_retried_failure_and_release_its_claims(run, monkeypatch):
+    """Pins: when the fleet reports an engine whose actor is gone (a spot node preempted while the head
+    survives), the job stops with EnginesLost (an infrastructure failure: Flyte retries the task), its
+    claims are released and its engines shut down. Guards: a zombie producer renewing heartbeats and
+    claims for ever while nothing generates its claimed prompts."""
+    import asyncio
+    import threading
+
+    from miles_core.elastic import job as J
+    from miles_core.engines.launcher import EnginesLost
+    from miles_core.failures import is_infrastructure
+
+    calls = []
+
+    class Fleet:
+        members = ["engine-0", "engine-1"]
+
+        def __init__(self):
+            self.checks = 0
+
+        def lost(self):
+            self.checks += 1
+            return [] if self.checks < 2 else [type("M", (), {"name": "spot-a-engine-1"})()]
+
+        def shutdown(self):
+            calls.append("fleet shutdown")
+
+    class Producer:
+        error, in_flight_groups, tokens_total = None, 0, 0
+
+        def start(self):
+            calls.append("producer start")
+
+        def wake(self):
+            pass
+
+        async def stop(self, grace_seconds):
+            calls.append("producer stop")
+
+    class Claims:
+        def release(self):
+            calls.append("claims released")
+
+    class Renewer:
+        def __init__(self, claims):
+            pass
+
+        def start(self):
+            return self
+
+        def stop(self):
+            calls.append("renewer stop")
+
+    job = J.ProducerJob(joined_config(run), run, 2, "spot-a", 1800.0, threading.Event())
+
+    async def joined():
+        job.fleet, job.producer, job.claims = Fleet(), Producer(), Claims()
+        return ""
+
+    async def nothing():
+        return ""
+
+    monkeypatch.setattr(job, "_join", joined)
+    monkeypatch.setattr(job, "_poll", nothing)
+    monkeypatch.setattr(job, "_follow_weights", lambda: asyncio.sleep(0))
+    monkeypatch.setattr(J, "ClaimRenewer", Renewer)
+    monkeypatch.setattr(J, "HEARTBEAT_SECONDS", 0.0)
+    with pytest.raises(EnginesLost, match="1 of 2 engine.*spot-a-engine-1") as lost:
+        asyncio.run(job.run())
+    assert is_infrastructure(lost.value)
+    assert calls == ["producer start", "producer stop", "renewer stop", "claims released", "fleet shutdown"]
+    assert H.read_heartbeat(run, "spot-a").state == H.STOPPED
