@@ -141,3 +141,52 @@ def test_lost_engines_end_the_job_with_a_retried_failure_and_release_its_claims(
     assert is_infrastructure(lost.value)
     assert calls == ["producer start", "producer stop", "renewer stop", "claims released", "fleet shutdown"]
     assert H.read_heartbeat(run, "spot-a").state == H.STOPPED
+
+
+def test_sigterm_stops_the_job_with_a_short_grace_and_releases_its_claims(run, monkeypatch):
+    """Pins: SIGTERM (an eviction, a spot preemption notice) sets the job's stop with SIGTERM_GRACE_SECONDS
+    for its in-flight groups; the job then stops its producer with that grace and releases its claims;
+    the previous SIGTERM handler is back afterwards. Guards: a preempted producer whose claimed prompts
+    wait a whole claim TTL before another writer may generate them."""
+    import asyncio
+    import os
+    import signal
+    import threading
+    import time
+
+    from miles_core.elastic import job as J
+
+    stopped = threading.Event()
+    job = J.ProducerJob(joined_config(run), run, 1, "spot-b", 1800.0, stopped)
+    before = signal.getsignal(signal.SIGTERM)
+    with J.stop_on_sigterm(stopped, job):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stopped.wait(5)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert job.stop_grace_seconds == J.SIGTERM_GRACE_SECONDS < J.STOP_GRACE_SECONDS
+
+    calls = []
+
+    class Producer:
+        error, in_flight_groups, tokens_total = None, 0, 0
+
+        def start(self):
+            pass
+
+        async def stop(self, grace_seconds):
+            calls.append(("producer stop", grace_seconds))
+
+    class Claims:
+        def release(self):
+            calls.append(("claims released", round(time.monotonic() - t0)))
+
+    async def joined():
+        job.producer, job.claims = Producer(), Claims()
+        return ""
+
+    monkeypatch.setattr(job, "_join", joined)
+    monkeypatch.setattr(J, "ClaimRenewer", lambda claims: type("R", (), {"start": lambda s: s, "stop": lambda s: None})())
+    t0 = time.monotonic()
+    result = asyncio.run(job.run())
+    assert result.stop_reason == "asked to stop"
+    assert calls == [("producer stop", J.SIGTERM_GRACE_SECONDS), ("claims released", 0)]
