@@ -279,11 +279,13 @@ class ProducerJob:
         return f"the run has not trained for {self.idle_exit_seconds:.0f} s and is not running"
 
     async def _follow_weights(self) -> None:
-        """Load the feed's version when it is newer: pause, load on every engine, resume."""
+        """Load the feed's version when it is newer: every engine downloads and stages it while it
+        generates, then pause, load (a swap), resume."""
         feed = self.feed
         if feed.version <= self.version:
             return
         try:
+            await asyncio.to_thread(self.fleet.stage_weights, feed.weights)
             await paused_load([self.engine], self.cfg.rollout.pause_generation_mode,
                               lambda: asyncio.to_thread(self.fleet.load_weights, feed.weights, feed.version),
                               feed.version)

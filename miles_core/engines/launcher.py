@@ -525,6 +525,14 @@ class EngineFleet:
 
         ray.get([a.load_weights.remote(uri, weight_version, flush_cache) for a in self.actors])
 
+    def stage_weights(self, uri: str) -> None:
+        """Every engine copies the snapshot at `uri` to its own node and stages it beside the model it
+        serves (blocking; engines go on generating): the `load_weights` of `uri` that follows, while
+        paused, only swaps it in."""
+        import ray
+
+        ray.get([a.stage_weights.remote(uri) for a in self.actors])
+
     # ---- changes while a run goes on ------------------------------------------------------------
     def spawn(self) -> FleetMember:
         """A new engine, starting in the background (Ray places it when the cluster has room)."""

@@ -190,3 +190,41 @@ def test_sigterm_stops_the_job_with_a_short_grace_and_releases_its_claims(run, m
     result = asyncio.run(job.run())
     assert result.stop_reason == "asked to stop"
     assert calls == [("producer stop", J.SIGTERM_GRACE_SECONDS), ("claims released", 0)]
+
+
+def test_new_weights_are_downloaded_and_staged_before_the_engines_pause(run):
+    """Pins: a producer following the feed has every engine stage the new version (its download and the
+    server's read) while generating, then pauses, loads (a swap) and resumes. Guards: engines paused for
+    a whole download of the model from object storage at every version."""
+    import asyncio
+    import threading
+
+    from miles_core.elastic import job as J
+    from miles_core.rollout.feed_record import Feed
+
+    calls = []
+
+    class Fleet:
+        def stage_weights(self, uri):
+            calls.append(("stage", uri))
+
+        def load_weights(self, uri, version):
+            calls.append(("load", uri, version))
+
+    class Engine:
+        async def pause_generation(self, mode):
+            calls.append(("pause",))
+
+        async def continue_generation(self):
+            calls.append(("resume",))
+
+    class Producer:
+        def set_version(self, v):
+            calls.append(("version", v))
+
+    job = J.ProducerJob(joined_config(run), run, 1, "spot-c", 1800.0, threading.Event())
+    job.fleet, job.engine, job.producer, job.version = Fleet(), Engine(), Producer(), 3
+    job.feed = Feed(version=4, weights="file:///w/v4", step=3, segment=0, queue_size=0, capacity=8, consumed_groups=0,
+                    groups_per_version=1, max_weight_staleness=None, first_version=0, written_at=0.0)
+    asyncio.run(job._follow_weights())
+    assert calls == [("stage", "file:///w/v4"), ("pause",), ("load", "file:///w/v4", 4), ("resume",), ("version", 4)]
