@@ -113,6 +113,19 @@ def fit_problems(cfg: RunConfig, shape: ClusterShape) -> list[str]:
             + _advice(cfg, shape)]
 
 
+def producer_fit_problems(cfg: RunConfig, num_engines: int, shape: ClusterShape) -> list[str]:
+    """[] when a producer job's `num_engines` engines (the run's engine shape) fit its cluster `shape`;
+    else one problem naming what is asked and what is there. Checked before any engine starts: Ray
+    would wait for room for ever."""
+    need = [engine_bundle(cfg, f"producer engine {i}") for i in range(num_engines)]
+    missing = unplaced(need, shape)
+    if not missing:
+        return []
+    return [f"the producer's engines do not fit {shape.source}: it asks for {_asked(need)}, and {len(missing)} of "
+            f"them cannot be placed; the cluster has {shape.describe()}. Start it with fewer engines "
+            "(--engines) or on a cluster with room for them."]
+
+
 def _asked(bundles: list[Bundle]) -> str:
     groups: dict[tuple[str, float, int, str], int] = {}
     for b in bundles:

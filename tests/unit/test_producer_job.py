@@ -228,3 +228,41 @@ def test_new_weights_are_downloaded_and_staged_before_the_engines_pause(run):
                     groups_per_version=1, max_weight_staleness=None, first_version=0, written_at=0.0)
     asyncio.run(job._follow_weights())
     assert calls == [("stage", "file:///w/v4"), ("pause",), ("load", "file:///w/v4", 4), ("resume",), ("version", 4)]
+
+
+def test_engines_that_do_not_fit_or_would_be_exposed_without_a_token_are_refused_before_they_start(run, monkeypatch):
+    """Pins: the producer checks its engines against its cluster before starting any (too many for its
+    GPUs: refused naming both) and applies the trainer's API token rule (engines bound beyond loopback on
+    a multi-node cluster need MILES_ENGINE_API_KEY). Guards: a producer waiting for ever for room, or
+    serving unauthenticated engines on the pod network."""
+    import threading
+
+    from miles_core.config import ConfigError
+    from miles_core.elastic import job as J
+    from miles_core.prepare.resources import ClusterShape, Node
+
+    started = []
+
+    class Fleet:
+        def __init__(self, spec, n, **kwargs):
+            self.n = n
+
+        def start(self):
+            started.append(self.n)
+            return self
+
+    monkeypatch.setattr(J, "EngineFleet", Fleet)
+    monkeypatch.delenv("MILES_ENGINE_API_KEY", raising=False)
+    job = J.ProducerJob(joined_config(run), run, 3, "spot-d", 1800.0, threading.Event())
+    feed = type("F", (), {"weights": "file:///w/v0", "version": 0})()
+    monkeypatch.setattr(J, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "its Ray instance"))
+    with pytest.raises(ConfigError, match="the producer's engines do not fit its Ray instance"):
+        job._start_fleet(feed)
+    two = ClusterShape((Node("head", 8, 0), Node("worker", 8, 0)), "its Ray cluster")
+    monkeypatch.setattr(J, "cluster_shape", lambda: two)
+    with pytest.raises(ConfigError, match="MILES_ENGINE_API_KEY"):
+        job._start_fleet(feed)
+    assert started == []
+    monkeypatch.setenv("MILES_ENGINE_API_KEY", "k" * 32)
+    job._start_fleet(feed)
+    assert started == [3]

@@ -98,3 +98,17 @@ def test_every_documented_remote_command_fits_the_default_train_cluster():
     assert len(commands) >= 2
     for flags in commands:
         assert fit_problems(parse_flags(["--preset", "tiny-reverse4", *shlex.split(flags)], check=False), TRAIN_CLUSTER) == [], flags
+
+
+def test_a_producers_engines_are_checked_to_fit_before_they_start():
+    """Pins: a producer job of 4 one-GPU engines fits an 8-GPU worker, not a 2-GPU spot worker: the
+    problem names what is asked and what the cluster has. Guards: a producer waiting for ever for room
+    Ray never has (EngineFleet.start was called unchecked)."""
+    from miles_core.prepare.resources import producer_fit_problems
+
+    cfg = parse_flags(["--preset", "tiny-reverse4", "--engine-backend", "sglang", "--allow-rollout-producers"])
+    assert producer_fit_problems(cfg, 4, FLYTE_DEFAULT) == []
+    spot = ClusterShape((Node("head", 4, 0), Node("spot worker", 16, 2)), "the producer's Ray cluster")
+    (problem,) = producer_fit_problems(cfg, 4, spot)
+    assert "the producer's engines do not fit the producer's Ray cluster" in problem
+    assert "4 x producer engine" in problem and "2 of them cannot be placed" in problem and "fewer engines" in problem
