@@ -92,24 +92,75 @@ TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER)
 
 
 # A producer job's own Ray cluster (workflows/rollout_producer.py): engines only, e.g. on a preemptible
-# GPU node pool in another zone; MILES_PRODUCER_* variables, read at registration like the above.
+# GPU node pool in another zone; MILES_PRODUCER_* variables, read at registration like the above:
+#   MILES_PRODUCER_GPU_WORKERS       GPU worker pods (default 1)
+#   MILES_PRODUCER_GPUS_PER_WORKER   GPUs per worker pod (default 1)
+#   MILES_PRODUCER_NODE_SELECTOR     the workers' node selector: key=value[,key=value] (a spot pool's label)
+#   MILES_PRODUCER_TOLERATIONS       their tolerations: key[=value]:Effect[,...] (the pool's taint)
 PRODUCER_GPU_WORKERS = int(os.environ.get("MILES_PRODUCER_GPU_WORKERS", "1"))
 PRODUCER_GPUS_PER_WORKER = int(os.environ.get("MILES_PRODUCER_GPUS_PER_WORKER", "1"))
 
-PRODUCER_CLUSTER = RayJob(
-    head_node_config=HeadNodeConfig(
-        ray_start_params={"num-gpus": "0", "log-color": "false"},
-        requests=Resources(cpu="2", mem="8Gi"),
-    ),
-    worker_node_config=[
-        WorkerNodeConfig(
-            group_name="rollout",
-            replicas=PRODUCER_GPU_WORKERS,
-            requests=Resources(cpu=str(CPUS_PER_GPU * PRODUCER_GPUS_PER_WORKER),
-                               mem=f"{64 * PRODUCER_GPUS_PER_WORKER}Gi", gpu=str(PRODUCER_GPUS_PER_WORKER)),
-            limits=Resources(gpu=str(PRODUCER_GPUS_PER_WORKER)),
-        )
-    ],
-    shutdown_after_job_finishes=True,
-    ttl_seconds_after_finished=600,
-)
+
+def producer_cluster(workers: int, gpus_per_worker: int, node_selector: str = "", tolerations: str = "") -> RayJob:
+    """The producer's RayJob. With a node selector or tolerations the workers get a pod template that
+    carries them and the resources (flytekitplugins-ray builds the pod from requests/limits when those
+    are set and drops a template then; so the resources go into the template's ray-worker container)."""
+    cpus, mem = str(CPUS_PER_GPU * gpus_per_worker), f"{64 * gpus_per_worker}Gi"
+    if node_selector or tolerations:
+        rollout = WorkerNodeConfig(group_name="rollout", replicas=workers, pod_template=_worker_pod_template(
+            cpus, mem, gpus_per_worker, _pairs(node_selector, "MILES_PRODUCER_NODE_SELECTOR"),
+            _tolerations(tolerations)))
+    else:
+        rollout = WorkerNodeConfig(group_name="rollout", replicas=workers,
+                                   requests=Resources(cpu=cpus, mem=mem, gpu=str(gpus_per_worker)),
+                                   limits=Resources(gpu=str(gpus_per_worker)))
+    return RayJob(
+        head_node_config=HeadNodeConfig(
+            ray_start_params={"num-gpus": "0", "log-color": "false"},
+            requests=Resources(cpu="2", mem="8Gi"),
+        ),
+        worker_node_config=[rollout],
+        shutdown_after_job_finishes=True,
+        ttl_seconds_after_finished=600,
+    )
+
+
+def _worker_pod_template(cpus: str, mem: str, gpus: int, node_selector: dict[str, str], tolerations: list):
+    from flytekit import PodTemplate
+    from kubernetes.client import V1Container, V1PodSpec, V1ResourceRequirements
+
+    gpu = {"nvidia.com/gpu": str(gpus)}
+    return PodTemplate(primary_container_name="ray-worker", pod_spec=V1PodSpec(
+        containers=[V1Container(name="ray-worker", resources=V1ResourceRequirements(
+            requests={"cpu": cpus, "memory": mem, **gpu}, limits=gpu))],
+        node_selector=node_selector or None, tolerations=tolerations or None))
+
+
+def _pairs(text: str, name: str) -> dict[str, str]:
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not (sep and key):
+            raise ValueError(f"{name}: {item!r} is not key=value")
+        out[key] = value
+    return out
+
+
+def _tolerations(text: str) -> list:
+    from kubernetes.client import V1Toleration
+
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        match, sep, effect = item.rpartition(":")
+        if not (sep and match and effect in ("NoSchedule", "PreferNoSchedule", "NoExecute")):
+            raise ValueError(f"MILES_PRODUCER_TOLERATIONS: {item!r} is not key[=value]:Effect "
+                             "(Effect: NoSchedule, PreferNoSchedule or NoExecute)")
+        key, eq, value = match.partition("=")
+        out.append(V1Toleration(key=key, operator="Equal" if eq else "Exists", value=value if eq else None,
+                                effect=effect))
+    return out
+
+
+PRODUCER_CLUSTER = producer_cluster(PRODUCER_GPU_WORKERS, PRODUCER_GPUS_PER_WORKER,
+                                    os.environ.get("MILES_PRODUCER_NODE_SELECTOR", ""),
+                                    os.environ.get("MILES_PRODUCER_TOLERATIONS", ""))
