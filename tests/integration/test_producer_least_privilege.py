@@ -32,6 +32,7 @@ from miles_core.metrics import trace
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.models.source import tokenizer_source
 from miles_core.prepare.dataset import prepare_dataset
+from miles_core.prepare.resources import ClusterShape, Node
 from miles_core.rollout.feed_record import FEED_KEY, Feed, read_feed, write_feed
 from miles_core.storage import COMPLETE_MARKER, StorageError, Store
 from miles_core.storage.node_local import localize
@@ -103,8 +104,16 @@ class InProcessFleet:
         self.runner = asyncio.run_coroutine_threadsafe(serve(server, "127.0.0.1", self.port), self.loop).result()
         return self
 
+    members = ["engine-0"]
+
     def urls(self) -> list[str]:
         return [f"http://127.0.0.1:{self.port}"]
+
+    def lost(self) -> list:
+        return []  # its engine lives as long as this process
+
+    def stage_weights(self, uri: str) -> None:
+        localize(uri, "weights", required=COMPLETE_MARKER)  # the download, before the pause
 
     def load_weights(self, uri: str, version: int) -> None:
         async def load():
@@ -182,6 +191,7 @@ def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(t
     cfg, store = run_root(tmp_path)
     monkeypatch.setattr(J, "EngineFleet", InProcessFleet)
     monkeypatch.setattr(J, "ensure_ray", lambda: None)
+    monkeypatch.setattr(J, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "this process"))
     monkeypatch.setattr(J, "HEARTBEAT_SECONDS", 0.2)  # beats (and run-state reads) every 5 s: a slow test
     confined = ProducerStore(cfg.run_uri, PRODUCER)
     before = files(store.local_path(""))
