@@ -26,7 +26,7 @@ from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
 from miles_core.prepare.checks import check_device_memory
-from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, trainer_bundle
+from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, producer_fit_problems, trainer_bundle
 from miles_core.rank_batches import data_layout, split_for_run
 from miles_core.rollout.manager import rollout_manager_actor
 
@@ -75,14 +75,16 @@ RENDEZVOUS_ATTEMPTS = 3  # rank 0's port is picked free, then bound: another pro
 _BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
-def check_fits(cfg) -> None:
-    """ConfigError naming both sides when the run's engines, trainer ranks and eval engines cannot all be
-    placed on the connected cluster, or when engines would bind beyond loopback there (`auto` on more
-    than one node) without the API token (checked before any of them starts)."""
+def check_fits(cfg, producer_engines: int | None = None) -> None:
+    """ConfigError naming both sides when the run's engines, trainer ranks and eval engines (or a producer
+    job's `producer_engines` engines) cannot all be placed on the connected cluster, or when engines
+    would bind beyond loopback there (`auto` on more than one node) without the API token (checked
+    before any of them starts: Ray would wait for room for ever)."""
     shape = cluster_shape()
     exposure = bind_problem(cfg.engine.engine_bind_host, len(shape.nodes))
-    problems = fit_problems(cfg, shape) + ([exposure] if exposure else [])
-    raise_problems(problems)
+    fits = (fit_problems(cfg, shape) if producer_engines is None
+            else producer_fit_problems(cfg, producer_engines, shape))
+    raise_problems(fits + ([exposure] if exposure else []))
 
 
 class TrainerPlacementError(RuntimeError):

@@ -33,14 +33,11 @@ from miles_core.buffer.contract import load_dynamic_filter
 from miles_core.buffer.durable import DurableBuffer
 from miles_core.buffer.objects import TRAINER_HOLDER, new_writer_id
 from miles_core.config.record import read_run_config
-from miles_core.config.rules import raise_problems
-from miles_core.driver.placement import cluster_shape, ensure_ray
+from miles_core.driver.placement import check_fits, ensure_ray
 from miles_core.elastic import heartbeat as H
-from miles_core.engines.auth import bind_problem
 from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, EnginesLost, custom_resource
 from miles_core.metrics import trace
-from miles_core.prepare.resources import producer_fit_problems
 from miles_core.rollout.assembly import build_rollout_side, rejection_handler
 from miles_core.rollout.claims import ClaimRenewer
 from miles_core.rollout.feed_record import Feed, FeedError, read_feed
@@ -245,7 +242,7 @@ class ProducerJob:
         notice otherwise, and heartbeats and claims would be renewed for prompts never generated."""
         lost = await asyncio.to_thread(self.fleet.lost)
         if lost:
-            names = ", ".join(getattr(m, "name", "?") for m in lost)
+            names = ", ".join(m.name for m in lost)
             raise EnginesLost(f"producer {self.producer_id}: {len(lost)} of {len(self.fleet.members)} engine(s) "
                               f"lost with their actors ({names}): their node was lost or preempted; stopping so "
                               "the task's retries start the producer again")
@@ -331,9 +328,7 @@ class ProducerJob:
     # ------------------------------------------------------------------ parts
     def _start_fleet(self, feed: Feed) -> EngineFleet:
         cfg = self.cfg
-        shape = cluster_shape()  # checked before any engine starts: Ray would wait for room for ever
-        exposure = bind_problem(cfg.engine.engine_bind_host, len(shape.nodes))  # the trainer's token rule
-        raise_problems(producer_fit_problems(cfg, self.num_engines, shape) + ([exposure] if exposure else []))
+        check_fits(cfg, producer_engines=self.num_engines)  # room and the API token rule, before any starts
         spec = EngineLaunchSpec.from_config(cfg.engine, feed.weights, feed.version,
                                             routed_experts=cfg.train.use_rollout_routing_replay)
         return EngineFleet(spec, self.num_engines, num_cpus_per_engine=cfg.run.num_cpus_per_engine,

@@ -23,6 +23,7 @@ import time
 import pytest
 
 from miles_core.config import parse_flags
+from miles_core.driver import placement
 from miles_core.elastic import heartbeat as H
 from miles_core.elastic import job as J
 from miles_core.engines.client import EngineClient
@@ -191,7 +192,7 @@ def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(t
     cfg, store = run_root(tmp_path)
     monkeypatch.setattr(J, "EngineFleet", InProcessFleet)
     monkeypatch.setattr(J, "ensure_ray", lambda: None)
-    monkeypatch.setattr(J, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "this process"))
+    monkeypatch.setattr(placement, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "this process"))
     monkeypatch.setattr(J, "HEARTBEAT_SECONDS", 0.2)  # beats (and run-state reads) every 5 s: a slow test
     confined = ProducerStore(cfg.run_uri, PRODUCER)
     before = files(store.local_path(""))

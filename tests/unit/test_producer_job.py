@@ -238,6 +238,7 @@ def test_engines_that_do_not_fit_or_would_be_exposed_without_a_token_are_refused
     import threading
 
     from miles_core.config import ConfigError
+    from miles_core.driver import placement
     from miles_core.elastic import job as J
     from miles_core.prepare.resources import ClusterShape, Node
 
@@ -255,11 +256,11 @@ def test_engines_that_do_not_fit_or_would_be_exposed_without_a_token_are_refused
     monkeypatch.delenv("MILES_ENGINE_API_KEY", raising=False)
     job = J.ProducerJob(joined_config(run), run, 3, "spot-d", 1800.0, threading.Event())
     feed = type("F", (), {"weights": "file:///w/v0", "version": 0})()
-    monkeypatch.setattr(J, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "its Ray instance"))
+    monkeypatch.setattr(placement, "cluster_shape", lambda: ClusterShape((Node("this machine", 2, 0),), "its Ray instance"))
     with pytest.raises(ConfigError, match="the producer's engines do not fit its Ray instance"):
         job._start_fleet(feed)
     two = ClusterShape((Node("head", 8, 0), Node("worker", 8, 0)), "its Ray cluster")
-    monkeypatch.setattr(J, "cluster_shape", lambda: two)
+    monkeypatch.setattr(placement, "cluster_shape", lambda: two)
     with pytest.raises(ConfigError, match="MILES_ENGINE_API_KEY"):
         job._start_fleet(feed)
     assert started == []
