@@ -52,7 +52,7 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
     from miles_core.storage.node_local import localize
 
     dataset = load_eval_datasets(cfg)[0]
-    server = EngineServer(launch_spec(cfg, localize(model_uri, "models"), 0), name="bench-baseline")
+    server = EngineServer(launch_spec(cfg.engine, localize(model_uri, "models"), 0), name="bench-baseline")
     t0 = time.perf_counter()
     try:
         server.start()

@@ -14,6 +14,7 @@ for the advantages, inside `trainable_samples`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from miles_core.samples import Group, Sample, SampleStatus
 
@@ -171,7 +172,13 @@ class TrainBatch:
     parts: list
 
 
-def data_layout(cfg) -> DataLayout:
-    """The run's DataLayout (`cfg`, a RunConfig): its trainer ranks and tensor-parallel size."""
-    t = cfg.train
+class TrainerShape(Protocol):
+    """What a layout reads of the config's train section (this module sits below the config)."""
+    actor_num_nodes: int
+    actor_num_gpus_per_node: int
+    tensor_model_parallel_size: int
+
+
+def data_layout(t: TrainerShape) -> DataLayout:
+    """The run's DataLayout: its trainer ranks and tensor-parallel size."""
     return DataLayout.of(t.actor_num_nodes * t.actor_num_gpus_per_node, t.tensor_model_parallel_size)

@@ -28,7 +28,7 @@ def build_buffer(cfg: RunConfig, unused_handler: UnusedSamplesHandler, *, consum
     `consumed_through_step` is the step of the checkpoint a resume starts from, -1 without one (no
     default: see `DurableBuffer.open`). A bad plugin path raises PluginError naming the flag.
     """
-    store = store if store is not None else _run_store(cfg)
+    store = store if store is not None else Store(cfg.run_uri)
     path = cfg.buffer.custom_async_data_buffer_path
     if path:
         return _build_plugin(load_plugin(path, BUFFER_FLAG, BUFFER_METHODS), cfg, unused_handler, store,
@@ -60,6 +60,3 @@ def _build_plugin(cls, cfg, unused_handler, store, consumed_through_step: int) -
                 BUFFER_FLAG, cls.__qualname__)
     return cls(cfg, unused_handler)
 
-
-def _run_store(cfg: RunConfig) -> Store:
-    return Store(cfg.run_uri)

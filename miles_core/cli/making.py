@@ -48,7 +48,7 @@ def _validate_run(ns) -> int:
     print(config_to_json(cfg))
     for warning in setting_warnings(cfg):  # a pretrained model with settings only a toy wants
         print(f"miles validate: warning: {warning}", file=sys.stderr)
-    hf_config = local_hf_config(cfg) if cfg.engine.engine_backend == "sglang" else None
+    hf_config = local_hf_config(cfg.model) if cfg.engine.engine_backend == "sglang" else None
     if hf_config is not None:
         print(f"miles validate: trainer memory per GPU (estimate): {estimate(hf_config, cfg).describe()}",
               file=sys.stderr)

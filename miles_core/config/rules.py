@@ -16,6 +16,7 @@ import os
 
 import fsspec
 
+from miles_core.config.sections import MetricsSection, TrainSection
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.storage import InvalidName, validate_name
 from miles_core.storage.lease import check_timings
@@ -71,23 +72,25 @@ def _required(cfg: RunConfig) -> list[str]:
 
 
 def rule_problems(cfg: RunConfig) -> list[str]:
-    rules = (_ranges, _bounds, _finite, _parallel_rules, _moe_knob_rules, _memory_saving_rules,
-             _routing_replay_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules, _batch_rules,
-             _names, _local_inputs, _uri_schemes, _metric_mirrors, _trace_rules, _producer_rules)
-    return [problem for rule in rules for problem in rule(cfg)]
+    """Every rule's problems: the rules of one section get that section, the others the whole config."""
+    rules = (_ranges, _bounds, _finite, _parallel_rules, _driver_rules, _unsupported, _loss_rules, _save_eval_rules,
+             _batch_rules, _names, _local_inputs, _uri_schemes, _producer_rules)
+    section_rules = ((cfg.train, (_moe_knob_rules, _memory_saving_rules, _routing_replay_rules)),
+                     (cfg.metrics, (_metric_mirrors, _trace_rules)))
+    return ([problem for rule in rules for problem in rule(cfg)]
+            + [problem for section, checks in section_rules for check in checks for problem in check(section)])
 
 
-def _metric_mirrors(cfg: RunConfig) -> list[str]:
+def _metric_mirrors(m: MetricsSection) -> list[str]:
     """A mirror that is asked for has its package installed (found now, not at the first metric)."""
-    m = cfg.metrics
     wanted = [("--use-tensorboard", "tensorboard", m.use_tensorboard), ("--use-wandb", "wandb", m.use_wandb)]
     return [f"{flag} needs the `{package}` package: pip install 'miles-flyte[{package}]' (or drop {flag})."
             for flag, package, on in wanted if on and importlib.util.find_spec(package) is None]
 
 
-def _trace_rules(cfg: RunConfig) -> list[str]:
+def _trace_rules(m: MetricsSection) -> list[str]:
     """The trace's sampling fraction, window and flush interval, and the Prometheus port."""
-    m, p = cfg.metrics, []
+    p = []
     if not 0.0 < m.trace_sample_groups <= 1.0:
         p.append(f"--trace-sample-groups={m.trace_sample_groups} must be in (0, 1] (use --no-trace to record nothing).")
     if m.trace_window_steps < 0:
@@ -303,10 +306,9 @@ def _expert_parallel_rules(t, world: int) -> list[str]:
     return []
 
 
-def _moe_knob_rules(cfg: RunConfig) -> list[str]:
+def _moe_knob_rules(t: TrainSection) -> list[str]:
     """The --moe-* flags that choose how the trainer runs (not what the model is): each is what the
     trainer does, or refused by name."""
-    t = cfg.train
     p = []
     if t.moe_token_dispatcher_type != "alltoall":
         p.append(f"--moe-token-dispatcher-type={t.moe_token_dispatcher_type} is not supported: tokens reach their "
@@ -448,10 +450,9 @@ def moe_aux_loss_coeff(train) -> float | None:
     return train.moe_aux_loss_coeff
 
 
-def _routing_replay_rules(cfg: RunConfig) -> list[str]:
+def _routing_replay_rules(t: TrainSection) -> list[str]:
     """--use-rollout-routing-replay replays the engine's routes in the forward the loss is taken from;
     full recomputation runs every router again in the backward, outside that replay."""
-    t = cfg.train
     if t.use_rollout_routing_replay and t.recompute_granularity == "full":
         return ["--use-rollout-routing-replay with --recompute-granularity=full is not supported: the recomputed "
                 "forward in the backward would route by the trainer's own choice, not the engine's (selective "
@@ -459,12 +460,11 @@ def _routing_replay_rules(cfg: RunConfig) -> list[str]:
     return []
 
 
-def _memory_saving_rules(cfg: RunConfig) -> list[str]:
+def _memory_saving_rules(t: TrainSection) -> list[str]:
     """Megatron's own checks of --recompute-* (TransformerConfig.__post_init__, megatron-core 0.16.1;
     selective taking no method is Megatron-LM's arguments check) and of --sequence-parallel
     (ModelParallelConfig.__post_init__), here so that they fail before anything starts. Whether
     --recompute-num-layers fits the model's layers is checked when the model is built."""
-    t = cfg.train
     granularity, method, layers = t.recompute_granularity, t.recompute_method, t.recompute_num_layers
     p = []
     if granularity == "full" and (method is None or layers is None):

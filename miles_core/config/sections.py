@@ -6,9 +6,9 @@ generated flag reference (docs/reference/flags.md); `metadata["choices"]` lists 
 Defaults are miles' (the flags a miles user knows mean the same here); the flags miles requires
 (--hf-checkpoint, --prompt-data, --rollout-batch-size, --num-rollout) are required here too, and a
 preset (`--preset tiny-reverse4`, the embedded default of `./dev run`) sets them
-(docs/configuration.md#defaults-and-presets). Each section checks only its own invariants
-(`problems()`); cross-section rules live in
-`miles_core.config.rules`.
+(docs/configuration.md#defaults-and-presets). The rules live in `miles_core.config.rules`: a rule
+about one section takes that section, a rule across sections the whole config; components likewise
+receive the section they read (docs/architecture.md#who-owns-what).
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class TrainerGroup:
         t = cfg.train
         self.cfg = cfg
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
-        self.layout = data_layout(cfg)
+        self.layout = data_layout(cfg.train)
         opts = self._place(cfg, placement_timeout_seconds)
         worker = ray.remote(concurrency_groups={LIFE: 1})(TrainerWorker)
         for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):

@@ -20,6 +20,7 @@ import statistics
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
+from miles_core.config.sections import RunSection
 from miles_core.metrics.names import STEP_SECONDS
 from miles_core.metrics.sink import read_metrics
 from miles_core.prepare.checks import setting_warnings
@@ -57,7 +58,7 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
     (to print the command that continues a finished run)."""
     store = Store(cfg.run_uri)
     status = read_status(store)
-    if is_finished(cfg, status):
+    if is_finished(cfg.run, status):
         return finished_notice(cfg, status, flags, inputs or {})
     require_first_config(store)  # the segment refuses a damaged one: said before anything starts
     start = 0 if status is None else status.last_step + 1
@@ -73,8 +74,8 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
     return "\n".join(lines + [_time_line(cfg, store, end - start)] + warnings)
 
 
-def is_finished(cfg: RunConfig, status: RunStatus | None) -> bool:
-    return status is not None and status.state == FINISHED and status.last_step >= cfg.run.num_rollout - 1
+def is_finished(run: RunSection, status: RunStatus | None) -> bool:
+    return status is not None and status.state == FINISHED and status.last_step >= run.num_rollout - 1
 
 
 def finished_notice(cfg: RunConfig, status: RunStatus, flags: str = "", inputs: dict[str, str] | None = None) -> str:

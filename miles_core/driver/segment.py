@@ -24,6 +24,7 @@ import traceback
 from dataclasses import dataclass
 
 from miles_core.config import RunConfig
+from miles_core.config.sections import RunSection
 from miles_core.driver.feed_publisher import feed_publisher
 from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
@@ -86,7 +87,7 @@ def run_training(cfg: RunConfig, *, eval_follower_after: bool = False) -> TrainR
 def _finished(cfg: RunConfig, store) -> TrainResult | None:
     """The outcome of a run that already reached --num-rollout, else None."""
     status = run_root.read_status(store)
-    if not is_finished(cfg, status):  # the same rule the plan's first lines state
+    if not is_finished(cfg.run, status):  # the same rule the plan's first lines state
         return None
     log.info("run %s finished at step %d: nothing to train (raise --num-rollout to continue it)", cfg.run_uri,
              status.last_step)
@@ -135,7 +136,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
     initial_model = ensure_model(cfg)
     check_memory(cfg, initial_model)
     with contextlib.ExitStack() as stack:
-        timeline = start_timeline(cfg, store, stack)  # closed last: every role's spans are flushed by then
+        timeline = start_timeline(cfg.metrics, store, stack)  # closed last: every role's spans are flushed by then
         stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part
         cluster = start_cluster(cfg, initial_model, stack)
         trainer, rollout, start_step = cluster.trainer, cluster.rollout, cluster.start_step
@@ -158,7 +159,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
             resume_submission=lambda: board.wait(rollout.resume()), initial_model=initial_model,
             follower_runs_after=eval_follower_after)
         stack.callback(evals.close)
-        end_step, end_reason = _end_step(cfg, start_step)
+        end_step, end_reason = _end_step(cfg.run, start_step)
         progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
         stack.callback(progress.close)
         if start_step == 0:
@@ -211,8 +212,8 @@ def _random_policy_level(cfg: RunConfig) -> float:
     return random_policy_reward(cfg.data.prompt_data, cfg.rollout.rollout_max_response_len or 64)
 
 
-def _end_step(cfg: RunConfig, start_step: int) -> tuple[int, str]:
-    end, reason = cfg.run.num_rollout, "num_rollout"
-    if cfg.run.segment_steps is not None and start_step + cfg.run.segment_steps < end:
-        end, reason = start_step + cfg.run.segment_steps, "segment_steps"
+def _end_step(run: RunSection, start_step: int) -> tuple[int, str]:
+    end, reason = run.num_rollout, "num_rollout"
+    if run.segment_steps is not None and start_step + run.segment_steps < end:
+        end, reason = start_step + run.segment_steps, "segment_steps"
     return end, reason

@@ -1,6 +1,6 @@
 """The driver's part of the run's timeline trace (miles_core.metrics.trace).
 
-    timeline = start_timeline(cfg, store, stack)   # after Ray is up: records as "driver"
+    timeline = start_timeline(cfg.metrics, store, stack)   # after Ray is up: records as "driver"
     timeline.on_step(step)                         # the loop, after every step: keeps the window
     # on exit: trace/timeline.json (the window, Perfetto's format), then the tracer stops
 
@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 
+from miles_core.config.sections import MetricsSection
 from miles_core.metrics import trace
 from miles_core.storage import StorageError, Store
 
@@ -61,12 +62,12 @@ class Timeline:
             log.warning("the timeline trace could not be written to %s: %s", self.store.uri(trace.TIMELINE_KEY), e)
 
 
-def start_timeline(cfg, store: Store, stack: contextlib.ExitStack) -> Timeline | NoTimeline:
-    if not cfg.metrics.trace:
+def start_timeline(metrics: MetricsSection, store: Store, stack: contextlib.ExitStack) -> Timeline | NoTimeline:
+    if not metrics.trace:
         return NoTimeline()
-    trace.configure_from(cfg, store, trace.DRIVER_PROCESS)
+    trace.configure_from(metrics, store, trace.DRIVER_PROCESS)
     measure_clocks(store)
-    timeline = Timeline(store, cfg.metrics.trace_window_steps)
+    timeline = Timeline(store, metrics.trace_window_steps)
     stack.callback(timeline.close)
     return timeline
 

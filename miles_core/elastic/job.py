@@ -85,7 +85,7 @@ def run_producer(run_uri: str, *, num_engines: int = 1, producer_id: str = "", i
     producer_id = producer_id or f"p-{uuid.uuid4().hex[:8]}"
     stop = stop or threading.Event()
     job = ProducerJob(cfg, store, num_engines, producer_id, idle_exit_seconds, stop)
-    trace.configure_from(cfg, store, f"{trace.PRODUCER_PROCESS}{producer_id}")  # its spans: trace/events/producer-{id}/
+    trace.configure_from(cfg.metrics, store, f"{trace.PRODUCER_PROCESS}{producer_id}")  # its spans: trace/events/producer-{id}/
     try:
         with stop_on_sigterm(stop, job):
             return asyncio.run(job.run())

@@ -25,6 +25,7 @@ from typing import Sequence
 import pyarrow as pa
 
 from miles_core.config import RunConfig
+from miles_core.config.sections import EvalSection
 from miles_core.config.record import read_run_config
 from miles_core.eval.datasets import EvalSampling, load_eval_datasets, parse_dataset_specs, sampling_from_config
 from miles_core.eval.local_engine import SnapshotEvaluator
@@ -43,10 +44,10 @@ def run_config_of(run_uri: str):
     return cfg if cfg is not None else RunConfig()
 
 
-def _specs(cfg, datasets: Sequence[str] | str | None, dataset_uri: str | None = None) -> list[str]:
+def _specs(ev: EvalSection, datasets: Sequence[str] | str | None, dataset_uri: str | None = None) -> list[str]:
     if isinstance(datasets, str):
         return [f"{datasets}={dataset_uri}" if dataset_uri else datasets]
-    return list(datasets) if datasets else list(cfg.eval.eval_prompt_data)
+    return list(datasets) if datasets else list(ev.eval_prompt_data)
 
 
 def _sampling(cfg, sampling: EvalSampling | dict | None, n_samples: int | None, temperature: float | None,
@@ -78,7 +79,7 @@ def plan_and_skips(run_uri: str, steps: Sequence[int] | None = None, datasets: S
         log.warning("backfill of %s: no complete snapshot for steps %s under %s; skipped", run_uri, missing,
                     layout.root_uri)
     done = evaluated(Store(run_uri))
-    pairs = parse_dataset_specs(_specs(cfg, datasets))
+    pairs = parse_dataset_specs(_specs(cfg.eval, datasets))
     skipped = [(step, "*", f"no complete snapshot under {layout.root_uri} (retired by the ring, never exported, "
                            "or still being written)") for step in missing]
     plan = []
@@ -100,7 +101,7 @@ def evaluate_snapshot(run_uri: str, step: int, datasets: Sequence[str] | str | N
     """
     run_uri = normalize_uri(run_uri)
     cfg = run_config_of(run_uri)
-    ds = load_eval_datasets(cfg, _specs(cfg, datasets, dataset_uri), run_uri=run_uri)
+    ds = load_eval_datasets(cfg, _specs(cfg.eval, datasets, dataset_uri), run_uri=run_uri)
     with _sink(run_uri, metrics) as sink, SnapshotEvaluator(
             cfg, store=Store(run_uri), layout=SnapshotLayout.from_config(cfg, run_uri), datasets=ds,
             sampling=_sampling(cfg, sampling, n_samples, temperature, max_response_len), metrics=sink,
@@ -114,7 +115,7 @@ def backfill(run_uri: str, steps: Sequence[int] | None = None, datasets: Sequenc
     requested steps and datasets (new and earlier results alike)."""
     run_uri = normalize_uri(run_uri)
     cfg = run_config_of(run_uri)
-    specs = _specs(cfg, datasets)
+    specs = _specs(cfg.eval, datasets)
     ds = {d.name: d for d in load_eval_datasets(cfg, specs, run_uri=run_uri)}
     by_step: dict[int, list[str]] = {}
     for step, name, _ in backfill_plan(run_uri, steps, specs, force):

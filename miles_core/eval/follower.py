@@ -58,7 +58,7 @@ def follow_snapshots(cfg, *, run_uri: str | None = None, poll_seconds: float = 5
     heartbeat = _Heartbeat(store, poll_seconds)
     own_trace = not trace.enabled()
     if own_trace:
-        trace.configure_from(cfg, store, "eval-follower")
+        trace.configure_from(cfg.metrics, store, "eval-follower")
     try:
         with SnapshotEvaluator(cfg, store=store, layout=layout, datasets=datasets,
                                sampling=sampling_from_config(cfg), metrics=sink, mode="tasks") as evaluator:

@@ -84,7 +84,7 @@ class SnapshotEvaluator:
         if self.server is not None:
             return False
 
-        server = EngineServer(launch_spec(self.cfg, path, version), name="eval-engine")
+        server = EngineServer(launch_spec(self.cfg.engine, path, version), name="eval-engine")
         try:
             server.start()
         except EngineStartError as e:

@@ -23,6 +23,7 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+from miles_core.config.sections import EngineSection
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource
 from miles_core.eval.datasets import EvalDataset, EvalSampling, load_eval_datasets, sampling_from_config
 from miles_core.eval.modes import (
@@ -367,16 +368,16 @@ def start_dedicated_engines(cfg, initial_model_path: str):
     Returns a started EngineFleet (call .urls(); .shutdown() at the end). They never join the
     training weight push: every eval pins them to its snapshot.
     """
-    spec = launch_spec(cfg, initial_model_path)
+    spec = launch_spec(cfg.engine, initial_model_path)
     per_engine = max(1, cfg.engine.rollout_num_gpus_per_engine) if cfg.engine.engine_backend == "sglang" else 1
     n = max(1, cfg.eval.eval_num_gpus // per_engine)
     return EngineFleet(spec, n, num_cpus_per_engine=cfg.run.num_cpus_per_engine, name_prefix="eval-engine",
                        resources=custom_resource(cfg.engine.engine_custom_resource)).start()
 
 
-def launch_spec(cfg, model_path: str, weight_version: int = 0):
+def launch_spec(engine: EngineSection, model_path: str, weight_version: int = 0):
     try:
-        return EngineLaunchSpec.from_config(cfg.engine, model_path, weight_version)
+        return EngineLaunchSpec.from_config(engine, model_path, weight_version)
     except AttributeError:  # an engine section without the launcher's newer fields
-        return EngineLaunchSpec(backend=cfg.engine.engine_backend, model_path=model_path, weight_version=weight_version,
-                                max_running_requests=cfg.engine.engine_max_running_requests)
+        return EngineLaunchSpec(backend=engine.engine_backend, model_path=model_path, weight_version=weight_version,
+                                max_running_requests=engine.engine_max_running_requests)

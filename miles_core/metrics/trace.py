@@ -38,6 +38,7 @@ import uuid
 import zlib
 from typing import Iterator
 
+from miles_core.config.sections import MetricsSection
 from miles_core.storage import StorageError, StorageUnavailable, Store
 
 log = logging.getLogger(__name__)
@@ -204,18 +205,17 @@ def configure(store: Store, process: str, **kwargs) -> Tracer:
     return _current
 
 
-def configure_from(cfg, store: Store, process: str) -> Tracer | _NullTracer:
+def configure_from(m: MetricsSection, store: Store, process: str) -> Tracer | _NullTracer:
     """`configure` with the run's trace flags; with --no-trace this process records nothing."""
-    m = cfg.metrics
     if not m.trace:
         return _NULL
     return configure(store, process, flush_seconds=m.trace_flush_seconds, sample_groups=m.trace_sample_groups)
 
 
-def join(cfg, store: Store, process: str) -> Tracer | _NullTracer:
+def join(m: MetricsSection, store: Store, process: str) -> Tracer | _NullTracer:
     """`configure_from` unless this process records already (a role run inside the driver's process
     records as the driver)."""
-    return _current if enabled() else configure_from(cfg, store, process)
+    return _current if enabled() else configure_from(m, store, process)
 
 
 def tracer() -> Tracer | _NullTracer:

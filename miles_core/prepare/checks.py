@@ -21,6 +21,7 @@ import os
 
 from miles_core.config import RunConfig
 from miles_core.config.plugins import PluginError, load_plugin
+from miles_core.config.sections import EngineSection, ModelSection
 from miles_core.config.rules import (moe_flag_problems, raise_problems, recompute_layers_problem, rule_problems,
                                      type_problems)
 from miles_core.engines.auth import bind_problem
@@ -74,16 +75,16 @@ def validation_problems(cfg: RunConfig, cluster: ClusterShape | None = None) -> 
     types = type_problems(cfg)
     if types:  # the other checks compare values; a wrong type would raise TypeError
         return types
-    problems = rule_problems(cfg) + _packaged_model(cfg) + _plugins(cfg) + reward_problems(cfg)
-    problems += readability_problems(cfg, local_hf_config(cfg)) if not problems else []
+    problems = rule_problems(cfg) + _packaged_model(cfg.model) + _plugins(cfg) + reward_problems(cfg)
+    problems += readability_problems(cfg, local_hf_config(cfg.model)) if not problems else []
     problems += _memory(cfg) if not problems else []
-    exposure = _engine_exposure(cfg, cluster)  # reads only the bind host and the node count
+    exposure = _engine_exposure(cfg.engine, cluster)  # reads only the bind host and the node count
     return problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else [])
 
 
-def _packaged_model(cfg: RunConfig) -> list[str]:
+def _packaged_model(model: ModelSection) -> list[str]:
     """What `--hf-checkpoint import:NAME` may name."""
-    m = cfg.model.hf_checkpoint
+    m = model.hf_checkpoint
     if m.startswith("import:") and m[len("import:"):] not in PACKAGED:
         return [f"--hf-checkpoint={m!r}: unknown packaged model; known: "
                 f"{', '.join('import:' + k for k in PACKAGED)} (or a path to a .gguf file)."]
@@ -95,7 +96,7 @@ def _memory(cfg: RunConfig) -> list[str]:
     directory; a remote model is checked when the run starts, after it is present): a local model's
     family and options are ones the project handles (the importer's `check_supported`: refused now,
     not when the import or the run reads it), then `model_problems`."""
-    hf_config = local_hf_config(cfg)
+    hf_config = local_hf_config(cfg.model)
     if not hf_config:
         return []
     if not is_builtin(cfg.model.hf_checkpoint):
@@ -153,9 +154,8 @@ def check_device_memory(cfg: RunConfig, model_uri: str, *, warn: bool = True) ->
     raise_problems(problems)
 
 
-def local_hf_config(cfg: RunConfig) -> dict | None:
+def local_hf_config(m: ModelSection) -> dict | None:
     """The model's config.json when it can be read without a network call, else None."""
-    m = cfg.model
     if is_builtin(m.hf_checkpoint):
         return builtin_config(m.hf_checkpoint, m.tiny_num_layers, m.tiny_hidden_size, m.tiny_num_heads)
     path = os.path.join(m.hf_checkpoint.removeprefix("file://"), "config.json")
@@ -165,8 +165,8 @@ def local_hf_config(cfg: RunConfig) -> dict | None:
         return json.load(f)
 
 
-def _engine_exposure(cfg: RunConfig, cluster: ClusterShape | None) -> list[str]:
-    problem = bind_problem(cfg.engine.engine_bind_host, len(cluster.nodes) if cluster is not None else None)
+def _engine_exposure(engine: EngineSection, cluster: ClusterShape | None) -> list[str]:
+    problem = bind_problem(engine.engine_bind_host, len(cluster.nodes) if cluster is not None else None)
     return [problem] if problem else []
 
 

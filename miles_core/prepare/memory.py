@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from miles_core.config import RunConfig, replace_fields
+from miles_core.config.sections import DataSection, TrainSection
 from miles_core.models.families import ModelSpec, spec_of
 
 GIB = 1024 ** 3
@@ -85,19 +86,18 @@ class MemoryEstimate:
         return f"{parts}; total {self.total / GIB:.2f} GiB per trainer rank"
 
 
-def _sizes(cfg: RunConfig) -> tuple[int, int]:
+def _sizes(t: TrainSection) -> tuple[int, int]:
     """(TP, DP) of the trainer."""
-    t = cfg.train
     tp = max(1, t.tensor_model_parallel_size)
     return tp, max(1, t.actor_num_nodes * t.actor_num_gpus_per_node // tp)
 
 
-def expert_sizes(cfg: RunConfig) -> tuple[int, int, int]:
+def expert_sizes(t: TrainSection) -> tuple[int, int, int]:
     """(expert TP, EP, expert DP) of the trainer: Megatron's expert tensor-parallel size defaults to
     the TP size, and its expert data-parallel group is what is left of the ranks, world / (ETP x EP)."""
-    tp, dp = _sizes(cfg)
-    ep = max(1, cfg.train.expert_model_parallel_size)
-    etp = max(1, cfg.train.expert_tensor_parallel_size or tp)
+    tp, dp = _sizes(t)
+    ep = max(1, t.expert_model_parallel_size)
+    etp = max(1, t.expert_tensor_parallel_size or tp)
     return etp, ep, max(1, tp * dp // (etp * ep))
 
 
@@ -106,10 +106,10 @@ def router_parameters(spec: ModelSpec) -> int:
     return len(spec.moe_layers) * (spec.num_experts * spec.hidden_size + (spec.num_experts if spec.expert_bias else 0))
 
 
-def rank_parameters(spec: ModelSpec, cfg: RunConfig) -> tuple[float, float]:
+def rank_parameters(spec: ModelSpec, t: TrainSection) -> tuple[float, float]:
     """(dense, routed-expert) parameters one trainer rank holds."""
-    tp, _ = _sizes(cfg)
-    etp, ep, _ = expert_sizes(cfg)
+    tp, _ = _sizes(t)
+    etp, ep, _ = expert_sizes(t)
     experts, routers = spec.expert_parameters(), router_parameters(spec)
     return (spec.parameters() - experts - routers) / tp + routers, experts / (ep * etp)
 
@@ -117,28 +117,28 @@ def rank_parameters(spec: ModelSpec, cfg: RunConfig) -> tuple[float, float]:
 def micro_batch_samples(cfg: RunConfig) -> int:
     """Samples in one micro-batch of one DP rank: --micro-batch-size, at most the rank's share of a step."""
     per_step = cfg.train.global_batch_size or cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt
-    return max(1, min(cfg.train.micro_batch_size, -(-per_step // _sizes(cfg)[1])))
+    return max(1, min(cfg.train.micro_batch_size, -(-per_step // _sizes(cfg.train)[1])))
 
 
-def padded_length(spec: ModelSpec, cfg: RunConfig) -> int:
-    return min(cfg.data.max_seq_len or spec.max_positions, spec.max_positions)
+def padded_length(spec: ModelSpec, data: DataSection) -> int:
+    return min(data.max_seq_len or spec.max_positions, spec.max_positions)
 
 
 def micro_batch_layout(spec: ModelSpec, cfg: RunConfig) -> tuple[int, int]:
     """(b, s) of one micro-batch: b samples of s tokens, or one packed row of the token budget
     (at least one padded sample: a longer sample gets a micro-batch of its own)."""
     if cfg.train.use_dynamic_batch_size and cfg.train.max_tokens_per_gpu:
-        return 1, max(cfg.train.max_tokens_per_gpu, padded_length(spec, cfg))
-    return micro_batch_samples(cfg), padded_length(spec, cfg)
+        return 1, max(cfg.train.max_tokens_per_gpu, padded_length(spec, cfg.data))
+    return micro_batch_samples(cfg), padded_length(spec, cfg.data)
 
 
 def estimate(hf_config: dict, cfg: RunConfig, *, gpu: bool = True) -> MemoryEstimate:
     """Bytes per trainer rank (see the module docstring); `gpu=False`: the trainer on a CPU."""
     spec = spec_of(hf_config)
     t = cfg.train
-    _, dp = _sizes(cfg)
-    _, _, edp = expert_sizes(cfg)
-    dense, experts = rank_parameters(spec, cfg)
+    _, dp = _sizes(cfg.train)
+    _, _, edp = expert_sizes(cfg.train)
+    dense, experts = rank_parameters(spec, cfg.train)
     params = dense + experts
     bf16 = gpu or t.bf16
     width = 2 if bf16 else 4
@@ -148,8 +148,8 @@ def estimate(hf_config: dict, cfg: RunConfig, *, gpu: bool = True) -> MemoryEsti
     return MemoryEstimate(
         weights=width * params, grads=4 * params, optimizer=optimizer,
         reference=width * params if t.use_kl_loss else 0.0,
-        activations=_activations(spec, cfg, b, s, width),
-        logits=_logits(spec, b * s, _sizes(cfg)[0]), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
+        activations=_activations(spec, cfg.train, b, s, width),
+        logits=_logits(spec, b * s, _sizes(cfg.train)[0]), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
 
 
 def _mlp_per_token(spec: ModelSpec, width: int, tp: int) -> float:
@@ -157,11 +157,11 @@ def _mlp_per_token(spec: ModelSpec, width: int, tp: int) -> float:
     return (4 if spec.gated else 3) * width / tp
 
 
-def _layer_per_token(spec: ModelSpec, cfg: RunConfig, moe: bool) -> float:
+def _layer_per_token(spec: ModelSpec, t: TrainSection, moe: bool) -> float:
     """Elements one token keeps in a layer (norms, attention, the dense or MoE MLP; module doc)."""
-    tp, _ = _sizes(cfg)
-    etp, _, _ = expert_sizes(cfg)
-    sp = tp if cfg.train.sequence_parallel else 1
+    tp, _ = _sizes(t)
+    etp, _, _ = expert_sizes(t)
+    sp = tp if t.sequence_parallel else 1
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     out = 4 * h / sp + 4 * q / tp + ((q + kv) / tp if spec.qk_norm else 0)
     if not moe:
@@ -173,16 +173,15 @@ def _layer_per_token(spec: ModelSpec, cfg: RunConfig, moe: bool) -> float:
     return out
 
 
-def _activations(spec: ModelSpec, cfg: RunConfig, b: int, s: int, width: int) -> float:
+def _activations(spec: ModelSpec, t: TrainSection, b: int, s: int, width: int) -> float:
     """Activation bytes one micro-batch keeps for backward, under the recompute flags (module doc).
     Dense and MoE layers differ: a chunk being recomputed or the layer whose gradients backward holds
     is counted as the larger of the two, the not recomputed layers at their mean."""
-    t = cfg.train
-    tp, _ = _sizes(cfg)
+    tp, _ = _sizes(t)
     sp = tp if t.sequence_parallel else 1
     h, layers, moe = spec.hidden_size, spec.num_layers, len(spec.moe_layers)
-    kept, peak = _attention_planes(cfg, b * (spec.num_heads / tp) * s * s, width)
-    tokens = [width * b * s * _layer_per_token(spec, cfg, m) for m in (False, True)]
+    kept, peak = _attention_planes(t, b * (spec.num_heads / tp) * s * s, width)
+    tokens = [width * b * s * _layer_per_token(spec, t, m) for m in (False, True)]
     layer_tokens = (layers - moe) * tokens[0] + moe * tokens[1]  # every layer's
     largest = max(tokens[0] if moe < layers else 0.0, tokens[1] if moe else 0.0)
     biggest = largest + kept  # one layer's whole activations (a chunk being recomputed holds these)
@@ -201,7 +200,7 @@ def _activations(spec: ModelSpec, cfg: RunConfig, b: int, s: int, width: int) ->
     return layers * mean + working + once
 
 
-def _attention_planes(cfg: RunConfig, plane: float, width: int) -> tuple[float, float]:
+def _attention_planes(t: TrainSection, plane: float, width: int) -> tuple[float, float]:
     """(bytes each layer keeps, bytes at the attention's peak) of the s x s score planes (`plane`
     elements: b x heads/t x s x s), for the attention `--transformer-impl` runs. Megatron's local
     (unfused) attention keeps the softmax output, in fp32 when the weights are bf16
@@ -210,15 +209,15 @@ def _attention_planes(cfg: RunConfig, plane: float, width: int) -> tuple[float, 
     gradients in fp32) is 4 planes at the weights' width. Measured on CPU (bf16 and fp32, 2 and 4
     layers, 1,024 and 2,048 tokens): 6 and 4 bytes per element per layer, 8 and 16 at the peak.
     Transformer Engine's fused attention keeps no s x s state."""
-    if transformer_impl_of(cfg) == "transformer_engine":
+    if transformer_impl_of(t) == "transformer_engine":
         return 0.0, 0.0
     return plane * (width + (4 if width < 4 else 0)), plane * 4 * width
 
 
-def transformer_impl_of(cfg: RunConfig) -> str:
+def transformer_impl_of(train: TrainSection) -> str:
     """The attention the estimate counts: `auto` is counted as local (the upper bound) unless the
     GPU image has Transformer Engine, which this estimate cannot see before the run."""
-    impl = cfg.train.transformer_impl
+    impl = train.transformer_impl
     return "transformer_engine" if impl == "transformer_engine" else "local"
 
 
@@ -280,7 +279,7 @@ def device_memory_bytes() -> int | None:
 def _advice(hf_config: dict, cfg: RunConfig, budget_gb: float) -> str:
     """Each single change of the flags that would make the run fit (the smallest such value of each)."""
     fixes = []
-    for flags in _changes(cfg, spec_of(hf_config)):
+    for flags in _changes(cfg.train, spec_of(hf_config)):
         fits = _fits(hf_config, replace_fields(cfg, **_fields(flags)), budget_gb)
         if fits and not any(f.split()[0] == flags[0] for f in fixes):  # a flag's first fitting value only
             fixes.append(" ".join(flags))
@@ -289,10 +288,9 @@ def _advice(hf_config: dict, cfg: RunConfig, budget_gb: float) -> str:
     return f"Would fit: {' or '.join(fixes)}."
 
 
-def _changes(cfg: RunConfig, spec: ModelSpec) -> list[tuple[str, ...]]:
+def _changes(t: TrainSection, spec: ModelSpec) -> list[tuple[str, ...]]:
     """Candidate single changes, most preferred first (a flag's first fitting value wins)."""
-    t = cfg.train
-    tp, dp = _sizes(cfg)
+    tp, dp = _sizes(t)
     ranks = tp * dp
     out: list[tuple[str, ...]] = []
     if dp > 1 and not t.use_distributed_optimizer:
@@ -307,7 +305,7 @@ def _changes(cfg: RunConfig, spec: ModelSpec) -> list[tuple[str, ...]]:
         out += [("--micro-batch-size", str(m)) for m in (64, 32, 16, 8, 4, 2, 1) if m < t.micro_batch_size]
     # a TP size must leave room for the expert-parallel groups (ETP = TP); a MoE layer trains under TP only
     # with sequence parallelism
-    etp, ep, _ = expert_sizes(cfg)
+    etp, ep, _ = expert_sizes(t)
     sp = ("--sequence-parallel",) if spec.moe and not t.sequence_parallel else ()
     out += [("--tensor-model-parallel-size", str(n), *sp) for n in (2, 4, 8)
             if tp < n <= ranks and ranks % (n * ep) == 0]

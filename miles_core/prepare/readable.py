@@ -21,6 +21,7 @@ from itertools import islice
 from typing import Any
 
 from miles_core.config import RunConfig
+from miles_core.config.sections import ModelSection
 from miles_core.models.builtin import DIGIT_VOCAB, PAD_ID
 from miles_core.models.source import is_builtin
 from miles_core.prepare.dataset import columns, source_rows
@@ -47,7 +48,7 @@ def readability_problems(cfg: RunConfig, hf_config: dict | None) -> list[str]:
     if digits:
         for flag, source in _builtin_text(cfg):
             problems.append(f"{flag}={source!r} holds text prompts, but --hf-checkpoint={model!r} reads "
-                            f"{_vocabulary(cfg, hf_config)}: every word becomes <pad>. {_cap(TEXT_MODELS)}; "
+                            f"{_vocabulary(cfg.model, hf_config)}: every word becomes <pad>. {_cap(TEXT_MODELS)}; "
                             f"{DIGITS_READ}.")
     reader = _Reader(cfg, hf_config)
     for flag, source in local_datasets(cfg):
@@ -62,9 +63,9 @@ def _builtin_text(cfg: RunConfig) -> list[tuple[str, str]]:
     return [(flag, source) for flag, source in named if source in TEXT_BUILTIN_DATASETS]
 
 
-def _vocabulary(cfg: RunConfig, hf_config: dict) -> str:
+def _vocabulary(model: ModelSection, hf_config: dict) -> str:
     n = hf_config["vocab_size"]
-    if is_builtin(cfg.model.hf_checkpoint):
+    if is_builtin(model.hf_checkpoint):
         return f"a vocabulary of {n} digit tokens (0-9, <sep>, <eos>, <pad>)"
     return f"a vocabulary of {n} tokens ({hf_config.get('model_type', 'its tokenizer')})"
 
@@ -106,7 +107,7 @@ class _Reader:
                         degenerate.append(f"{where}: {_short(list(value))}")
         except DatasetError:
             return []  # named by the scoring check
-        vocab = _vocabulary(self.cfg, self.hf_config)
+        vocab = _vocabulary(self.cfg.model, self.hf_config)
         model = f"--hf-checkpoint={self.cfg.model.hf_checkpoint!r}"
         out = []
         if text_rows:

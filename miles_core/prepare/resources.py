@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field
 
 from miles_core.config import RunConfig
+from miles_core.config.sections import EngineSection
 
 
 @dataclass(frozen=True)
@@ -49,25 +50,25 @@ class ClusterShape:
                          for n in self.nodes)
 
 
-def uses_gpus(cfg: RunConfig) -> bool:
+def uses_gpus(engine: EngineSection) -> bool:
     """SGLang engines and the trainer beside them run on GPUs; the CPU engine's runs use none."""
-    return cfg.engine.engine_backend == "sglang"
+    return engine.engine_backend == "sglang"
 
 
 def engine_bundle(cfg: RunConfig, role: str = "engine") -> Bundle:
-    gpus = max(1, cfg.engine.rollout_num_gpus_per_engine) if uses_gpus(cfg) else 0
+    gpus = max(1, cfg.engine.rollout_num_gpus_per_engine) if uses_gpus(cfg.engine) else 0
     return Bundle(role, cfg.run.num_cpus_per_engine, gpus, cfg.engine.engine_custom_resource)
 
 
 def trainer_bundle(cfg: RunConfig, role: str = "trainer rank") -> Bundle:
-    return Bundle(role, cfg.run.num_cpus_trainer, 1 if uses_gpus(cfg) else 0, cfg.engine.trainer_custom_resource)
+    return Bundle(role, cfg.run.num_cpus_trainer, 1 if uses_gpus(cfg.engine) else 0, cfg.engine.trainer_custom_resource)
 
 
 def eval_engine_count(cfg: RunConfig) -> int:
     """Mode-2 eval engines: --eval-num-gpus worth of engines (one engine on a CPU run)."""
     if cfg.eval.eval_mode != "dedicated" or cfg.eval.eval_num_gpus < 1:
         return 0
-    per_engine = max(1, cfg.engine.rollout_num_gpus_per_engine) if uses_gpus(cfg) else 1
+    per_engine = max(1, cfg.engine.rollout_num_gpus_per_engine) if uses_gpus(cfg.engine) else 1
     return max(1, cfg.eval.eval_num_gpus // per_engine)
 
 
@@ -148,7 +149,7 @@ def _amount(cpus: float, gpus: float) -> str:
 
 def _advice(cfg: RunConfig, shape: ClusterShape) -> str:
     """The flags that would make the run fit this cluster (or more nodes when none would)."""
-    if uses_gpus(cfg):
+    if uses_gpus(cfg.engine):
         engines = [b for b in demand(cfg) if not b.role.startswith("trainer")]
         free_gpus = sum(n.gpus for n in shape.nodes) - sum(b.gpus for b in engines)
         ranks = int(max(0, free_gpus))

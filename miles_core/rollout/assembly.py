@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from miles_core.buffer import build_unused_handler
 from miles_core.buffer.objects import CommittedPositions
+from miles_core.config.sections import RolloutSection
 from miles_core.models.source import is_builtin, tokenizer_source
 from miles_core.models.tokenizer import load_tokenizer
 from miles_core.rollout.admission import StalenessAdmission, SubmissionBudget
@@ -153,14 +154,13 @@ def make_producer(cfg, source: DataSource, engine, sink_for: Callable[[Producer]
                     generate_fn=load_generate_function(r.custom_generate_function_path,
                                                        r.custom_generate_timeout_seconds),
                     generate_args=GenerateArgs(engine=engine, config=cfg), routes=route_layout(cfg),
-                    generate_failure_limit=generate_failure_limit(cfg))
+                    generate_failure_limit=generate_failure_limit(cfg.rollout))
 
 
-def generate_failure_limit(cfg) -> int | None:
+def generate_failure_limit(r: RolloutSection) -> int | None:
     """Custom-generate episodes failing in a row that fail the rollout worker: a window's worth of samples
     (--failed-sample-window-steps x --rollout-batch-size x --n-samples-per-prompt), all failed, is above
     any --max-failed-sample-fraction but 1 (never)."""
-    r = cfg.rollout
     if r.max_failed_sample_fraction >= 1:
         return None
     return r.failed_sample_window_steps * r.rollout_batch_size * r.n_samples_per_prompt

@@ -61,7 +61,7 @@ class RolloutManager:
         r = cfg.rollout
         self.cfg = cfg
         self.batch_size = r.rollout_batch_size
-        self.layout = data_layout(cfg)
+        self.layout = data_layout(cfg.train)
         self.batch_mode = cfg.driver != "fully-async"
         if engine is None:
             engine = EngineClient(list(engine_urls or []), request_timeout_seconds=r.engine_request_timeout_seconds)
@@ -254,7 +254,7 @@ class TracedRolloutManager(RolloutManager):
     """The manager as a Ray actor: its process records into the run's timeline trace as "rollout"."""
 
     def __init__(self, cfg, **kwargs):
-        trace.join(cfg, Store(cfg.run_uri), "rollout")
+        trace.join(cfg.metrics, Store(cfg.run_uri), "rollout")
         super().__init__(cfg, **kwargs)
 
     async def stop(self, grace_seconds: float = 30.0) -> None:

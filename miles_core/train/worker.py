@@ -77,13 +77,13 @@ class TrainerWorker:
 
         self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
                                seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
-        layout = data_layout(cfg)
+        layout = data_layout(cfg.train)
         if layout.dp_rank(rank) != self.trainer.dp_rank:  # the parts the rollout side cuts would go astray
             raise RuntimeError(f"rank {rank} is data-parallel rank {self.trainer.dp_rank} in Megatron's groups, "
                                f"but {layout.dp_rank(rank)} in the rollout's DataLayout")
         apply_ref_load(self.trainer, cfg.train.ref_load)
         self.run_store = Store(cfg.run_uri)
-        trace.join(cfg, self.run_store, f"trainer-rank{rank}")
+        trace.join(cfg.metrics, self.run_store, f"trainer-rank{rank}")
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = None
         self.publish = cfg.buffer.allow_rollout_producers  # every version in the run root, for producer jobs

@@ -36,7 +36,7 @@ def test_a_bad_status_is_rebuilt_as_segment_done_from_checkpoints_and_manifests(
     status = read_status(store)
     assert (status.state, status.last_step, status.segment) == (SEGMENT_DONE, 4, 1)
     assert "rebuilt" in status.message and "STATUS.json does not parse" in status.message
-    assert next_segment(store) == 2 and not is_finished(cfg, status)
+    assert next_segment(store) == 2 and not is_finished(cfg.run, status)
     assert "resuming after step 4 (segment 2)" in describe_plan(cfg)
     assert store.get_bytes(STATUS_KEY) == bad  # reading writes nothing
 
@@ -58,7 +58,7 @@ def test_a_missing_status_of_a_run_with_history_is_rebuilt_and_a_new_run_has_non
 def test_a_bad_status_of_a_run_checkpointed_at_its_last_step_is_finished(tmp_path):
     cfg, store = _run_root(tmp_path, "--num-rollout", "4", checkpoint=3, manifests=4)
     status = read_status(store)
-    assert (status.state, status.last_step, status.segment) == (FINISHED, 3, 0) and is_finished(cfg, status)
+    assert (status.state, status.last_step, status.segment) == (FINISHED, 3, 0) and is_finished(cfg.run, status)
     assert "already finished" in describe_plan(cfg)
 
 

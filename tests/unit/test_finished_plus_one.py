@@ -47,7 +47,7 @@ def segments(monkeypatch):
 
     def fake_run_segment(cfg, store, segment, lease, *_):
         start = checkpoint["next_step"]
-        end, reason = segment_module._end_step(cfg, start)
+        end, reason = segment_module._end_step(cfg.run, start)
         rec = Recorder()
         roles, _ = build_roles(rec, start=start, end=end, end_reason=reason)
         result = run_loop(roles)
