@@ -53,6 +53,13 @@ class RunSection:
     lease_ttl_seconds: float = opt(60.0, "One writer per run root: the write lease expires this long after its holder's last renewal (a crashed writer's run is taken over then); the holder stops writing at 3/4 of it without a renewal.")
     lease_renew_seconds: Optional[float] = opt(None, "How often the lease holder renews its lease; default --lease-ttl-seconds / 4, at most a third of it.")
 
+    @property
+    def total_steps(self) -> int:
+        """--num-rollout of a checked config (the check refuses a config without it)."""
+        if self.num_rollout is None:
+            raise ValueError("--num-rollout is required (a preset sets it)")
+        return self.num_rollout
+
 
 @dataclass(frozen=True)
 class ModelSection:
@@ -94,6 +101,13 @@ class RolloutSection:
     reward_timeout_seconds: float = opt(300.0, "A reward function call (per sample, or per group when batched) that has not returned after this long fails its samples, as a raising one does (a hung reward never stalls the run).")
     max_failed_sample_fraction: float = opt(0.5, "Fail the run when the reward function or the custom generate function fails (raises, times out, returns a non-number) on more than this share of the samples it was given over --failed-sample-window-steps steps; 1 never fails the run. A single failure only fails its sample.")
     failed_sample_window_steps: int = opt(5, "The window of training steps over which --max-failed-sample-fraction is judged (a segment shorter than the window is judged at its last step).")
+
+    @property
+    def groups_per_step(self) -> int:
+        """--rollout-batch-size of a checked config (the check refuses a config without it)."""
+        if self.rollout_batch_size is None:
+            raise ValueError("--rollout-batch-size is required (a preset sets it)")
+        return self.rollout_batch_size
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ import time
 from typing import Any, Callable
 
 from miles_core.driver.clients import RolloutClient
+from miles_core.driver.placement import TrainerGroup
 from miles_core.driver.pushes import WeightVersion
 from miles_core.engines.launcher import DRAINING, SERVING, STARTING, EngineFleet, FleetMember
 from miles_core.engines.registry import EngineTargetError, read_target, write_fleet
@@ -72,7 +73,7 @@ class NoFleet:
 
 
 class FleetReconciler:
-    def __init__(self, engines: EngineFleet, trainer: Any, rollout: RolloutClient, store, version: WeightVersion, *,
+    def __init__(self, engines: EngineFleet, trainer: TrainerGroup, rollout: RolloutClient, store, version: WeightVersion, *,
                  target: int, min_engines: int = 1, read_interval_seconds: float = 2.0,
                  drain_grace_seconds: float = 30.0, stuck_after_seconds: float = 60.0,
                  clock: Callable[[], float] = time.monotonic, fence: Callable[[], None] = lambda: None):

@@ -58,14 +58,14 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
     (to print the command that continues a finished run)."""
     store = Store(cfg.run_uri)
     status = read_status(store)
-    if is_finished(cfg.run, status):
+    if status is not None and is_finished(cfg.run, status):
         return finished_notice(cfg, status, flags, inputs or {})
     require_first_config(store)  # the segment refuses a damaged one: said before anything starts
     start = 0 if status is None else status.last_step + 1
-    end = cfg.run.num_rollout if cfg.run.segment_steps is None else min(cfg.run.num_rollout,
+    end = cfg.run.total_steps if cfg.run.segment_steps is None else min(cfg.run.total_steps,
                                                                         start + cfg.run.segment_steps)
     what = "a new run" if status is None else f"resuming after step {status.last_step} (segment {status.segment + 1})"
-    lines = [f"{PREFIX} {what}: steps {start}..{end - 1} of --num-rollout {cfg.run.num_rollout} "
+    lines = [f"{PREFIX} {what}: steps {start}..{end - 1} of --num-rollout {cfg.run.total_steps} "
              f"({cfg.driver} driver, model {cfg.model.hf_checkpoint}, data {cfg.data.prompt_data})",
              f"{PREFIX} run root: {_where(cfg.run_uri)}",
              f"{PREFIX} report: {_where(cfg.run_uri)}/report.html when the run ends (any time: miles report "
@@ -75,16 +75,16 @@ def describe_plan(cfg: RunConfig, flags: str = "", inputs: dict[str, str] | None
 
 
 def is_finished(run: RunSection, status: RunStatus | None) -> bool:
-    return status is not None and status.state == FINISHED and status.last_step >= run.num_rollout - 1
+    return status is not None and status.state == FINISHED and status.last_step >= run.total_steps - 1
 
 
 def finished_notice(cfg: RunConfig, status: RunStatus, flags: str = "", inputs: dict[str, str] | None = None) -> str:
     """A finished run: nothing to train; how to train it further and how to look at it."""
-    more = max(cfg.run.num_rollout, status.last_step + 1) * 2
+    more = max(cfg.run.total_steps, status.last_step + 1) * 2
     uri = shlex.quote(cfg.run_uri)
     return "\n".join([
         f"{PREFIX} run {_where(cfg.run_uri)} already finished: {status.last_step + 1} of --num-rollout "
-        f"{cfg.run.num_rollout} steps trained; nothing to train.",
+        f"{cfg.run.total_steps} steps trained; nothing to train.",
         f"{PREFIX} to train it further, raise --num-rollout (e.g. to {more}; ./dev run takes the same inputs):",
         f"    {rerun_command(flags, inputs or {}, more)}",
         f"{PREFIX} to look at it: miles runs show {uri}; report: {_where(cfg.run_uri)}/report.html",
@@ -177,7 +177,7 @@ def _same_shape(cfg: RunConfig, other: dict | None) -> bool:
 def reference_timing(cfg: RunConfig) -> Timing | None:
     if not cfg.model.hf_checkpoint.startswith("builtin:") or cfg.engine.engine_backend != "cpu":
         return None
-    scale = cfg.rollout.rollout_batch_size * cfg.rollout.n_samples_per_prompt / REFERENCE_SAMPLES
+    scale = cfg.rollout.groups_per_step * cfg.rollout.n_samples_per_prompt / REFERENCE_SAMPLES
     return Timing(REFERENCE.step_seconds * scale, REFERENCE.startup_seconds, REFERENCE.basis)
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from miles_core.driver.clients import Pending, RolloutClient
+from miles_core.driver.placement import TrainerGroup
 from miles_core.driver.switchboard import Switchboard
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
@@ -51,7 +52,7 @@ class EngineTargets(Protocol):
 
 
 class WeightPusher:
-    def __init__(self, trainer: Any, rollout: RolloutClient, engines: EngineTargets, board: Switchboard,
+    def __init__(self, trainer: TrainerGroup, rollout: RolloutClient, engines: EngineTargets, board: Switchboard,
                  version: WeightVersion, *, interval: int = 1, overlap: bool = False):
         self.trainer, self.rollout, self.engines, self.board = trainer, rollout, engines, board
         self.version, self.interval, self.overlap = version, interval, overlap

@@ -19,6 +19,7 @@ from miles_core.driver.clients import Pending, RolloutClient
 from miles_core.driver.feed_publisher import NoFeed
 from miles_core.driver.fleet_reconciler import NoFleet
 from miles_core.driver.loop import Batch, BatchSource
+from miles_core.driver.placement import TrainerGroup
 from miles_core.driver.pushes import WeightVersion
 from miles_core.driver.switchboard import Switchboard
 from miles_core.driver.timeline import NoTimeline
@@ -29,7 +30,9 @@ from miles_core.rollout.failures import FailureBudget
 
 log = logging.getLogger(__name__)
 
-def _as_batch(step: int, drained: TrainBatch) -> Batch:
+def _as_batch(step: int, drained: TrainBatch | None) -> Batch:
+    if drained is None:  # the manager answers None once it was stopped: no batch will come
+        raise RuntimeError(f"the rollout side stopped before step {step}'s batch was drained")
     return Batch(step, list(drained.parts), list(drained.group_ids), dict(drained.metrics), dict(drained.failures))
 
 
@@ -87,7 +90,7 @@ class PrefetchedBatches:
 
 
 class TrainerRole:
-    def __init__(self, trainer, board: Switchboard):
+    def __init__(self, trainer: TrainerGroup, board: Switchboard):
         self.trainer, self.board = trainer, board
 
     def train_step(self, step: int, batch: Batch) -> dict:
@@ -103,7 +106,7 @@ class Checkpointer:
     after it train their groups again whether or not their records were written."""
 
     def __init__(self, trainer, rollout: RolloutClient, board: Switchboard, save_interval: int | None, enabled: bool,
-                 on_saved: Callable[[int], None] = lambda step: None):
+                 on_saved: Callable[[int], object] = lambda step: None):
         self.trainer, self.rollout, self.board = trainer, rollout, board
         self.save_interval, self.enabled, self.on_saved = save_interval, enabled, on_saved
         self.last_saved: int | None = None

@@ -87,7 +87,7 @@ def run_training(cfg: RunConfig, *, eval_follower_after: bool = False) -> TrainR
 def _finished(cfg: RunConfig, store) -> TrainResult | None:
     """The outcome of a run that already reached --num-rollout, else None."""
     status = run_root.read_status(store)
-    if not is_finished(cfg.run, status):  # the same rule the plan's first lines state
+    if status is None or not is_finished(cfg.run, status):  # the same rule the plan's first lines state
         return None
     log.info("run %s finished at step %d: nothing to train (raise --num-rollout to continue it)", cfg.run_uri,
              status.last_step)
@@ -109,7 +109,7 @@ def _train(cfg: RunConfig, store, lease, eval_follower_after: bool = False) -> T
             _keep_traceback(store, segment)
         raise
     lease.check()
-    state = run_root.FINISHED if result.last_step == cfg.run.num_rollout - 1 else run_root.SEGMENT_DONE
+    state = run_root.FINISHED if result.last_step == cfg.run.total_steps - 1 else run_root.SEGMENT_DONE
     run_root.write_status(store, state, last_step=-1 if result.last_step is None else result.last_step,
                           segment=segment)
     return TrainResult(cfg.run_uri, state, result.first_step, result.last_step, result.steps_run,
@@ -160,7 +160,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
             follower_runs_after=eval_follower_after)
         stack.callback(evals.close)
         end_step, end_reason = _end_step(cfg.run, start_step)
-        progress = Progress(cfg.run.num_rollout, start_step, cfg.run.progress)
+        progress = Progress(cfg.run.total_steps, start_step, cfg.run.progress)
         stack.callback(progress.close)
         if start_step == 0:
             sink.log(0, {RANDOM_POLICY_REWARD: _random_policy_level(cfg)})
@@ -213,7 +213,7 @@ def _random_policy_level(cfg: RunConfig) -> float:
 
 
 def _end_step(run: RunSection, start_step: int) -> tuple[int, str]:
-    end, reason = run.num_rollout, "num_rollout"
+    end, reason = run.total_steps, "num_rollout"
     if run.segment_steps is not None and start_step + run.segment_steps < end:
         end, reason = start_step + run.segment_steps, "segment_steps"
     return end, reason

@@ -22,6 +22,7 @@ the Stores it opens, wherever they are built:
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import logging
@@ -402,7 +403,7 @@ class Store:
 
         return self._retry(f"{what} {prefix!r}", find)
 
-    def list_dirs(self, prefix: str = "") -> list[str]:
+    def list_dirs(self, prefix: str = "") -> builtins.list[str]:  # `list` here is the method above
         """Names of the "directories" directly under `prefix` (one level, sorted): e.g. the run ids
         under `runs/`, without listing what each holds."""
         base = self.path(prefix)
