@@ -102,7 +102,8 @@ class TrainerGroup:
         import ray
 
         # torch and Megatron: only the trainer's rank processes need them, not the driver
-        from miles_core.train.worker import TrainerWorker, rendezvous_address
+        from miles_core.driver.rendezvous import rendezvous_address
+        from miles_core.train.worker import TrainerWorker
 
         t = cfg.train
         self.cfg = cfg

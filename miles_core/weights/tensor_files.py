@@ -17,17 +17,20 @@ import hashlib
 import os
 import tempfile
 import uuid
-
-import torch
-from safetensors.torch import save_file
+from typing import TYPE_CHECKING
 
 from miles_core.storage import TMP_MARK, Store
+
+if TYPE_CHECKING:  # torch is imported where tensors are written: a process that only reads snapshot
+    import torch  # names (the rollout manager) never pays its ~2 CPU-seconds import
 
 
 def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor],
                 metadata: dict[str, str] | None = None, *, digest: bool = True) -> dict:
     """Commit `tensors` at `key`; returns {"size", "sha256"} of the committed bytes ({"size"} alone
     with `digest=False`)."""
+    from safetensors.torch import save_file
+
     meta = {"format": "pt", **(metadata or {})}
     local = store.local_path(key)
     if local is not None:
