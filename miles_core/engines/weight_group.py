@@ -23,6 +23,8 @@ own search (never loopback when another interface exists); this module cannot ch
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import logging
 import os
@@ -36,12 +38,21 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 GLOO_AT_ADDRESS = "miles_gloo"  # gloo with its device on a chosen address (`_gloo_at`)
+ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+POLL_MIN_SECONDS, POLL_MAX_SECONDS = 0.0005, 0.005  # `wait_bounded` polls a broadcast's completion this often
 _REGISTER = threading.Lock()
+_ENV = threading.Lock()  # the environment while an NCCL group reads it (`_nccl_error_handling`)
 
 
 def init_custom_process_group(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
-                              group_name=None, pg_options=None, device_id=None):
-    """A process group outside the default world (SGLang's helper, which copies torch's and OpenRLHF's)."""
+                              group_name=None, pg_options=None, device_id=None, nccl_watchdog_handles_errors=True):
+    """A process group outside the default world (SGLang's helper, which copies torch's and OpenRLHF's).
+
+    `nccl_watchdog_handles_errors=False` (an NCCL group whose caller bounds its waits and aborts it
+    itself): the group is built with TORCH_NCCL_ASYNC_ERROR_HANDLING=0, which ProcessGroupNCCL reads
+    once, in its constructor, so NCCL's watchdog neither tears the process down nor aborts this group
+    when one of its collectives fails or passes the timeout (torch's `_abort_process_group` asks for
+    this setting); the trainer's own groups keep the process's setting."""
     from torch.distributed.distributed_c10d import (
         Backend,
         PrefixStore,
@@ -70,10 +81,29 @@ def init_custom_process_group(backend=None, init_method=None, timeout=None, worl
     # torch 2.6 renamed pg_options to backend_options; ask the installed torch which one it takes.
     params = inspect.signature(_new_process_group_helper).parameters
     options = "backend_options" if "backend_options" in params else "pg_options"
-    pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
-                                      **{options: pg_options}, timeout=timeout, device_id=device_id)
+    with _nccl_error_handling(None if nccl_watchdog_handles_errors or backend != "nccl" else "0"):
+        pg, _ = _new_process_group_helper(world_size, rank, [], backend, store, group_name=group_name,
+                                          **{options: pg_options}, timeout=timeout, device_id=device_id)
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
+
+
+@contextlib.contextmanager
+def _nccl_error_handling(value: str | None):
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING set to `value` while a group is built (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    with _ENV:
+        saved = os.environ.get(ASYNC_ERROR_HANDLING)
+        os.environ[ASYNC_ERROR_HANDLING] = value
+        try:
+            yield
+        finally:
+            if saved is None:
+                os.environ.pop(ASYNC_ERROR_HANDLING, None)
+            else:
+                os.environ[ASYNC_ERROR_HANDLING] = saved
 
 
 def local_address_for(host: str, port: int = 9) -> str | None:
@@ -133,8 +163,45 @@ def destroy_custom_process_group(pg) -> None:
         log.warning("destroying the weight-update group failed: %s", e)
 
 
+def abort_custom_process_group(pg) -> None:
+    """Abort a group made by `init_custom_process_group`, pending collectives and all; never raises.
+
+    Unlike destroying it, aborting does not wait for them: NCCL's `ProcessGroupNCCL::shutdown` (what
+    `destroy_process_group` calls) waits for every pending kernel, so on a group whose peer died it
+    would wait until NCCL's watchdog tears the process down; `ProcessGroupNCCL::abort` stops the
+    group's watchdog and ends its kernels at once. On gloo, aborting drops the group (a pending
+    operation runs on in gloo's thread until the group's timeout, harmlessly)."""
+    if pg is None:
+        return
+    try:
+        dist.distributed_c10d._abort_process_group(pg)
+    except Exception as e:  # noqa: BLE001 - a broken group must not stop the next one from forming
+        log.warning("aborting the weight-update group failed (%s); destroying it", e)
+        destroy_custom_process_group(pg)
+
+
 def broadcast_bucket(tensors: list[torch.Tensor], group) -> None:
     """Rank 0 of `group` sends (or a peer receives into) each tensor, in order."""
-    handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
-    for h in handles:
+    for h in start_broadcast(tensors, group):
         h.wait()
+
+
+def start_broadcast(tensors: list[torch.Tensor], group) -> list:
+    """Issue the broadcast of each tensor from rank 0 of `group`, in order; their pending works."""
+    return [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors]
+
+
+async def wait_bounded(works: list, seconds: float) -> None:
+    """Wait for every work to complete, at most `seconds` (the event loop keeps running: this polls each
+    work's completion, which never blocks, on NCCL or gloo); raise a failed work's error, or
+    `TimeoutError` past the bound. A work still pending then is left to the caller (abort its group)."""
+    loop = asyncio.get_running_loop()
+    deadline, delay = loop.time() + seconds, POLL_MIN_SECONDS
+    while not all(w.is_completed() for w in works):
+        left = deadline - loop.time()
+        if left <= 0:
+            raise TimeoutError(f"the broadcast did not complete within {seconds:g} s")
+        await asyncio.sleep(min(delay, left))
+        delay = min(2 * delay, POLL_MAX_SECONDS)
+    for w in works:
+        w.wait()  # completed: returns at once, or raises what failed it

@@ -6,7 +6,10 @@ every rank (collectives need all of them). Roles inside a call:
 - exporting weights (engine pushes, eval snapshots, --save-hf) is sourced by global rank 0; the
   other ranks of DP rank 0 (rank 0's TP peers) take part in gathering the TP shards, and under
   expert parallelism the ranks holding the other experts (expert-DP rank 0) in gathering those.
-A push (`push_weights(step, version)`) with `--weight-transport store` is the export alone: rank 0
+Every push gathers the weights once (rank 0's TP and EP peers join that one gather, on their first call for
+the version; see `push_weights`), and a push made again for the same version (the driver's, after a lost
+engine) delivers those same weights: no rank gathers twice for a version, so none waits in a gather the
+others never make. A push (`push_weights(step, version)`) with `--weight-transport store` is the export alone: rank 0
 writes the version's snapshot into the run root and answers its URI; the rollout side delivers it to
 the engines (pause, load, resume) on a call the driver holds. With `distributed` rank 0 also delivers
 it, here and before it answers (SGLang's weight-update group, NCCL on GPU and gloo on CPU: it reads the
@@ -43,6 +46,9 @@ from miles_core.weights.sync import WeightSync
 log = logging.getLogger(__name__)
 
 PRODUCER_GRACE_SECONDS = 120.0  # superseded weights kept for producer jobs still copying them
+# An engine that dies mid-run is restarted by its actor; a push waits for it (control calls retried 0.5 s
+# doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
+ENGINE_CONTROL_RETRIES = 6
 
 
 def rendezvous_address() -> tuple[str, int]:
@@ -53,6 +59,12 @@ def rendezvous_address() -> tuple[str, int]:
 
 
 class TrainerWorker:
+    # The push of one version (`push_weights`): its (step, version), and on rank 0 the weights gathered for it,
+    # kept until it was delivered (a push made again after a failed delivery sends them without a new gather).
+    _push_key: tuple[int, int] | None = None
+    _push_weights: dict | None = None
+    _gathered = False  # rank 0 gathered (or began to gather) the weights of `_push_key`
+
     def __init__(self, cfg, hf_uri: str, rank: int, world_size: int, master: tuple[str, int],
                  engine_urls: list[str], engine_actors: list | None = None,
                  preflight: Callable[..., None] | None = None):
@@ -102,17 +114,21 @@ class TrainerWorker:
     def _connect_engines(self, engine_urls: list[str], engine_actors: list) -> None:
         import ray
 
+        self._connect(engine_urls, ray.util.get_node_ip_address(),
+                      engine_generations=lambda: ray.get([a.restart_count.remote() for a in engine_actors]),
+                      restart_engine=lambda i: ray.get(engine_actors[i].restart.remote()))
+
+    def _connect(self, engine_urls: list[str], master_address: str, *, engine_generations, restart_engine,
+                 control_retries: int = ENGINE_CONTROL_RETRIES) -> None:
+        """The distributed transport's wiring to `engine_urls` (the engines' actors behind the two callables)."""
         self.loop = self.loop or asyncio.new_event_loop()
         e = self.cfg.engine
-        # An engine that dies mid-run is restarted by its actor; the push waits for it (control calls
-        # retried 0.5 s doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
-        self.engines = EngineClient(list(engine_urls), control_retries=6)
+        self.engines = EngineClient(list(engine_urls), control_retries=control_retries)
         transport = DistributedWeightTransport(
-            self.trainer.hf_state_dict, list(engine_urls), master_address=ray.util.get_node_ip_address(),
+            self._weights, list(engine_urls), master_address=master_address,
             backend="nccl" if self.trainer.cuda else "gloo", bucket_bytes=e.update_weight_buffer_size,
             engine_tp_size=e.rollout_num_gpus_per_engine if e.engine_backend == "sglang" else 1,
-            engine_generations=lambda: ray.get([a.restart_count.remote() for a in engine_actors]),
-            restart_engine=lambda i: ray.get(engine_actors[i].restart.remote()))
+            engine_generations=engine_generations, restart_engine=restart_engine)
         self.sync = WeightSync(engines=[self.engines], transport=transport,
                                pause_mode=self.cfg.rollout.pause_generation_mode)
 
@@ -137,47 +153,60 @@ class TrainerWorker:
         return self.trainer.train_part(step, part)
 
     def push_weights(self, step: int, version: int) -> dict:
-        """Export the weights of `step` as `version` (rank 0 answers; the others take part in the gathers).
+        """Export the weights of `step` as `version` (rank 0 answers; the others take part in the gather).
 
         The answer: "snapshot", the run-root URI of the version's weights when they are there (always with
         the store transport, whose delivery the driver then asks of the rollout side; with `distributed`
         when producer jobs may join), and "delivered", whether the engines serve it already (the
-        distributed transport delivered it here, pause, broadcast, resume), with the timings."""
+        distributed transport delivered it here, pause, broadcast, resume), with the timings.
+
+        One gather per version, on every rank, in the first call for it: rank 0's TP (and EP) peers join it
+        and return; rank 0 gathers it (`_weights`) for the broadcast and the snapshot alike, and makes it even
+        when its push fails before it would have. A call made again for the same version (the driver's retry
+        after a lost engine, `WeightPusher._pushed`) gathers nowhere: rank 0 sends the weights it kept."""
+        first = self._push_key != (step, version)
+        if first:
+            self._push_key, self._push_weights, self._gathered = (step, version), None, False
         if self.rank != 0:
-            for _ in range(self._exports_per_push()):
+            if first:
                 self.trainer.join_export()
             return {}
+        try:
+            out = self._push(step, version)
+        finally:
+            if first and not self._gathered:  # its peers joined one gather for this version: so does rank 0
+                self._weights()
+        self._push_weights = None  # delivered: views of live parameters must not outlive the push
+        return out
+
+    def _push(self, step: int, version: int) -> dict:
         out: dict = {"delivered": False}
-        delivered = self.distributed and self.sync is not None
-        if delivered:
+        if self.distributed and self.sync is not None:
             result = self.loop.run_until_complete(self.sync.push(step, version))
             out = {"delivered": True, N.WEIGHT_EXPORT_SECONDS: result.export_seconds,
                    N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
         elif self.distributed:  # no engine left: the version is made all the same
             out["delivered"] = True
-        self._gather_as_peers_do(int(delivered))
         if self.publish or not self.distributed:
             t0 = time.perf_counter()
             with trace.span("export", lane="weights", version=version):
-                key = export_snapshot(self.trainer, self.run_store, step, prefix="weights")
+                key = export_snapshot(_Gathered(self.trainer, self._weights), self.run_store, step, prefix="weights")
             out.setdefault(N.WEIGHT_EXPORT_SECONDS, time.perf_counter() - t0)
             with trace.span("weights.cleanup", lane="weights", step=step):
                 self._drop_staged_except(key)
             out["snapshot"] = self.run_store.uri(key)
         return out
 
-    def _gather_as_peers_do(self, made: int) -> None:
-        """Rank 0's TP (and EP) peers take part in `_exports_per_push()` weight gathers every push; when
-        rank 0's broadcast made fewer (no engine left), it joins the rest before its export, so no peer
-        waits for ever."""
-        if getattr(self.trainer, "exports_with_peers", False) and self.distributed:
-            for _ in range(1 - made):
-                self.trainer.hf_state_dict()
-
-    def _exports_per_push(self) -> int:
-        """Weight gathers rank 0 makes per push (its TP peers take part in each): the distributed broadcast,
-        the run-root export, or both (distributed with producer jobs)."""
-        return 2 if self.publish and self.distributed else 1
+    def _weights(self) -> dict:
+        """The HF tensors of the version being pushed: gathered on the first call for it (a TP/EP collective its
+        peers join in `push_weights`), the same tensors after."""
+        if self._push_weights is None:
+            if self._gathered:  # gathering again would wait for peers that gather once per version
+                raise RuntimeError(f"the weights of push {self._push_key} were gathered and are gone: "
+                                   "a push is made again only after its delivery failed")
+            self._gathered = True
+            self._push_weights = self.trainer.hf_state_dict()
+        return self._push_weights
 
     def save_checkpoint(self, step: int, extras: dict) -> str | None:
         """Trainer state (and, with --save-hf, an HF checkpoint that reuse-mode evals read). The
@@ -238,3 +267,13 @@ class TrainerWorker:
             except Exception as e:  # noqa: BLE001 - staging cleanup never fails a step
                 log.warning("could not delete staged weights %s: %s", key, e)
 
+
+class _Gathered:
+    """The trainer as `export_snapshot` reads it, with the weights this push gathered (`TrainerWorker._weights`)."""
+
+    def __init__(self, trainer, weights: Callable[[], dict]):
+        self.aux_files, self._weights = trainer.aux_files, weights
+
+    def hf_state_dict(self, dtype=None) -> dict:
+        state = self._weights()
+        return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}

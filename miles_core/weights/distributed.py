@@ -28,9 +28,14 @@ one, so only the LAST bucket carries it (as a string, like `/update_weights_from
 that fails part-way keeps advertising the old version, never a version whose weights it lacks.
 
 Failures: no HTTP call is retried (a second request would wait forever in a broadcast). Every HTTP
-call, the rendezvous and every broadcast are bounded by `timeout_seconds` (the group's timeout is
-the same number, so a broadcast to a dead or stuck engine ends too). When a push fails, the group is
-dropped on both sides, every engine that did not answer in time (connection error, timeout, 5xx) is
+call and every broadcast are bounded by `timeout_seconds`, the broadcast by this transport itself: it
+polls the broadcast's works from the event loop and gives up at the bound (at once when an engine's
+call of the same bucket failed). The group's own timeout is never what ends a push: the trainer's side
+is formed with GROUP_TIMEOUT_FACTOR times the bound (the rendezvous waits that long), and with
+TORCH_NCCL_ASYNC_ERROR_HANDLING=0 for this group alone, so on NCCL a failed or stuck broadcast is
+neither torn down by NCCL's watchdog (which ends the trainer's process) nor cleaned up by it. When a
+push fails, the trainer ABORTS its side of the group (`abort_custom_process_group`: destroying an NCCL
+group waits for its pending broadcast, aborting ends it) and drops the engines' sides, every engine that did not answer in time (connection error, timeout, 5xx) is
 restarted with `restart_engine(i)` unless its launcher already restarted it since the group formed,
 the group is formed again and the whole push is retried once; if that fails too, `WeightPushError`
 names the engines. "Did not answer in time" includes a live engine left waiting in a broadcast that a
@@ -42,7 +47,8 @@ default, so a restart is the only bounded way back. Engines that answered `succe
 The process-group helpers both sides use live in `miles_core.engines.weight_group`.
 
 Only global rank 0 of the trainer holds this transport (miles_core.train.worker): its `prepare`
-gathers the full HF tensors, a TP collective its TP peers join through `Trainer.join_export`; it
+gathers the full HF tensors, a TP collective its TP peers join through `Trainer.join_export` (the
+worker gathers once per version: a push made again after a lost engine gets the same tensors); it
 alone talks to the engines and broadcasts. (`prepare`/`load` also do nothing harmful on another
 rank: they keep no tensors and return.)
 """
@@ -60,12 +66,18 @@ import torch.distributed as dist
 
 from miles_core.engines.client import EngineClient, EngineControlError, EngineUnavailableError
 from miles_core.engines.launcher import free_port
-from miles_core.engines.weight_group import broadcast_bucket, destroy_custom_process_group, init_custom_process_group
+from miles_core.engines.weight_group import broadcast_bucket  # noqa: F401 - the engine side's, re-exported
+from miles_core.engines.weight_group import (abort_custom_process_group, destroy_custom_process_group,
+                                             init_custom_process_group, start_broadcast, wait_bounded)
 
 log = logging.getLogger(__name__)
 
 BUCKET_BYTES = 512 << 20
 GROUP_NAME = "miles-weights"
+# The trainer's side of the group is formed with this many times `timeout_seconds`: the transport's own
+# bound on every broadcast (`timeout_seconds`) then always ends a stuck push, and aborts the group, before
+# the group's timeout could (on NCCL its watchdog would tear the trainer's process down).
+GROUP_TIMEOUT_FACTOR = 2
 
 
 class WeightPushError(RuntimeError):
@@ -251,8 +263,9 @@ class DistributedWeightTransport:
                  for i, c in enumerate(clients)]
         join = asyncio.to_thread(init_custom_process_group, backend=self.backend,
                                  init_method=f"tcp://{self.master_address}:{port}",
-                                 timeout=timedelta(seconds=self.timeout_seconds), world_size=world, rank=0,
-                                 group_name=self.group_name)
+                                 timeout=timedelta(seconds=GROUP_TIMEOUT_FACTOR * self.timeout_seconds),
+                                 world_size=world, rank=0, group_name=self.group_name,
+                                 nccl_watchdog_handles_errors=False)
         *answers, mine = await asyncio.gather(*calls, join, return_exceptions=True)
         failure = self._failures(answers)
         if isinstance(mine, BaseException):
@@ -277,13 +290,30 @@ class DistributedWeightTransport:
                                                    weight_version=weight_version,
                                                    load_format="flattened_bucket" if self.flatten else None,
                                                    timeout_seconds=self.timeout_seconds) for c in clients]
-        *answers, sent = await asyncio.gather(*calls, asyncio.to_thread(broadcast_bucket, tensors, self.group),
-                                              return_exceptions=True)
-        failure = self._failures(answers)
-        if isinstance(sent, BaseException):
-            failure.trainer = f"broadcast: {sent}"
+        sent = asyncio.ensure_future(self._broadcast(tensors))
+        failure = self._failures(await asyncio.gather(*calls, return_exceptions=True))
+        if failure:  # an engine that failed will not take part: no use waiting for the broadcast
+            sent.cancel()
+        try:
+            await sent
+        except asyncio.CancelledError:
+            if not failure:
+                raise
+        except Exception as e:  # noqa: BLE001 - the attempt fails naming it; the group is aborted
+            failure.trainer = f"broadcast: {e}"
         if failure:
             raise _AttemptFailed(failure)
+
+    async def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Rank 0's side of one bucket, bounded by `timeout_seconds` here, never by the group's timeout (module
+        doc): TimeoutError past it, the works left pending for `_drop_group` to abort."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_seconds
+        issue = asyncio.ensure_future(asyncio.to_thread(start_broadcast, tensors, self.group))
+        done, _ = await asyncio.wait({issue}, timeout=self.timeout_seconds)  # NCCL may connect here
+        if not done:
+            raise TimeoutError(f"the broadcast was not issued within {self.timeout_seconds:g} s")
+        await wait_bounded(issue.result(), max(0.0, deadline - loop.time()))
 
     async def _each(self, clients: list[EngineClient], call) -> None:
         """`call(client)` on every engine concurrently; _AttemptFailed naming those that failed."""
@@ -312,7 +342,9 @@ class DistributedWeightTransport:
         await asyncio.gather(*(asyncio.to_thread(self.restart_engine, i) for i in todo))
 
     def _drop_group(self) -> None:
-        destroy_custom_process_group(self.group)
+        """Abort, not destroy: a broadcast of a failed push may still be pending, and destroying an NCCL group
+        waits for it (until NCCL's watchdog ends the process); aborting ends it at once."""
+        abort_custom_process_group(self.group)
         self.group = None  # group_generations stays: _restart_silent compares against it
 
     async def _destroy_remote(self, clients: list[EngineClient]) -> None:
