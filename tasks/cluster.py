@@ -3,9 +3,14 @@
 The shape is read once, at registration, from MILES_RAY_* variables (docs/deployment.md):
     MILES_RAY_GPU_WORKERS       GPU worker pods (default 1)
     MILES_RAY_GPUS_PER_WORKER   GPUs per worker pod (default 8)
+    MILES_NODE_DISK, MILES_NODE_DISK_SIZE   the pods' node-local volume (tasks/node_disk.py)
 `TRAIN_CLUSTER` describes the same cluster to `miles_core.prepare.checks.validate`, so the first task
 of a remote execution refuses a run whose engines, trainer ranks and eval engines cannot be placed on
 it, before the Ray cluster is even requested.
+
+Every pod of both clusters is a pod template (tasks/node_disk.py `pod_template`) carrying its resources
+and the node-local volume mounted at the node cache and the temp directory: flytekitplugins-ray builds
+a pod from requests/limits when those are set and drops a template then, so none are set beside it.
 
 Both clusters are `RayJob` configs: Flyte's Ray plugin, except that a local execution (`pyflyte run`
 without --remote, RAY_ADDRESS unset) starts its Ray instance without the dashboard, as the driver's own
@@ -19,13 +24,14 @@ from __future__ import annotations
 import logging
 import os
 
-from flytekit import FlyteContextManager, Resources
+from flytekit import FlyteContextManager
 from flytekit.core.task import TaskPlugins
 from flytekitplugins.ray import HeadNodeConfig, RayJobConfig, WorkerNodeConfig
 from flytekitplugins.ray.task import RayFunctionTask
 
 from miles_core.driver.local_ray import start_local_ray
 from miles_core.prepare.resources import ClusterShape, Node
+from tasks.node_disk import NODE_DISK, NodeDiskSpec, pod_template
 
 GPU_WORKERS = int(os.environ.get("MILES_RAY_GPU_WORKERS", "1"))
 GPUS_PER_WORKER = int(os.environ.get("MILES_RAY_GPUS_PER_WORKER", "8"))
@@ -60,35 +66,42 @@ def _new_local_ray(config: RayJobConfig) -> bool:
 
 TaskPlugins.register_pythontask_plugin(RayJob, RayJobTask)
 
-RAY_CLUSTER = RayJob(
-    head_node_config=HeadNodeConfig(
-        ray_start_params={"num-gpus": "0", "log-color": "false"},
-        requests=Resources(cpu=str(HEAD_CPUS), mem="16Gi"),
-    ),
-    worker_node_config=[
-        WorkerNodeConfig(
-            group_name="gpu",
-            replicas=GPU_WORKERS,
-            requests=Resources(cpu=str(CPUS_PER_GPU * GPUS_PER_WORKER), mem=f"{64 * GPUS_PER_WORKER}Gi",
-                               gpu=str(GPUS_PER_WORKER)),
-            limits=Resources(gpu=str(GPUS_PER_WORKER)),
-        )
-    ],
-    shutdown_after_job_finishes=True,
-    ttl_seconds_after_finished=600,
-)
+def ray_cluster(gpu_workers: int, gpus_per_worker: int, disk: NodeDiskSpec = NODE_DISK) -> RayJob:
+    """The train task's RayJob: a head (4 CPUs, 16 GiB, no GPU) and `gpu_workers` workers of
+    `gpus_per_worker` GPUs (8 CPUs and 64 GiB per GPU), every pod with the node-local volume `disk`."""
+    gpu = {"nvidia.com/gpu": str(gpus_per_worker)}
+    return RayJob(
+        head_node_config=HeadNodeConfig(
+            ray_start_params={"num-gpus": "0", "log-color": "false"},
+            pod_template=pod_template("ray-head", {"cpu": str(HEAD_CPUS), "memory": "16Gi"}, disk=disk, head=True),
+        ),
+        worker_node_config=[
+            WorkerNodeConfig(
+                group_name="gpu",
+                replicas=gpu_workers,
+                pod_template=pod_template("ray-worker", {"cpu": str(CPUS_PER_GPU * gpus_per_worker),
+                                                         "memory": f"{64 * gpus_per_worker}Gi", **gpu}, gpu, disk),
+            )
+        ],
+        shutdown_after_job_finishes=True,
+        ttl_seconds_after_finished=600,
+    )
 
 
-def train_cluster(gpu_workers: int, gpus_per_worker: int) -> ClusterShape:
+RAY_CLUSTER = ray_cluster(GPU_WORKERS, GPUS_PER_WORKER, NODE_DISK)
+
+
+def train_cluster(gpu_workers: int, gpus_per_worker: int, disk: NodeDiskSpec | None = None) -> ClusterShape:
     """The shape of RAY_CLUSTER registered with these MILES_RAY_* values. Ray counts a pod's CPU request
-    as its CPUs, and the head starts with num-gpus 0."""
+    as its CPUs, and the head starts with num-gpus 0. With `disk`, what each pod's node-local volume
+    holds (validation compares the run's bytes per node with it)."""
     workers = (Node(f"gpu worker {i}", CPUS_PER_GPU * gpus_per_worker, gpus_per_worker) for i in range(gpu_workers))
     return ClusterShape((Node("head", HEAD_CPUS, 0), *workers),
                         f"the train task's Ray cluster ({gpu_workers} x {gpus_per_worker}-GPU worker; "
-                        "MILES_RAY_GPU_WORKERS, MILES_RAY_GPUS_PER_WORKER)")
+                        "MILES_RAY_GPU_WORKERS, MILES_RAY_GPUS_PER_WORKER)", disk.shape() if disk else None)
 
 
-TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER)
+TRAIN_CLUSTER = train_cluster(GPU_WORKERS, GPUS_PER_WORKER, NODE_DISK)
 
 
 # A producer job's own Ray cluster (workflows/rollout_producer.py): engines only, e.g. on a preemptible
@@ -101,39 +114,24 @@ PRODUCER_GPU_WORKERS = int(os.environ.get("MILES_PRODUCER_GPU_WORKERS", "1"))
 PRODUCER_GPUS_PER_WORKER = int(os.environ.get("MILES_PRODUCER_GPUS_PER_WORKER", "1"))
 
 
-def producer_cluster(workers: int, gpus_per_worker: int, node_selector: str = "", tolerations: str = "") -> RayJob:
-    """The producer's RayJob. With a node selector or tolerations the workers get a pod template that
-    carries them and the resources (flytekitplugins-ray builds the pod from requests/limits when those
-    are set and drops a template then; so the resources go into the template's ray-worker container)."""
-    cpus, mem = str(CPUS_PER_GPU * gpus_per_worker), f"{64 * gpus_per_worker}Gi"
-    if node_selector or tolerations:
-        rollout = WorkerNodeConfig(group_name="rollout", replicas=workers, pod_template=_worker_pod_template(
-            cpus, mem, gpus_per_worker, _pairs(node_selector, "MILES_PRODUCER_NODE_SELECTOR"),
-            _tolerations(tolerations)))
-    else:
-        rollout = WorkerNodeConfig(group_name="rollout", replicas=workers,
-                                   requests=Resources(cpu=cpus, mem=mem, gpu=str(gpus_per_worker)),
-                                   limits=Resources(gpu=str(gpus_per_worker)))
+def producer_cluster(workers: int, gpus_per_worker: int, node_selector: str = "", tolerations: str = "",
+                     disk: NodeDiskSpec = NODE_DISK) -> RayJob:
+    """The producer's RayJob. Its workers' pod template carries the resources, the node-local volume
+    `disk` and, when given, a node selector and tolerations (a spot pool's)."""
+    gpu = {"nvidia.com/gpu": str(gpus_per_worker)}
+    requests = {"cpu": str(CPUS_PER_GPU * gpus_per_worker), "memory": f"{64 * gpus_per_worker}Gi", **gpu}
+    rollout = WorkerNodeConfig(group_name="rollout", replicas=workers, pod_template=pod_template(
+        "ray-worker", requests, gpu, disk, node_selector=_pairs(node_selector, "MILES_PRODUCER_NODE_SELECTOR"),
+        tolerations=_tolerations(tolerations)))
     return RayJob(
         head_node_config=HeadNodeConfig(
             ray_start_params={"num-gpus": "0", "log-color": "false"},
-            requests=Resources(cpu="2", mem="8Gi"),
+            pod_template=pod_template("ray-head", {"cpu": "2", "memory": "8Gi"}, disk=disk, head=True),
         ),
         worker_node_config=[rollout],
         shutdown_after_job_finishes=True,
         ttl_seconds_after_finished=600,
     )
-
-
-def _worker_pod_template(cpus: str, mem: str, gpus: int, node_selector: dict[str, str], tolerations: list):
-    from flytekit import PodTemplate
-    from kubernetes.client import V1Container, V1PodSpec, V1ResourceRequirements
-
-    gpu = {"nvidia.com/gpu": str(gpus)}
-    return PodTemplate(primary_container_name="ray-worker", pod_spec=V1PodSpec(
-        containers=[V1Container(name="ray-worker", resources=V1ResourceRequirements(
-            requests={"cpu": cpus, "memory": mem, **gpu}, limits=gpu))],
-        node_selector=node_selector or None, tolerations=tolerations or None))
 
 
 def _pairs(text: str, name: str) -> dict[str, str]:

@@ -20,11 +20,20 @@ from images import task_image
 from miles_core.storage import normalize_uri
 from tasks.failures import recoverable_infrastructure
 from tasks.inputs import on_cluster, run_config
+from tasks.node_disk import NODE_DISK, pod_template
 from tasks.secrets import ENGINE_SECRETS
 from tasks.types import DECK_FIELDS, EvalJob, EvalPoint
 
 
-@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), secret_requests=ENGINE_SECRETS)
+# A GPU eval pod: the node-local volume at the node cache (the model, the snapshot in use and the next)
+# and the temp directory (tasks/node_disk.py); its ephemeral-storage request is in the task's requests,
+# which flytekit puts over the template's.
+EPHEMERAL = NODE_DISK.ephemeral()
+EVAL_POD = pod_template("primary", {})
+
+
+@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi", ephemeral_storage=EPHEMERAL),
+      secret_requests=ENGINE_SECRETS, pod_template=EVAL_POD)
 def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
     """Evaluate each complete snapshot under {run root}/snapshots/ as it lands, until the run's
     STATUS.json leaves `running`. Nothing to do when the run has no eval datasets or evaluates
@@ -42,11 +51,13 @@ def eval_follower(flags: str, run_id: str, storage_root: str) -> None:
 
 def eval_resources(engine) -> dict:
     """`with_overrides` arguments of an eval task for the run's `EngineSection`: an SGLang engine
-    needs its GPUs (--rollout-num-gpus-per-engine); the CPU engine needs none."""
+    needs its GPUs (--rollout-num-gpus-per-engine); the CPU engine needs none. The requests replace the
+    task's whole, so they repeat its ephemeral-storage request."""
     if engine.engine_backend != "sglang":
-        return {"requests": Resources(cpu="4", mem="16Gi")}
+        return {"requests": Resources(cpu="4", mem="16Gi", ephemeral_storage=EPHEMERAL)}
     gpus = str(max(1, engine.rollout_num_gpus_per_engine))
-    return {"requests": Resources(cpu="4", mem="16Gi", gpu=gpus), "limits": Resources(gpu=gpus)}
+    return {"requests": Resources(cpu="4", mem="16Gi", gpu=gpus, ephemeral_storage=EPHEMERAL),
+            "limits": Resources(gpu=gpus)}
 
 
 @dynamic(container_image=task_image("cpu"), requests=Resources(cpu="1", mem="1Gi"), secret_requests=ENGINE_SECRETS)
@@ -84,7 +95,8 @@ def plan_backfill(run_uri: str, steps: Optional[List[int]], datasets: Optional[L
                         [f"step {step} {'(every dataset)' if name == '*' else name}: {why}" for step, name, why in skipped])
 
 
-@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi"), retries=1)
+@task(container_image=task_image("gpu"), requests=Resources(cpu="4", mem="16Gi", ephemeral_storage=EPHEMERAL),
+      retries=1, pod_template=EVAL_POD)
 def eval_snapshot(job: EvalJob) -> EvalPoint:
     """Evaluate one snapshot on one dataset; writes eval/step_{k}/{dataset}.json in the run root."""
     from miles_core.eval.backfill import evaluate_snapshot

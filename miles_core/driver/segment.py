@@ -48,7 +48,7 @@ from miles_core.metrics.mirrors import mirror_feed
 from miles_core.metrics.names import RANDOM_POLICY_REWARD
 from miles_core.metrics.sink import MetricsSink
 from miles_core.models.source import tokenizer_source
-from miles_core.prepare.checks import check_memory, validate
+from miles_core.prepare.checks import check_disk, check_memory, validate
 from miles_core.prepare.dataset import prepare_dataset
 from miles_core.prepare.initial_model import ensure_model
 from miles_core.rollout.builtin_tasks import random_policy_reward
@@ -135,6 +135,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         prepare_dataset(cfg.data, store, tokenizer_source=tokenizer_source(cfg))
     initial_model = ensure_model(cfg)
     check_memory(cfg, initial_model)
+    check_disk(cfg, initial_model)  # in a pod of the tasks' templates: its node-local volume
     with contextlib.ExitStack() as stack:
         timeline = start_timeline(cfg.metrics, store, stack)  # closed last: every role's spans are flushed by then
         stack.enter_context(mirror_feed(cfg, store))  # closed last: its final sweep sees every sink's last part

@@ -8,9 +8,10 @@ can read: `readable`), a packaged
 (docs/models.md) whose experts the expert-parallel size divides and which the --moe-* model flags
 describe, and engines bound beyond loopback have their API
 token; given the cluster's shape, that the run's engines, trainer ranks and eval engines fit it
-(`miles_core.prepare.resources`) and, on more than one node, that `--engine-bind-host auto` has its
-token too. Raises one ConfigError listing every problem, each naming its flags
-and what to do; it never rewrites the config.
+(`miles_core.prepare.resources`), that what the run writes to a node's disk fits what each pod's
+node-local volume holds (`miles_core.prepare.disk`, when the shape says), and, on more than one node,
+that `--engine-bind-host auto` has its token too. Raises one ConfigError listing every problem, each
+naming its flags and what to do; it never rewrites the config.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from miles_core.models.builtin import builtin_config
 from miles_core.models.families import UnsupportedModel, spec_of
 from miles_core.models.source import PACKAGED, is_builtin
 from miles_core.prepare import memory
+from miles_core.prepare.disk import disk_problems, node_disk_from_env
 from miles_core.prepare.memory import GIB, budget_fit, memory_fit
 from miles_core.prepare.model_import import check_supported
 from miles_core.prepare.readable import readability_problems
@@ -78,6 +80,7 @@ def validation_problems(cfg: RunConfig, cluster: ClusterShape | None = None) -> 
     problems = rule_problems(cfg) + _packaged_model(cfg.model) + _plugins(cfg) + reward_problems(cfg)
     problems += readability_problems(cfg, local_hf_config(cfg.model)) if not problems else []
     problems += _memory(cfg) if not problems else []
+    problems += _disk(cfg, cluster) if not problems else []
     exposure = _engine_exposure(cfg.engine, cluster)  # reads only the bind host and the node count
     return problems + exposure + (fit_problems(cfg, cluster) if cluster is not None and not problems else [])
 
@@ -137,6 +140,28 @@ def check_memory(cfg: RunConfig, model_uri: str) -> None:
         for w in warnings:
             log.warning("trainer memory: %s", w)
         raise_problems(problems)
+
+
+def _disk(cfg: RunConfig, cluster: ClusterShape | None) -> list[str]:
+    """The run's bytes per node against the cluster's node-local volume (`disk_problems`), when the
+    shape carries one and the model's config is readable here (else `check_disk` when the run starts)."""
+    hf_config = local_hf_config(cfg.model) if cluster is not None and cluster.disk is not None else None
+    if not hf_config:
+        return []
+    try:
+        spec_of(hf_config)
+    except (UnsupportedModel, KeyError):
+        return []  # `_memory` names it
+    return disk_problems(hf_config, cfg, cluster.disk, int(max((n.gpus for n in cluster.nodes), default=0)) or None)
+
+
+def check_disk(cfg: RunConfig, model_uri: str) -> None:
+    """In a pod the tasks' templates made (MILES_NODE_DISK_SIZE set), before any role starts: ConfigError
+    when the run's bytes per node (`disk_problems`) exceed its node-local volume. Nothing elsewhere (a
+    local run); a model validation could read was checked then, this repeats it at no cost."""
+    disk = node_disk_from_env()
+    if disk is not None:
+        raise_problems(disk_problems(Store(model_uri).get_json("config.json"), cfg, disk))
 
 
 def check_device_memory(cfg: RunConfig, model_uri: str, *, warn: bool = True) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from miles_core.config import RunConfig
 from miles_core.config.sections import EngineSection
+from miles_core.prepare.disk import NodeDisk
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Node:
 class ClusterShape:
     nodes: tuple[Node, ...]
     source: str  # where the shape was read, for the message: "this machine's Ray", "the Flyte Ray task", ...
+    disk: NodeDisk | None = None  # what each pod's node-local volume holds (miles_core.prepare.disk); None: unchecked
 
     def describe(self) -> str:
         return "; ".join(f"{n.name}: {_amount(n.cpus, n.gpus)}" + (f" +{sorted(n.custom)}" if n.custom else "")

@@ -22,6 +22,12 @@ Every process on a node (trainer ranks, engines, eval engines) shares that cache
   it localized (taken before the marker is checked, dropped when it localizes past them or exits),
   and `prune` removes an entry only when it gets that lock exclusively without waiting. So no entry
   a live process was handed, among the newest it asked for, is removed under it.
+- The cache keeps only the versions in use: the entries some live process holds, plus the newest
+  complete one of each kind (a retried pod or the next segment finds it); every other entry is
+  pruned whenever a process localizes one. A process holds one pushed weight version and one eval
+  snapshot (`KEEP`: what it loads next replaces what it served), up to 8 models. So a node holds at
+  most the version its engines serve and the one being fetched (miles_core/prepare/disk.py counts
+  them), not a fixed number of old ones.
 Not covered: a process still reading an entry after it has localized `KEEP[kind]` newer ones of that
 kind, and a cache deleted by hand (the next `localize` downloads again).
 """
@@ -39,7 +45,8 @@ import threading
 from miles_core.storage import Store, normalize_uri
 
 MARKER = ".miles-complete"
-KEEP = {"weights": 3, "snapshots": 3, "models": 8}
+# how many of its newest entries of a kind one process holds (in use); prune keeps those and the newest
+KEEP = {"weights": 1, "snapshots": 1, "models": 8}
 
 # kind -> entry path -> the fd holding this process's shared lock on `{entry}.use`, oldest first
 _HELD: dict[str, collections.OrderedDict[str, int]] = {}
@@ -177,8 +184,8 @@ def _hold(kind: str, dest: str, fd: int) -> None:
 
 
 def prune(kind: str) -> None:
-    """Keep the newest KEEP[kind] complete copies of `kind`; drop the rest that no process holds (a
-    copy being downloaded or handed to a live process is held: see the module docstring)."""
+    """Keep the newest complete copy of `kind` and those a live process holds; drop the rest (a copy
+    being downloaded or handed to a live process is held: see the module docstring)."""
     root = os.path.join(node_cache_dir(), kind)
     try:
         names = os.listdir(root)
@@ -189,7 +196,7 @@ def prune(kind: str) -> None:
         groups.setdefault(n.lstrip(".").split(".", 1)[0], []).append(n)
     newest = sorted((e for e in groups if _complete(os.path.join(root, e))), key=lambda e: _mtime(root, e),
                     reverse=True)
-    for entry in set(groups) - set(newest[:KEEP.get(kind, 3)]):
+    for entry in set(groups) - set(newest[:1]):
         try:
             fd = _flock(os.path.join(root, entry + ".use"), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except FileNotFoundError:

@@ -67,3 +67,24 @@ def test_a_source_without_its_marker_is_refused(cache):
     store.put_bytes("model.safetensors", b"half")
     with pytest.raises(FileNotFoundError, match=r"\.complete"):
         localize(store.uri(), "weights", required=".complete")
+
+
+def test_the_cache_keeps_only_the_versions_in_use_and_the_newest(cache):
+    """Pins: pushed weights and eval snapshots are kept while a live process holds them (an engine its
+    current version, another process on the node its own), plus the newest; every other copy is pruned
+    as soon as a newer one is localized. Guards: three versions of a 16 GB model kept per node whether
+    anyone reads them or not (the pod evicted for disk)."""
+    import fcntl
+
+    for kind in ("weights", "snapshots"):
+        held = localize(_snapshot("held"), kind)
+        other = os.open(held + ".use", os.O_RDWR)  # another process on the node still reads this copy
+        fcntl.flock(other, fcntl.LOCK_SH)
+        try:
+            paths = [localize(_snapshot(name), kind) for name in ("v1", "v2", "v3")]
+            kept = {str(p) for p in (cache / kind).iterdir() if p.is_dir()}
+            assert kept == {held, paths[-1]}, f"{kind}: kept {len(kept)} copies, not the held one and the newest"
+        finally:
+            os.close(other)
+        node_local.prune(kind)  # its holder is gone: the newest alone is left
+        assert {str(p) for p in (cache / kind).iterdir() if p.is_dir()} == {paths[-1]}

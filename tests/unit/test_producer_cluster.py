@@ -33,7 +33,8 @@ def test_a_spot_pool_selector_and_toleration_reach_the_worker_pods_with_their_re
         {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"},
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     (container,) = [c for c in pod["containers"] if c["name"] == "ray-worker"]
-    assert container["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1"}
+    assert container["resources"]["requests"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "1",
+                                                  "ephemeral-storage": "200Gi"}  # the node-local volume's
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
 
 
