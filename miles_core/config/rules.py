@@ -278,6 +278,12 @@ def _parallel_rules(cfg: RunConfig) -> list[str]:
     if world >= 1 and t.tensor_model_parallel_size >= 1 and world % t.tensor_model_parallel_size:
         p.append(f"--tensor-model-parallel-size={t.tensor_model_parallel_size} must divide the trainer's "
                  f"{world} ranks (--actor-num-nodes x --actor-num-gpus-per-node).")
+    elif (cfg.engine.engine_backend == "sglang" and t.actor_num_gpus_per_node >= 1 and t.tensor_model_parallel_size >= 1
+          and t.actor_num_gpus_per_node % t.tensor_model_parallel_size):
+        # GPU runs place each trainer node's ranks on one node (driver/placement.py); a TP group is consecutive ranks
+        p.append(f"--tensor-model-parallel-size={t.tensor_model_parallel_size} must divide the trainer's ranks per node "
+                 f"(--actor-num-gpus-per-node={t.actor_num_gpus_per_node}): each trainer node's ranks are placed on one "
+                 "node and a tensor-parallel group would cross nodes.")
     p.extend(_expert_parallel_rules(t, world))
     if cfg.engine.update_weight_buffer_size < 1:
         p.append(f"--update-weight-buffer-size={cfg.engine.update_weight_buffer_size} must be >= 1 (bytes).")

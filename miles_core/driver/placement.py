@@ -5,7 +5,12 @@ the rollout manager (docs/training.md). The only module that creates Ray actors 
 
 The trainer is a `TrainerGroup`: one `TrainerWorker` actor per rank (`--actor-num-nodes` x
 `--actor-num-gpus-per-node`; one GPU each, or one CPU rank process each on a machine without
-GPUs) in one placement group. Rank 0 is created first and gives MASTER_ADDR/MASTER_PORT; every
+GPUs) in the bundles a `TrainerPlacement` reserved. On GPU runs that is one STRICT_PACK placement
+group per trainer node (`--actor-num-gpus-per-node` one-GPU bundles on one node), reserved before
+any engine starts, so that every tensor-parallel group (consecutive ranks; its size divides the
+ranks per node) is inside one node and the engines, packed after it, do not fragment the nodes; on
+CPU runs one PACK placement group of all ranks, after the engines, as the check models it
+(prepare/resources.py). Rank 0 is created first and gives MASTER_ADDR/MASTER_PORT; every
 rank then initialises torch.distributed (NCCL on GPU, gloo on CPU) and Megatron's parallel state.
 The driver holds typed clients: every method of `TrainerGroup` and of the rollout side's
 `RolloutClient` returns a `Pending` call, waited for in the driver's one wait (switchboard.py). This module never calls `ray.init` except in `ensure_ray` (local runs and
@@ -26,7 +31,8 @@ from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
 from miles_core.prepare.checks import check_device_memory
-from miles_core.prepare.resources import Bundle, ClusterShape, Node, fit_problems, producer_fit_problems, trainer_bundle
+from miles_core.prepare.resources import (Bundle, ClusterShape, Node, fit_problems, producer_fit_problems,
+                                          trainer_bundles, uses_gpus)
 from miles_core.rank_batches import data_layout, split_for_run
 from miles_core.rollout.manager import rollout_manager_actor
 
@@ -92,13 +98,55 @@ class TrainerPlacementError(RuntimeError):
         super().__init__(message)
 
 
+class TrainerPlacement:
+    """The trainer's reserved bundles (module doc): `options[r]` are rank r's Ray options. GPU runs: one
+    STRICT_PACK placement group per trainer node, rank r in group r // --actor-num-gpus-per-node; CPU
+    runs: one PACK placement group. TrainerPlacementError when Ray has not placed them within
+    `timeout_seconds` (nothing stays reserved then)."""
+
+    def __init__(self, cfg, timeout_seconds: float = 600.0):
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundles = trainer_bundles(cfg)
+        self.world_size = len(bundles)
+        per_node = max(1, cfg.train.actor_num_gpus_per_node)
+        if uses_gpus(cfg.engine):  # one group per trainer node: its TP groups stay in one node
+            self.groups = [placement_group([ray_resources(b) for b in bundles[k:k + per_node]], strategy="STRICT_PACK")
+                           for k in range(0, len(bundles), per_node)]
+            slots = [(self.groups[r // per_node], r % per_node) for r in range(len(bundles))]
+        else:
+            self.groups = [placement_group([ray_resources(b) for b in bundles], strategy="PACK")]
+            slots = [(self.groups[0], r) for r in range(len(bundles))]
+        try:
+            ray.get([g.ready() for g in self.groups], timeout=timeout_seconds)
+        except ray.exceptions.GetTimeoutError:
+            self.remove()
+            whole = f", {per_node} on each node" if uses_gpus(cfg.engine) else ""
+            raise TrainerPlacementError(
+                f"the trainer's {self.world_size} ranks ({ray_resources(bundles[0]) if bundles else {}} each{whole}) "
+                f"could not be placed within {timeout_seconds:.0f} s; the cluster has {ray.available_resources()} "
+                "free. Lower --actor-num-gpus-per-node / --actor-num-nodes or --num-cpus-trainer, or add nodes.") from None
+        self.options = [dict(num_cpus=b.cpus, num_gpus=b.gpus,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(g, placement_group_bundle_index=i))
+                        for b, (g, i) in zip(bundles, slots)]
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for g in self.groups:
+            remove_placement_group(g)
+        self.groups = []
+
+
 class TrainerGroup:
     """The trainer's ranks, a typed client: each method runs `TrainerWorker`'s method of that name on every
     rank (arguments are put in the object store once and read by all ranks) and returns a `Pending` of
     rank 0's answer."""
 
     def __init__(self, cfg, hf_uri: str, engine_urls: list[str], engine_actors: list | None = None,
-                 placement_timeout_seconds: float = 600.0):
+                 placement_timeout_seconds: float = 600.0, placement: TrainerPlacement | None = None):
         import ray
 
         # torch and Megatron: only the trainer's rank processes need them, not the driver
@@ -109,7 +157,8 @@ class TrainerGroup:
         self.cfg = cfg
         self.world_size = t.actor_num_nodes * t.actor_num_gpus_per_node
         self.layout = data_layout(cfg.train)
-        opts = self._place(cfg, placement_timeout_seconds)
+        self.placement = placement or TrainerPlacement(cfg, placement_timeout_seconds)
+        opts = self.placement.options
         worker = ray.remote(concurrency_groups={LIFE: 1})(TrainerWorker)
         for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
             where = self._rendezvous(opts[0], rendezvous_address)  # rank 0's node and a free port on it
@@ -123,7 +172,7 @@ class TrainerGroup:
             except ray.exceptions.ActorDiedError as e:
                 self._kill(graceful=False)  # the others wait in the rendezvous for a rank that is gone
                 if not port_taken(e) or attempt == RENDEZVOUS_ATTEMPTS:
-                    ray.util.remove_placement_group(self.pg)
+                    self.placement.remove()
                     raise
                 log.warning("the trainer's rendezvous port %s:%s was taken before rank 0 listened on it; "
                             "starting the ranks again on another (attempt %d of %d)", *where, attempt + 1,
@@ -146,27 +195,6 @@ class TrainerGroup:
     def _kill(self, graceful: bool = True) -> None:
         end_actors(self.actors, timeout_seconds=10.0 if graceful else 0.0)
         self.actors = []
-
-    def _place(self, cfg, timeout_seconds: float) -> list[dict]:
-        """One placement-group bundle per rank (a GPU each on GPU clusters); Ray options per rank."""
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        spec = trainer_bundle(cfg)
-        bundle = ray_resources(spec)
-        self.pg = placement_group([bundle] * self.world_size, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=timeout_seconds)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            raise TrainerPlacementError(
-                f"the trainer's {self.world_size} ranks ({bundle} each) could not be placed within "
-                f"{timeout_seconds:.0f} s; the cluster has {ray.available_resources()} free. Lower "
-                "--actor-num-gpus-per-node / --actor-num-nodes or --num-cpus-trainer, or add nodes.") from None
-        return [dict(num_cpus=spec.cpus, num_gpus=spec.gpus,
-                     scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
-                for r in range(self.world_size)]
 
     def _on_every_rank(self, method: Callable[[Any], Any], *args) -> Pending:
         import ray
@@ -211,14 +239,12 @@ class TrainerGroup:
         return self._on_every_rank(lambda a: a.close)
 
     def shutdown(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
         try:
             if self.actors:
                 self.close().result(timeout=120)
         finally:
             self._kill()
-            remove_placement_group(self.pg)
+            self.placement.remove()
 
 
 @dataclass
@@ -236,11 +262,15 @@ def start_cluster(cfg, initial_model: str, stack: contextlib.ExitStack) -> Clust
     `stack`."""
     launch = EngineLaunchSpec.from_config(cfg.engine, initial_model, 0,
                                           routed_experts=cfg.train.use_rollout_routing_replay)
+    # GPU runs: the trainer's whole-node groups first, the engines packed beside them (module doc)
+    reserved = TrainerPlacement(cfg) if uses_gpus(cfg.engine) else None
+    if reserved is not None:
+        stack.callback(reserved.remove)  # a no-op once the trainer removed it
     fleet = EngineFleet(launch, cfg.engine.rollout_num_engines,
                         num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                         resources=custom_resource(cfg.engine.engine_custom_resource)).start()
     stack.callback(fleet.shutdown)
-    trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actor_handles())
+    trainer = TrainerGroup(cfg, initial_model, fleet.urls(), fleet.actor_handles(), placement=reserved)
     stack.callback(trainer.shutdown)
     restored = trainer.restore_latest().result()
     start_step, extras = (restored[0] + 1, restored[1]) if restored else (0, {})

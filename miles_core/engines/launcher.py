@@ -42,6 +42,14 @@ Token: with `MILES_ENGINE_API_KEY` set (required when bound beyond loopback), ev
 load sends it and the server requires it (`miles_core.engines.auth`); SGLang gets it as `--api-key`,
 masked in the logged command line.
 
+Placement: an engine's GPUs (`--rollout-num-gpus-per-engine`, SGLang's tensor-parallel size) are one
+Ray placement-group bundle, so always on one node. The engines a fleet starts with are one placement
+group of a bundle each, PACK: Ray puts them on as few nodes as possible instead of spreading
+one-GPU engines over every worker (which leaves no node whole for a trainer node,
+driver/placement.py), and places all of them or none. An engine spawned later gets a free bundle of
+the fleet (one a removed engine held) or a placement group of its own (STRICT_PACK). The groups go
+with the fleet's `shutdown`. Engines without GPUs (the CPU engine) use no placement group.
+
 Resizing: a run's fleet changes while it goes on (miles_core.driver.fleet_reconciler): `spawn` starts one
 more engine in the background, `lost` finds the engines whose actor died, `remove` shuts one down in
 the background. The other methods of `EngineFleet` block (they wait on the actors) and see the serving
@@ -452,6 +460,7 @@ class FleetMember:
     since: float = field(default_factory=time.time)
     detail: dict = field(default_factory=dict)  # JSON-able notes of the owner (the version it joined at)
     loading: Any = None  # the Ray ref of a load in the background (`begin_load`)
+    slot: Any = None  # (placement group, bundle index) the engine runs in; None without GPUs
 
 
 class EngineFleet:
@@ -465,13 +474,28 @@ class EngineFleet:
         import ray
 
         gpus = spec.tp_size if spec.backend == "sglang" else 0
-        self._actor_cls = ray.remote(EngineActor).options(num_cpus=num_cpus_per_engine, num_gpus=gpus,
-                                                          max_concurrency=8, resources=resources or None)
+        self._actor_cls = ray.remote(EngineActor)
+        self._actor_options = dict(num_cpus=num_cpus_per_engine, num_gpus=gpus, max_concurrency=8,
+                                   resources=resources or None)
+        # one engine's placement-group bundle: the same resources its actor asks for (module doc)
+        self._bundle = {"CPU": num_cpus_per_engine, **({"GPU": gpus} if gpus else {}), **(resources or {})}
+        self._groups: list = []  # the fleet's placement groups, removed by `shutdown`
+        self._free_slots: list[tuple[Any, int]] = []  # bundles of those that no engine holds
         self.spec, self.name_prefix, self._next = spec, name_prefix, 0
         self.members: list[FleetMember] = []
         self._retiring: list[tuple[Any, Any, float]] = []  # (actor, its shutdown ref, kill deadline)
+        if gpus and num_engines:
+            self._reserve(num_engines, "PACK")
         for _ in range(num_engines):
             self.spawn()
+
+    def _reserve(self, n: int, strategy: str) -> None:
+        """A placement group of `n` engine bundles; its bundles join the free ones."""
+        from ray.util.placement_group import placement_group
+
+        group = placement_group([self._bundle] * n, strategy=strategy)
+        self._groups.append(group)
+        self._free_slots.extend((group, i) for i in range(n))
 
     def start(self) -> "EngineFleet":
         """Wait for every engine spawned so far to be healthy (EngineStartError otherwise); they serve."""
@@ -536,10 +560,18 @@ class EngineFleet:
     # ---- changes while a run goes on ------------------------------------------------------------
     def spawn(self) -> FleetMember:
         """A new engine, starting in the background (Ray places it when the cluster has room)."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         name = f"{self.name_prefix}-{self._next}"
         self._next += 1
-        actor = self._actor_cls.remote(self.spec, name)
-        member = FleetMember(name, actor, actor.start.remote())
+        options, slot = dict(self._actor_options), None
+        if self._actor_options["num_gpus"]:
+            if not self._free_slots:
+                self._reserve(1, "STRICT_PACK")
+            slot = self._free_slots.pop(0)
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(slot[0], placement_group_bundle_index=slot[1])
+        actor = self._actor_cls.options(**options).remote(self.spec, name)
+        member = FleetMember(name, actor, actor.start.remote(), slot=slot)
         self.members.append(member)
         return member
 
@@ -581,6 +613,8 @@ class EngineFleet:
         import ray
 
         self.members.remove(member)
+        if member.slot is not None:  # the next spawn takes it (it waits there until this actor has ended)
+            self._free_slots.append(member.slot)
         if graceful:
             self._retiring.append((member.actor, member.actor.shutdown.remote(), time.monotonic() + 60.0))
         else:
@@ -614,6 +648,14 @@ class EngineFleet:
                     ray.wait(waiting, num_returns=len(waiting), timeout=seconds)
         finally:
             end_actors(actors)
+            self._release_groups()
+
+    def _release_groups(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        groups, self._groups, self._free_slots = self._groups, [], []
+        for group in groups:
+            remove_placement_group(group)
 
 
 def end_actors(actors: list, timeout_seconds: float = 10.0) -> None:

@@ -5,13 +5,27 @@
 
 A bundle is one actor's share of one node: an engine (its tensor-parallel GPUs on one node), a
 trainer rank (one GPU on GPU clusters; a CPU rank process elsewhere), a dedicated eval engine. The
-rollout manager reserves no CPU. The bundles are placed in the order the driver starts them (rollout
-engines, then the trainer's ranks, then eval engines), each on the first node with room for it and
-with the custom resource it asks for, which is how a full cluster fails too: a trainer placement
-group that cannot be satisfied waits (600 s) and fails, after every engine has started. Checking
+rollout manager reserves no CPU.
+
+Placement rules (the driver's, driver/placement.py and engines/launcher.py, modelled here):
+
+- GPU runs: the trainer's ranks are reserved first, one Ray placement group per trainer node
+  (`--actor-num-gpus-per-node` bundles, STRICT_PACK: on one node), rank r in group
+  r // `--actor-num-gpus-per-node`. Megatron's tensor-parallel groups are consecutive ranks and
+  `--tensor-model-parallel-size` divides the ranks per node (a config rule), so no TP group crosses
+  nodes. They go first because whole-node groups are the hardest to place: engines placed before
+  them fragment the nodes (4 one-GPU engines spread over two 8-GPU workers leave no 6 GPUs on either).
+  Then the rollout engines (one placement group, PACK: nodes filled in order; an engine is one
+  bundle, so its GPUs are on one node), then dedicated eval engines (likewise).
+- CPU runs (the CPU engine): as before, the engines (no placement group), then the ranks (one PACK
+  placement group), then eval engines.
+
+The check places the bundles in that order, each on the first node with room for it and with the
+custom resource it asks for (a trainer node's bundles all on one node). A trainer placement group
+that cannot be satisfied waits (600 s) and fails; engines that find no room wait for ever. Checking
 first turns that wait into one refusal that names both sides.
 
-The driver builds its Ray options from the same bundles (`engine_bundle`, `trainer_bundle`), so the
+The driver builds its Ray options from the same bundles (`engine_bundle`, `trainer_bundles`), so the
 check and the placement cannot disagree about what a role asks for.
 """
 
@@ -31,6 +45,7 @@ class Bundle:
     cpus: float
     gpus: int
     custom: str = ""  # a custom resource this actor asks a sliver of ("" = none)
+    group: str = ""  # bundles of one group (a trainer node's ranks) are placed on one node together
 
 
 @dataclass(frozen=True)
@@ -62,8 +77,19 @@ def engine_bundle(cfg: RunConfig, role: str = "engine") -> Bundle:
     return Bundle(role, cfg.run.num_cpus_per_engine, gpus, cfg.engine.engine_custom_resource)
 
 
-def trainer_bundle(cfg: RunConfig, role: str = "trainer rank") -> Bundle:
-    return Bundle(role, cfg.run.num_cpus_trainer, 1 if uses_gpus(cfg.engine) else 0, cfg.engine.trainer_custom_resource)
+def trainer_bundle(cfg: RunConfig, role: str = "trainer rank", group: str = "") -> Bundle:
+    return Bundle(role, cfg.run.num_cpus_trainer, 1 if uses_gpus(cfg.engine) else 0, cfg.engine.trainer_custom_resource,
+                  group)
+
+
+def trainer_bundles(cfg: RunConfig) -> list[Bundle]:
+    """One bundle per rank; on GPU runs rank r belongs to trainer node r // --actor-num-gpus-per-node (a
+    group placed on one node: its TP groups with it)."""
+    t = cfg.train
+    per_node = max(1, t.actor_num_gpus_per_node)
+    gpus = uses_gpus(cfg.engine)
+    return [trainer_bundle(cfg, f"trainer rank {r}", f"trainer node {r // per_node}" if gpus else "")
+            for r in range(t.actor_num_nodes * t.actor_num_gpus_per_node)]
 
 
 def eval_engine_count(cfg: RunConfig) -> int:
@@ -75,12 +101,12 @@ def eval_engine_count(cfg: RunConfig) -> int:
 
 
 def demand(cfg: RunConfig) -> list[Bundle]:
-    """Every bundle of the run, in the order the driver asks Ray for them."""
-    t = cfg.train
-    ranks = t.actor_num_nodes * t.actor_num_gpus_per_node
-    return ([engine_bundle(cfg, f"engine {i}") for i in range(cfg.engine.rollout_num_engines)]
-            + [trainer_bundle(cfg, f"trainer rank {r}") for r in range(ranks)]
-            + [engine_bundle(cfg, f"eval engine {i}") for i in range(eval_engine_count(cfg))])
+    """Every bundle of the run, in the order the driver asks Ray for them (GPU runs: the trainer's
+    nodes first; CPU runs: the engines first)."""
+    engines = [engine_bundle(cfg, f"engine {i}") for i in range(cfg.engine.rollout_num_engines)]
+    ranks = trainer_bundles(cfg)
+    evals = [engine_bundle(cfg, f"eval engine {i}") for i in range(eval_engine_count(cfg))]
+    return ranks + engines + evals if uses_gpus(cfg.engine) else engines + ranks + evals
 
 
 @dataclass
@@ -90,23 +116,72 @@ class _Free:
     gpus: float
     holds: list[str] = field(default_factory=list)
 
-    def take(self, b: Bundle) -> bool:
-        if b.cpus > self.cpus + 1e-9 or b.gpus > self.gpus + 1e-9 or (b.custom and b.custom not in self.node.custom):
+    def take(self, group: list[Bundle]) -> bool:
+        """Take every bundle of `group` on this node, or none."""
+        cpus, gpus = sum(b.cpus for b in group), sum(b.gpus for b in group)
+        if cpus > self.cpus + 1e-9 or gpus > self.gpus + 1e-9 or any(b.custom and b.custom not in self.node.custom
+                                                                    for b in group):
             return False
-        self.cpus, self.gpus = self.cpus - b.cpus, self.gpus - b.gpus
-        self.holds.append(b.role)
+        self.cpus, self.gpus = self.cpus - cpus, self.gpus - gpus
+        self.holds.extend(b.role for b in group)
         return True
 
 
-def unplaced(bundles: list[Bundle], shape: ClusterShape) -> list[Bundle]:
-    """The bundles that find no node, placing each on the first node with room, in order."""
+def _groups(bundles: list[Bundle]) -> list[list[Bundle]]:
+    """`bundles` cut into what is placed together: consecutive bundles of one group, else one each."""
+    out: list[list[Bundle]] = []
+    for b in bundles:
+        if b.group and out and out[-1][0].group == b.group:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+def placement(bundles: list[Bundle], shape: ClusterShape) -> list[int | None]:
+    """The index in `shape.nodes` of the node each bundle lands on (None: no node has room), placing
+    each group on the first node with room for all of it, in order."""
     free = [_Free(n, n.cpus, n.gpus) for n in shape.nodes]
-    return [b for b in bundles if not any(f.take(b) for f in free)]
+    where: list[int | None] = []
+    for group in _groups(bundles):
+        node = next((i for i, f in enumerate(free) if f.take(group)), None)
+        where.extend([node] * len(group))
+    return where
+
+
+def unplaced(bundles: list[Bundle], shape: ClusterShape) -> list[Bundle]:
+    """The bundles that find no node (`placement`)."""
+    return [b for b, node in zip(bundles, placement(bundles, shape)) if node is None]
+
+
+def node_size_problems(cfg: RunConfig, shape: ClusterShape, *, trainer: bool = True) -> list[str]:
+    """What can never fit one node of `shape`, whatever else runs: an engine's GPUs (its TP) or a
+    trainer node's ranks (its TP groups) need more GPUs than the largest node has. Each names its flags."""
+    if not uses_gpus(cfg.engine) or not shape.nodes:
+        return []
+    largest = max(n.gpus for n in shape.nodes)
+    p = []
+    tp_engine = engine_bundle(cfg).gpus
+    if tp_engine > largest:
+        p.append(f"an engine's {tp_engine} GPUs (--rollout-num-gpus-per-engine, SGLang's tensor-parallel size) must be "
+                 f"on one node, and the largest node of {shape.source} has {largest:g} GPUs; lower "
+                 "--rollout-num-gpus-per-engine or use bigger nodes.")
+    t = cfg.train
+    if trainer and t.actor_num_nodes * t.actor_num_gpus_per_node and t.actor_num_gpus_per_node > largest:
+        tp = t.tensor_model_parallel_size
+        p.append(f"the trainer's {t.actor_num_gpus_per_node} ranks per node (--actor-num-gpus-per-node) are placed "
+                 f"on one node, so that no tensor-parallel group (--tensor-model-parallel-size {tp}) crosses nodes, "
+                 f"and the largest node of {shape.source} has {largest:g} GPUs; set --actor-num-gpus-per-node to "
+                 f"at most {largest:g} (a multiple of --tensor-model-parallel-size) and raise --actor-num-nodes.")
+    return p
 
 
 def fit_problems(cfg: RunConfig, shape: ClusterShape) -> list[str]:
     """[] when the run's bundles fit `shape`; else one problem naming what is asked, what is there and
     which flags would make it fit."""
+    sizes = node_size_problems(cfg, shape)
+    if sizes:
+        return sizes
     need = demand(cfg)
     missing = unplaced(need, shape)
     if not missing:
@@ -120,6 +195,9 @@ def producer_fit_problems(cfg: RunConfig, num_engines: int, shape: ClusterShape)
     """[] when a producer job's `num_engines` engines (the run's engine shape) fit its cluster `shape`;
     else one problem naming what is asked and what is there. Checked before any engine starts: Ray
     would wait for room for ever."""
+    sizes = node_size_problems(cfg, shape, trainer=False)
+    if sizes:
+        return sizes
     need = [engine_bundle(cfg, f"producer engine {i}") for i in range(num_engines)]
     missing = unplaced(need, shape)
     if not missing:

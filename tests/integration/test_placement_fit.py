@@ -52,19 +52,22 @@ def logical_cluster(monkeypatch):
 
 
 def ray_places(cfg, timeout_seconds: float = 20.0) -> bool:
-    """Ask Ray for every bundle of the run the way the driver does: each engine on one node, then the
-    trainer's ranks as one PACK placement group, then the eval engines; True when all are placed."""
+    """Ask Ray for every bundle of the run the way the driver does on GPU runs: the trainer's nodes first
+    (`TrainerPlacement`: one STRICT_PACK group each), then the engines (one PACK group, as `EngineFleet`
+    reserves them), then the eval engines (likewise); True when all are placed."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    from miles_core.driver.placement import TrainerPlacement, TrainerPlacementError
+
     bundles = demand(cfg)
-    trainer = [ray_resources(b) for b in bundles if b.role.startswith("trainer")]
-    engines = [b for b in bundles if not b.role.startswith("trainer")]
-    groups = [placement_group([ray_resources(b)], strategy="STRICT_PACK")
-              for b in engines if b.role.startswith("engine")]
-    groups += [placement_group(trainer, strategy="PACK")] if trainer else []
-    groups += [placement_group([ray_resources(b)], strategy="STRICT_PACK")
-               for b in engines if b.role.startswith("eval")]
+    engines = [ray_resources(b) for b in bundles if b.role.startswith("engine")]
+    evals = [ray_resources(b) for b in bundles if b.role.startswith("eval")]
+    try:
+        trainer = TrainerPlacement(cfg, timeout_seconds=timeout_seconds)
+    except TrainerPlacementError:
+        return False
+    groups = [placement_group(b, strategy="PACK") for b in (engines, evals) if b]
     try:
         ray.get([g.ready() for g in groups], timeout=timeout_seconds)
         return True
@@ -73,6 +76,7 @@ def ray_places(cfg, timeout_seconds: float = 20.0) -> bool:
     finally:
         for g in groups:
             remove_placement_group(g)
+        trainer.remove()
 
 
 def test_an_eight_gpu_worker_with_engines(logical_cluster):
@@ -82,7 +86,7 @@ def test_an_eight_gpu_worker_with_engines(logical_cluster):
     fits = parse_flags(["--preset", "tiny-reverse4", *SGLANG, "--actor-num-gpus-per-node", "6", "--rollout-num-engines", "2"], check=False)
     too_big = parse_flags(["--preset", "tiny-reverse4", *SGLANG, "--actor-num-gpus-per-node", "8"], check=False)
     assert fit_problems(fits, shape) == [] and ray_places(fits)
-    assert "trainer rank 7" in fit_problems(too_big, shape)[0]
+    assert "(engine 0)" in fit_problems(too_big, shape)[0]  # the trainer's node is reserved first
     assert not ray_places(too_big, timeout_seconds=5)
 
 

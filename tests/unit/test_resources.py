@@ -45,17 +45,20 @@ def test_two_cpu_ranks_on_two_cores_are_refused_naming_the_share_that_fits():
 
 
 def test_eight_trainer_gpus_beside_an_engine_do_not_fit_one_eight_gpu_worker():
+    """The trainer's node is reserved first (whole), so the engine is the one left without room."""
     problems = fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "8"), FLYTE_DEFAULT)
-    assert len(problems) == 1 and "= 9 CPU, 9 GPU" in problems[0] and "trainer rank 7" in problems[0]
+    assert len(problems) == 1 and "= 9 CPU, 9 GPU" in problems[0] and "(engine 0)" in problems[0]
     assert "gpu worker 0: 64 CPU, 8 GPU" in problems[0] and "at most 7 trainer ranks" in problems[0]
     assert fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "7"), FLYTE_DEFAULT) == []
 
 
 def test_an_engine_keeps_its_gpus_on_one_node():
-    """Two nodes of 2 free GPUs each hold 4 GPUs, but not one 4-GPU engine (SGLang's TP is within a node)."""
+    """Two nodes of 2 free GPUs each hold 4 GPUs, but not one 4-GPU engine (SGLang's TP is within a node):
+    refused naming the flag and the node size."""
     two_small = ClusterShape((Node("a", 8, 2), Node("b", 8, 2)), "two small nodes")
     flags = [*SGLANG, "--rollout-num-gpus-per-engine", "4", "--actor-num-gpus-per-node", "0"]
-    assert "engine 0" in fit_problems(cfg(*flags), two_small)[0]
+    (problem,) = fit_problems(cfg(*flags), two_small)
+    assert "an engine's 4 GPUs (--rollout-num-gpus-per-engine" in problem and "has 2 GPUs" in problem
 
 
 def test_custom_resources_pin_roles_to_nodes():
@@ -112,3 +115,69 @@ def test_a_producers_engines_are_checked_to_fit_before_they_start():
     (problem,) = producer_fit_problems(cfg, 4, spot)
     assert "the producer's engines do not fit the producer's Ray cluster" in problem
     assert "4 x producer engine" in problem and "2 of them cannot be placed" in problem and "fewer engines" in problem
+
+
+TWO_WORKERS = ClusterShape((Node("head", 4, 0), Node("w0", 64, 8), Node("w1", 64, 8)), "two 8-GPU workers")
+
+
+def _layout(c, shape=TWO_WORKERS) -> dict[str, str | None]:
+    from miles_core.prepare.resources import placement
+
+    need = demand(c)
+    return {b.role: (shape.nodes[i].name if i is not None else None) for b, i in zip(need, placement(need, shape))}
+
+
+def test_each_trainer_node_is_placed_whole_before_the_engines():
+    """Pins: on two 8-GPU workers, 2 x 6 trainer ranks (TP 2) take one worker each and the 4 one-GPU engines
+    the GPUs left (2 + 2); every TP group is inside one node. Guards: engines placed first (4 on w0 leave
+    no 6 GPUs there) and ranks placed one by one (a trainer node, or a TP group, across two workers)."""
+    where = _layout(cfg(*SGLANG, "--rollout-num-engines", "4", "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "6",
+                        "--tensor-model-parallel-size", "2"))
+    assert {where[f"trainer rank {r}"] for r in range(6)} == {"w0"}
+    assert {where[f"trainer rank {r}"] for r in range(6, 12)} == {"w1"}
+    assert [where[f"engine {i}"] for i in range(4)] == ["w0", "w0", "w1", "w1"]
+
+
+def test_a_trainer_node_that_no_node_can_hold_is_refused_naming_the_flags():
+    """Pins: 8 ranks per trainer node on 4-GPU workers are refused (not split over two), naming
+    --actor-num-gpus-per-node, --tensor-model-parallel-size and the node size."""
+    shape = ClusterShape((Node("head", 4, 0), Node("w0", 32, 4), Node("w1", 32, 4)), "two 4-GPU workers")
+    c = cfg(*SGLANG, "--rollout-num-engines", "0", "--allow-rollout-producers", "--actor-num-gpus-per-node", "8",
+            "--tensor-model-parallel-size", "4")
+    (problem,) = fit_problems(c, shape)
+    assert "8 ranks per node (--actor-num-gpus-per-node)" in problem and "--tensor-model-parallel-size 4" in problem
+    assert "has 4 GPUs" in problem and "at most 4" in problem
+    fits = cfg(*SGLANG, "--rollout-num-engines", "0", "--allow-rollout-producers", "--actor-num-nodes", "2",
+               "--actor-num-gpus-per-node", "4", "--tensor-model-parallel-size", "4")
+    assert fit_problems(fits, shape) == []
+
+
+def test_free_gpus_scattered_over_nodes_do_not_hold_an_engine():
+    """Pins: 2 x 5 trainer ranks and one 4-GPU engine (14 of 16 GPUs) are refused: each worker keeps 3 GPUs
+    free. Guards: the old check, which placed the engine first and the ranks one by one, accepted it, and Ray
+    then split a trainer node over both workers."""
+    c = cfg(*SGLANG, "--rollout-num-engines", "1", "--rollout-num-gpus-per-engine", "4", "--actor-num-nodes", "2",
+            "--actor-num-gpus-per-node", "5", "--tensor-model-parallel-size", "5")
+    (problem,) = fit_problems(c, TWO_WORKERS)
+    assert "(engine 0)" in problem
+    assert fit_problems(cfg(*SGLANG, "--rollout-num-engines", "1", "--rollout-num-gpus-per-engine", "4",
+                            "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "4"), TWO_WORKERS) == []
+
+
+def test_a_tp_group_may_not_cross_a_trainer_node():
+    """Pins: on GPU runs --tensor-model-parallel-size divides --actor-num-gpus-per-node (TP 4 over 2 x 6 ranks
+    would put ranks 4-7 on two nodes); CPU runs keep the old rule (TP divides all ranks)."""
+    flags = ["--actor-num-nodes", "2", "--actor-num-gpus-per-node", "6", "--tensor-model-parallel-size", "4"]
+    with pytest.raises(ConfigError, match=r"--tensor-model-parallel-size=4 must divide the trainer's ranks per node "
+                                          r"\(--actor-num-gpus-per-node=6\)"):
+        parse_flags(["--preset", "tiny-reverse4", *SGLANG, *flags])
+    parse_flags(["--preset", "tiny-reverse4", *flags])
+
+
+def test_cpu_runs_place_as_before():
+    """Pins: without GPUs the ranks are no group (one PACK placement group, after the engines)."""
+    from miles_core.prepare.resources import trainer_bundles
+
+    c = cfg("--actor-num-nodes", "2", "--actor-num-gpus-per-node", "2")
+    assert [b.group for b in trainer_bundles(c)] == [""] * 4
+    assert [b.role for b in demand(c)][0] == "engine 0"
