@@ -3,9 +3,10 @@
 - `cpu_image`: Python 3.11 + torch (CPU wheel) + the pinned dependency set + this project.
   Runs prepare_data, the eval follower, report, backfill, and the CPU embedded default.
 - `gpu_image`: a CUDA 13.0 base image (the CUDA of SGLang's torch) + the same pinned set
-  (requirements.lock, but SGLang's CUDA torch) + SGLang + this project. Runs `train` (engines and
-  trainer) and GPU evals. tests/integration/test_gpu_pins.py checks that SGLang's and megatron-core's own
-  requirements hold in the lock and resolves this set for linux x86_64.
+  (requirements.lock, but SGLang's CUDA torch) + SGLang + Transformer Engine + this project. Runs
+  `train` (engines and trainer) and GPU evals. tests/integration/test_gpu_pins.py checks that
+  SGLang's and megatron-core's own requirements hold in the lock and resolves this set (Transformer
+  Engine included) for linux x86_64.
 
 Tasks take their image from `task_image("cpu" | "gpu")`:
 - by default the ImageSpec itself: `pyflyte run --remote` / `pyflyte register` build and push it
@@ -41,6 +42,31 @@ GPU_EXTRAS = ["sglang==0.5.23"]
 # time; Ubuntu 24.04's glibc 2.39 (SGLang 0.5.23's wheels are manylinux_2_34).
 GPU_BASE_IMAGE = "nvidia/cuda:13.0.1-cudnn-devel-ubuntu24.04"
 
+# Transformer Engine: the trainer's fused layers and attention (`--transformer-impl auto` picks them on
+# a GPU where `transformer_engine` imports; fused attention keeps no s x s state: docs/training.md,
+# "Memory per GPU"). Its PyTorch part, transformer-engine-torch, is published as source only (a CUDA
+# extension built against the torch it runs with), so the image installs it after the pinned set,
+# without build isolation: it builds against SGLang's CUDA torch with the devel base image's CUDA
+# toolkit and cuDNN (its setup first tries NVIDIA's prebuilt wheel for that torch and CUDA). Its core
+# library, transformer-engine-cu13, is a wheel of the same version for the CUDA 13 torch (named here:
+# the source distribution's static metadata names the CUDA 12 core, its build the torch's). The
+# version is the newest megatron-core 0.16.1 admits (its `dev` extra: >=2.9.0a0,<2.12.0).
+TE_REQUIREMENT = "transformer-engine[core_cu13,pytorch]==2.11.0"
+SOURCE_BUILT = ("transformer-engine-torch",)  # the GPU set's only distribution without a wheel
+TE_BUILD_TOOLS = ("cmake", "ninja", "pybind11", "setuptools", "pip")
+TE_BUILD_JOBS = 8  # nvcc processes in parallel (each takes a few GB of the builder's memory)
+
+
+def te_build_command() -> str:
+    """The image's last install step: Transformer Engine against the torch already installed."""
+    return (f"uv pip install {' '.join(TE_BUILD_TOOLS)} && "
+            f"NVTE_FRAMEWORK=pytorch MAX_JOBS={TE_BUILD_JOBS} uv pip install --no-build-isolation '{TE_REQUIREMENT}'")
+
+
+def gpu_requirements() -> list[str]:
+    """Everything the GPU image ends up with: its packages, then what `te_build_command` adds."""
+    return [*gpu_packages(), TE_REQUIREMENT]
+
 
 def gpu_packages() -> list[str]:
     """requirements.lock (the one pinned set) without the CPU torch, plus the GPU extras."""
@@ -75,8 +101,10 @@ gpu_image = ImageSpec(
     base_image=GPU_BASE_IMAGE,
     python_version="3.11",
     apt_packages=["git", "build-essential", "libnuma1"],
-    # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch.
+    # The same pinned set as the CPU image (requirements.lock) plus SGLang, which brings its CUDA torch;
+    # then Transformer Engine built against that torch (see TE_REQUIREMENT).
     packages=gpu_packages(),
+    commands=[te_build_command()],
     env={"PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "WARN"},
     source_root=str(PROJECT_ROOT), source_copy_mode=CopyFileDetection.ALL,  # see SOURCE_COPY
 )

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 
-from miles_core.config import RunConfig
+from miles_core.config import RunConfig, replace_fields
 from miles_core.config.plugins import PluginError, load_plugin
 from miles_core.config.sections import EngineSection, ModelSection
 from miles_core.config.rules import (moe_flag_problems, raise_problems, recompute_layers_problem, rule_problems,
@@ -168,10 +168,12 @@ def check_device_memory(cfg: RunConfig, model_uri: str, *, warn: bool = True) ->
     """On a trainer rank, before its model is built, without --gpu-memory-gb (checked before the run
     started): the trainer's estimate against the memory of this rank's CUDA device (`memory_fit`):
     ConfigError when the trainer cannot fit it, a logged warning (`warn`) when it may not. Nothing
-    without CUDA."""
+    without CUDA. `--transformer-impl auto` is counted as the rank will build it (Transformer Engine's
+    fused attention where it is installed, as in the project's GPU image: no s x s state)."""
     total = None if cfg.train.gpu_memory_gb else memory.device_memory_bytes()
     if total is None:
         return
+    cfg = replace_fields(cfg, transformer_impl=memory.impl_on_this_node(cfg.train))
     problems, warnings = memory_fit(Store(model_uri).get_json("config.json"), cfg, total / GIB,
                                     f"this trainer rank's GPU has {total / GIB:.1f} GiB (--gpu-memory-gb not set)")
     for w in warnings if warn else []:

@@ -57,6 +57,7 @@ in the estimate: each rank reads only its TP (and EP) shard of the HF checkpoint
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, fields
 
 from miles_core.config import RunConfig, replace_fields
@@ -215,10 +216,24 @@ def _attention_planes(t: TrainSection, plane: float, width: int) -> tuple[float,
 
 
 def transformer_impl_of(train: TrainSection) -> str:
-    """The attention the estimate counts: `auto` is counted as local (the upper bound) unless the
-    GPU image has Transformer Engine, which this estimate cannot see before the run."""
+    """The attention the estimate counts: `auto` is counted as local (the upper bound) before the run,
+    which cannot see whether the trainer's nodes have Transformer Engine; a trainer rank resolves it
+    first (`impl_on_this_node`)."""
     impl = train.transformer_impl
     return "transformer_engine" if impl == "transformer_engine" else "local"
+
+
+def transformer_engine_importable() -> bool:
+    """Transformer Engine is installed in this process's environment (the project's GPU image builds it)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def impl_on_this_node(train: TrainSection) -> str:
+    """`--transformer-impl` as a trainer rank with CUDA resolves it here: `auto` is transformer_engine
+    where Transformer Engine is installed, else local (miles_core.train.megatron_model.transformer_impl)."""
+    if train.transformer_impl != "auto":
+        return train.transformer_impl
+    return "transformer_engine" if transformer_engine_importable() else "local"
 
 
 LOGIT_COPIES = 6  # fp32 logits, shifted, exp, exp x shifted; their gradients in backward

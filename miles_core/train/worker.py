@@ -31,7 +31,6 @@ import time
 from typing import Callable
 
 from miles_core.engines.client import EngineClient
-from miles_core.engines.launcher import free_port
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
 from miles_core.rank_batches import RankBatch, data_layout
@@ -49,13 +48,6 @@ PRODUCER_GRACE_SECONDS = 120.0  # superseded weights kept for producer jobs stil
 # An engine that dies mid-run is restarted by its actor; a push waits for it (control calls retried 0.5 s
 # doubling: ~30 s) instead of failing the segment over a CPU engine's restart.
 ENGINE_CONTROL_RETRIES = 6
-
-
-def rendezvous_address() -> tuple[str, int]:
-    """This node's address and a free port on it: rank 0's MASTER_ADDR / MASTER_PORT."""
-    import ray
-
-    return ray.util.get_node_ip_address(), free_port("")
 
 
 class TrainerWorker:

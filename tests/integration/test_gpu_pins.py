@@ -9,6 +9,7 @@ They skip only when the package registry cannot be reached.
 
 from __future__ import annotations
 
+import importlib.metadata
 import tomllib
 
 import pytest
@@ -76,3 +77,10 @@ def test_the_gpu_image_set_resolves_for_linux_x86_64(python, tmp_path):
     assert (toolkit.major, toolkit.minor) == gpu.cuda, (
         f"torch brings CUDA {toolkit}, the base image is {gpu.base_image}"
     )
+    # Transformer Engine resolved with the rest: its PyTorch part (built in the image) and its core
+    # library for the same CUDA major as torch, at one version, inside megatron-core's range.
+    te = pins["transformer-engine-torch"]
+    assert pins[f"transformer-engine-cu{gpu.cuda[0]}"] == te == pins["transformer-engine"], sorted(pins)
+    (admitted,) = [r for r in map(Requirement, importlib.metadata.requires("megatron-core"))
+                   if r.name == "transformer-engine" and r.marker and r.marker.evaluate({"extra": "dev"})]
+    assert admitted.specifier.contains(te, prereleases=True), f"megatron-core admits {admitted}, not {te}"

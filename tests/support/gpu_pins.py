@@ -11,8 +11,9 @@ Two checks:
   image gets (SGLang's own pin). megatron-core runs in both images, so it is checked against both
   sets. The wheels are fetched once with `pip download --no-deps` into `wheel_cache()`.
 - `resolve_gpu_set(python)`: uv's resolver over the GPU image's whole set (`uv pip compile
-  --python-platform x86_64-manylinux_2_NN --no-build`, NN = the glibc of the image's Ubuntu). uv
-  reads the wheels' metadata only (nothing is installed or built, ~60 MB of cache for ~310
+  --python-platform x86_64-manylinux_2_NN --only-binary :all:`, NN = the glibc of the image's
+  Ubuntu; only `images.SOURCE_BUILT`, Transformer Engine's PyTorch part, may come from source). uv
+  reads the distributions' metadata only (nothing is installed or built, ~60 MB of cache for ~320
   packages). It reaches torch's CUDA runtime wheels (nvidia-*, cuda-toolkit) too: PyPI holds them.
 
 `python -m tests.support.gpu_pins [--resolve]` prints both; tests/integration/test_gpu_pins.py is the CI check.
@@ -82,10 +83,11 @@ class GpuSet:
     """What images/ says the GPU image installs."""
 
     lock: dict[str, Version]
-    requirements: tuple[str, ...]  # images.gpu_packages(): the lock minus GPU_OWN, plus GPU_EXTRAS
+    requirements: tuple[str, ...]  # images.gpu_requirements(): the lock minus GPU_OWN, GPU_EXTRAS, Transformer Engine
     sglang: Requirement  # the SGLang line of images.GPU_EXTRAS
     own: tuple[str, ...]  # images.GPU_OWN, canonical names
     base_image: str
+    source_built: tuple[str, ...] = ()  # images.SOURCE_BUILT: resolved from their source distribution
 
     @property
     def cuda(self) -> tuple[int, int]:
@@ -112,10 +114,11 @@ def load_gpu_set() -> GpuSet:
         raise ValueError(f"images.GPU_EXTRAS names SGLang {len(sglang)} times: {images.GPU_EXTRAS}")
     return GpuSet(
         lock=read_lock(images.LOCK),
-        requirements=tuple(images.gpu_packages()),
+        requirements=tuple(images.gpu_requirements()),
         sglang=sglang[0],
         own=tuple(canonicalize_name(n) for n in images.GPU_OWN),
         base_image=images.gpu_image.base_image,
+        source_built=tuple(images.SOURCE_BUILT),
     )
 
 
@@ -396,7 +399,10 @@ def resolve_gpu_set(python: str, workdir: Path | None = None, timeout: float = 6
         python,
         "--python-platform",
         platform,
-        "--no-build",
+        # wheels only, but for what the image builds from source (Transformer Engine's PyTorch part)
+        "--only-binary",
+        ":all:",
+        *(a for name in gpu.source_built for a in ("--no-binary", name)),
         "--no-config",
         "--no-header",
         "--no-annotate",
@@ -451,6 +457,8 @@ def main(argv: list[str]) -> int:
                     "cuda-toolkit",
                     "nvidia-nccl-cu13",
                     "megatron-core",
+                    "transformer-engine-torch",
+                    "transformer-engine-cu13",
                 ]
                 print(
                     "   " + ", ".join(f"{k}=={r.pins[k]}" for k in keys if k in r.pins) + f" ({len(r.pins)} packages)"

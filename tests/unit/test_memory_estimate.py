@@ -278,3 +278,38 @@ def test_a_builtin_models_config_before_the_run_is_the_one_it_is_built_from(name
     assert {k: built[k] for k in light if k in built} == {k: v for k, v in light.items() if k in built}
     assert len(set(light) & set(built)) >= len(light) - 1  # transformers 5 keeps rope_theta in rope_parameters
     assert spec_of(light) == spec_of(built)
+
+
+QWEN25_7B = {"model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584, "num_hidden_layers": 28,
+             "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944,
+             "max_position_embeddings": 32768, "tie_word_embeddings": False}
+
+
+def test_a_rank_counts_auto_as_the_layers_it_will_build(tmp_path, monkeypatch, caplog):
+    """Pins: on a trainer rank `--transformer-impl auto` is estimated as what the rank builds: with
+    Transformer Engine installed (the project's GPU image) its fused attention keeps no s x s state, so
+    Qwen2.5-7B at 4,096 tokens, TP 2, fits an 80 GiB GPU (~45 GiB) without a word; without it the local
+    spec's unfused attention needs ~83 GiB and the rank warns that it may run out. Guards: the rank
+    counted auto as local whatever it had, warning about (or refusing) a run the GPU image holds."""
+    from miles_core.prepare import memory
+    from miles_core.prepare.checks import check_device_memory
+
+    uri = _model_dir(tmp_path, QWEN25_7B)
+    flags = [*GPU, "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+             "--use-distributed-optimizer", "--micro-batch-size", "1", "--max-seq-len", "4096"]
+    run = cfg(*flags)
+    assert 80 * GIB < estimate(QWEN25_7B, run).total < 90 * GIB  # counted as local before the run
+    assert 40 * GIB < estimate(QWEN25_7B, cfg(*flags, "--transformer-impl", "transformer_engine")).total < 50 * GIB
+    monkeypatch.setattr(memory, "device_memory_bytes", lambda: 80 * GIB)
+
+    monkeypatch.setattr(memory, "transformer_engine_importable", lambda: False)
+    with caplog.at_level("WARNING", logger="miles_core.prepare.checks"):
+        check_device_memory(run, uri)
+    assert ["about 83.4 GiB" in r.getMessage() and "may run out" in r.getMessage() for r in caplog.records] == [True]
+    caplog.clear()
+    monkeypatch.setattr(memory, "transformer_engine_importable", lambda: True)
+    with caplog.at_level("WARNING", logger="miles_core.prepare.checks"):
+        check_device_memory(run, uri)  # fits with Transformer Engine's attention
+    assert caplog.records == []
+    assert memory.impl_on_this_node(run.train) == "transformer_engine"
+    assert memory.impl_on_this_node(cfg(*GPU, "--transformer-impl", "local").train) == "local"  # asked for: kept
