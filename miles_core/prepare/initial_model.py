@@ -45,8 +45,7 @@ def _materialize_builtin(cfg, uri: str) -> str:
     local = builtin_files(cfg)
     for name in sorted(os.listdir(local)):
         if name != CACHED_MARKER:
-            with open(os.path.join(local, name), "rb") as f:
-                store.put_bytes(name, f.read())
+            store.put_file(name, os.path.join(local, name))
     store.put_bytes(MARKER, b"")
     return uri
 

@@ -67,8 +67,7 @@ def import_model(src: str, dest_uri: str) -> str:
                       files=sorted(files), imported_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                       seconds=round(time.time() - started, 1))
         for name in sorted(files):
-            with open(files[name], "rb") as f:
-                store.put_bytes(name, f.read())
+            store.put_file(name, files[name])
     store.put_json(RECORD, record)
     store.put_bytes(MARKER, b"")
     return store.uri()

@@ -320,6 +320,31 @@ class Store:
         else:
             self._retry(f"put {key}", lambda: self._call("pipe_file", path, data, transfer=True))
 
+    def put_file(self, key: str, local: str) -> None:
+        """Commit the local file `local` at `key` atomically, streamed: never read whole into memory
+        (an optimizer-state file of a checkpoint is tens of GB). On an object store one upload (s3fs and
+        gcsfs send a large file in parts and complete it as one object); on file:// a copy beside the
+        target, fsynced and renamed into place."""
+        path = self.path(key)
+        if self.protocol == "file":
+            def write():
+                makedirs_durable(os.path.dirname(path))
+                tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
+                try:
+                    shutil.copyfile(local, tmp)
+                    fd = os.open(tmp, os.O_RDONLY)
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    replace_durable(tmp, path)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+            self._retry(f"put {key}", write)
+        else:
+            self._retry(f"put {key}", lambda: self._call("put_file", local, path, transfer=True))
+
     def get_bytes(self, key: str) -> bytes:
         path = self.path(key)
 
