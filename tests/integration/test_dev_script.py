@@ -36,3 +36,16 @@ def test_a_flag_given_to_dev_run_wins_over_the_preset():
     flags = _args("--flags", "--lr 0.01 --num-rollout 20")[1]
     cfg = parse_flags(flags.split())
     assert (cfg.run.preset, cfg.train.lr, cfg.run.num_rollout) == ("tiny-reverse4", 0.01, 20)
+
+
+@pytest.mark.parametrize("module", ["megatron.core", "torch", "transformers", "flytekit", "ray"])
+def test_the_venv_holds_the_bytecode_of_its_packages(module):
+    """Pins: `./dev setup` installs compiled bytecode, as pip does. Guards: without it, where
+    PYTHONDONTWRITEBYTECODE is set, every process compiles megatron.core, torch and the rest from
+    source at each import (measured: megatron.core 4.4 -> 9.6 CPU-s per process; CI 1.8x slower)."""
+    import importlib
+    import importlib.util
+    import os
+
+    source = importlib.import_module(module).__file__
+    assert os.path.exists(importlib.util.cache_from_source(source)), f"no bytecode for {source}"
