@@ -51,8 +51,10 @@ def check_schema(record: dict, bench: str, flags: tuple[str, ...] = ()) -> dict:
 
 def run_bench(name: str, *args: str, timeout: float = 120) -> None:
     """`python bench/<name>.py ARGS` as a user runs it (its own process: torch threads, logging)."""
-    subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args], cwd=ROOT, check=True,
-                   timeout=timeout, capture_output=True)
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args], cwd=ROOT,
+                          timeout=timeout, capture_output=True, text=True)
+    assert proc.returncode == 0, (f"bench/{name}.py {' '.join(args)} exited {proc.returncode}:\n"
+                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
 
 
 # ----------------------------------------------------------------------------- async_speedup
