@@ -49,7 +49,7 @@ class RunSection:
     multi_lora: bool = opt(False, "Not supported (refused): serve several LoRA adapters on the engines.")
     progress: bool = opt(True, "Show a progress bar (step, reward, staleness, tokens/s) on local runs.")
     num_cpus_per_engine: float = opt(1.0, "Ray CPUs reserved by each engine actor.")
-    num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by each trainer rank actor (on a machine without GPUs also its torch threads).")
+    num_cpus_trainer: float = opt(1.0, "Ray CPUs reserved by each trainer rank actor, and its torch threads. Default 1; 4 on a run with GPUs (--engine-backend sglang) when not given: the train task's GPU pods have 8 CPUs per GPU, and rank 0's export of the weights runs on these threads.")
     lease_ttl_seconds: float = opt(60.0, "One writer per run root: the write lease expires this long after its holder's last renewal (a crashed writer's run is taken over then); the holder stops writing at 3/4 of it without a renewal.")
     lease_renew_seconds: Optional[float] = opt(None, "How often the lease holder renews its lease; default --lease-ttl-seconds / 4, at most a third of it.")
 
@@ -59,6 +59,12 @@ class RunSection:
         if self.num_rollout is None:
             raise ValueError("--num-rollout is required (a preset sets it)")
         return self.num_rollout
+
+    @property
+    def rank_threads(self) -> int:
+        """A trainer rank's torch threads: the CPUs Ray reserved for it (--num-cpus-trainer), at least one
+        (Ray sets OMP_NUM_THREADS to a 1-CPU actor's reservation, which torch would otherwise follow)."""
+        return max(1, int(self.num_cpus_trainer))
 
 
 @dataclass(frozen=True)

@@ -177,8 +177,7 @@ def _trainer(src: RecordedRun, cfg: RunConfig, from_step: int | None):
     """A trainer set up as the run's trainer rank was at step 0, or restored from `from_step`."""
     import torch
 
-    if not torch.cuda.is_available():  # as TrainerWorker: the same threads give the same float sums
-        torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
+    torch.set_num_threads(cfg.run.rank_threads)  # as TrainerWorker: the same threads give the same float sums
     trainer = Trainer(cfg.train, localize(require_uri(ensure_model(cfg), "--hf-checkpoint"), "models"),
                       seed=cfg.run.seed, optimizer_steps=cfg.optimizer_steps_per_rollout)
     apply_ref_load(trainer, cfg.train.ref_load)

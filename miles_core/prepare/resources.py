@@ -233,6 +233,12 @@ def _advice(cfg: RunConfig, shape: ClusterShape) -> str:
         engines = [b for b in demand(cfg) if not b.role.startswith("trainer")]
         free_gpus = sum(n.gpus for n in shape.nodes) - sum(b.gpus for b in engines)
         ranks = int(max(0, free_gpus))
+        asked = cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node
+        if asked <= ranks:  # the GPUs are there: the ranks' CPUs are not
+            share = min((math.floor(100 * n.cpus / n.gpus) / 100 for n in shape.nodes if n.gpus), default=0.0)
+            return (f"The GPUs are there but not the CPUs the trainer ranks reserve: set --num-cpus-trainer "
+                    f"{share:g} or less (the CPUs per GPU of the smallest GPU node; default 4 on a GPU run), "
+                    "or give the GPU nodes more CPUs.")
         return (f"Lower --actor-num-nodes x --actor-num-gpus-per-node to at most {ranks} trainer ranks, or "
                 "--rollout-num-engines / --eval-num-gpus, or give the cluster more GPU nodes.")
     ranks = cfg.train.actor_num_nodes * cfg.train.actor_num_gpus_per_node

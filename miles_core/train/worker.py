@@ -67,8 +67,7 @@ class TrainerWorker:
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                            "WORLD_SIZE": str(world_size),
                            "LOCAL_RANK": str(rank % cfg.train.actor_num_gpus_per_node)})
-        if not torch.cuda.is_available():
-            torch.set_num_threads(max(1, int(cfg.run.num_cpus_trainer)))
+        torch.set_num_threads(cfg.run.rank_threads)  # on GPU too: the export's casts and writes run on the CPU
 
         self.cfg, self.rank = cfg, rank
         # Before anything is allocated: a trainer that cannot fit this rank's GPU is refused on every rank

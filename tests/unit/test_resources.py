@@ -47,7 +47,7 @@ def test_two_cpu_ranks_on_two_cores_are_refused_naming_the_share_that_fits():
 def test_eight_trainer_gpus_beside_an_engine_do_not_fit_one_eight_gpu_worker():
     """The trainer's node is reserved first (whole), so the engine is the one left without room."""
     problems = fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "8"), FLYTE_DEFAULT)
-    assert len(problems) == 1 and "= 9 CPU, 9 GPU" in problems[0] and "(engine 0)" in problems[0]
+    assert len(problems) == 1 and "= 33 CPU, 9 GPU" in problems[0] and "(engine 0)" in problems[0]
     assert "gpu worker 0: 64 CPU, 8 GPU" in problems[0] and "at most 7 trainer ranks" in problems[0]
     assert fit_problems(cfg(*SGLANG, "--actor-num-gpus-per-node", "7"), FLYTE_DEFAULT) == []
 
@@ -63,12 +63,18 @@ def test_an_engine_keeps_its_gpus_on_one_node():
 
 def test_custom_resources_pin_roles_to_nodes():
     """Engines asking for `engine_node` go only where it is; the trainer fills the other nodes."""
-    shape = ClusterShape((Node("head", 4, 0), Node("t0", 16, 8), Node("t1", 16, 8),
+    shape = ClusterShape((Node("head", 4, 0), Node("t0", 64, 8), Node("t1", 64, 8),
                           Node("e", 8, 2, frozenset({"engine_node"}))), "three workers")
     flags = [*SGLANG, "--actor-num-nodes", "2", "--actor-num-gpus-per-node", "8", "--tensor-model-parallel-size", "2",
              "--rollout-num-engines", "2", "--engine-custom-resource", "engine_node"]
     assert fit_problems(cfg(*flags), shape) == []
     assert "engine 2" in fit_problems(cfg(*flags[:-4], "--rollout-num-engines", "3", *flags[-2:]), shape)[0]
+    # A GPU rank reserves 4 CPUs by default: nodes of 2 CPUs per GPU are refused naming the flag that fits.
+    lean = ClusterShape((Node("head", 4, 0), Node("t0", 16, 8), Node("t1", 16, 8),
+                         Node("e", 8, 2, frozenset({"engine_node"}))), "three lean workers")
+    (problem,) = fit_problems(cfg(*flags), lean)
+    assert "trainer rank (4 CPU, 1 GPU)" in problem and "--num-cpus-trainer" in problem
+    assert fit_problems(cfg(*flags, "--num-cpus-trainer", "2"), lean) == []
 
 
 def test_dedicated_eval_engines_count():
