@@ -20,7 +20,7 @@ from typing import Any
 
 from miles_core.config.presets import PresetError, preset_values
 from miles_core.config.rules import rule_problems, type_problems
-from miles_core.config.sections import RunSection, default_eval_interval, default_eval_prompt_data
+from miles_core.config.sections import EngineSection, RunSection, default_eval_interval, default_eval_prompt_data
 from miles_core.config.tree import (
     SPECS_BY_NAME,
     ConfigError,
@@ -112,7 +112,7 @@ def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfi
         except PresetError as e:
             problems.append(str(e))
     cfg = replace_fields(base, **values)
-    return replace_fields(cfg, **_evals_follow_data(base, cfg, set(values)), **_cpus_follow_backend(base, cfg, set(values))), problems
+    return replace_fields(cfg, **_evals_follow_data(base, cfg, set(values)), **_cpus_follow_backend(base.run, cfg.engine, set(values))), problems
 
 
 # Ray CPUs of a trainer rank on a run with GPUs when --num-cpus-trainer is not given: the train task's
@@ -123,12 +123,11 @@ def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfi
 GPU_TRAINER_CPUS = 4.0
 
 
-def _cpus_follow_backend(base: RunConfig, cfg: RunConfig, given: set[str]) -> dict[str, Any]:
-    """--num-cpus-trainer, when not given and `base` keeps the declared default, is GPU_TRAINER_CPUS on
-    a run whose engines (and so its trainer) use GPUs (--engine-backend sglang)."""
-    declared = RunSection().num_cpus_trainer
-    if ("num_cpus_trainer" not in given and base.run.num_cpus_trainer == declared
-            and cfg.engine.engine_backend == "sglang"):
+def _cpus_follow_backend(base: RunSection, engine: EngineSection, given: set[str]) -> dict[str, Any]:
+    """--num-cpus-trainer, when not given and `base` (the run section before the flags) keeps the declared
+    default, is GPU_TRAINER_CPUS on a run whose engines (and so its trainer) use GPUs (--engine-backend sglang)."""
+    if ("num_cpus_trainer" not in given and base.num_cpus_trainer == RunSection().num_cpus_trainer
+            and engine.engine_backend == "sglang"):
         return {"num_cpus_trainer": GPU_TRAINER_CPUS}
     return {}
 

@@ -222,7 +222,9 @@ class TrainerGroup:
     def save_checkpoint(self, step: int, extras: dict) -> Pending[str | None]:
         return self._on_every_rank(lambda a: a.save_checkpoint, step, extras)
 
-    def export_hf(self, step: int, dest_uri: str) -> Pending[None]:
+    def export_hf(self, step: int, dest_uri: str) -> Pending[bool]:
+        """Every writer rank writes its part of the HF directory; the answer (rank 0's): whether it is sealed
+        (else the caller seals it: `miles_core.weights.snapshot.seal_uri`)."""
         return self._on_every_rank(lambda a: a.export_hf, step, dest_uri)
 
     def set_engines(self, urls: list[str], actors: list) -> Pending[None]:

@@ -5,8 +5,9 @@
     pusher.first_push(start_step - 1, restored_version)            # the engines serve the trainer's weights
     v, metrics = pusher.push(step, last=False)                      # the loop, after each step
 
-A push: the trainer exports the next version (`TrainerGroup.push_weights(step, version)`); with the
-store transport the driver then asks the rollout side to deliver it to the fleet's engines (stage,
+A push: the trainer exports the next version (`TrainerGroup.push_weights(step, version)`: every rank
+holding the whole model writes its part of the weights at once; the driver seals them once all answered);
+with the store transport the driver then asks the rollout side to deliver it to the fleet's engines (stage,
 pause, load, resume) and holds that call as a handle in the switchboard; with the distributed
 transport rank 0 delivered it already. Once delivered, the driver announces the version to the
 rollout side (`set_version`) and records it here. With `overlap` (the fully async driver) a push but
@@ -26,6 +27,7 @@ from miles_core.driver.placement import TrainerGroup
 from miles_core.driver.switchboard import Switchboard
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
+from miles_core.weights.snapshot import seal_uri
 
 
 @dataclass
@@ -94,6 +96,8 @@ class WeightPusher:
         with trace.span("trainer.push_weights", lane="step", step=step):
             out = self._pushed(step, version)
         self.version.exported, self.version.snapshot = version, out.pop("snapshot", None)
+        if not out.pop("sealed", True):  # written in parts by the ranks, all of which answered: complete now
+            seal_uri(self.version.snapshot)
         if out.pop("delivered"):
             self._announce(version, self.version.snapshot)
             return out

@@ -56,6 +56,7 @@ from miles_core.rollout.failures import FailureBudget
 from miles_core.rollout.prompts import stored_dataset_info
 from miles_core.storage import Store, run_root
 from miles_core.storage.lease import Lease
+from miles_core.weights.snapshot import seal_uri
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         board.every(2.0, fleet.tick)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
-            cfg, exporter=lambda step, uri: board.wait(trainer.export_hf(step, uri)),
+            cfg, exporter=lambda step, uri: board.wait(trainer.export_hf(step, uri)) or seal_uri(uri),
             metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=cluster.fleet.urls,
             pause_submission=lambda: board.wait(rollout.pause()),
             resume_submission=lambda: board.wait(rollout.resume()), initial_model=initial_model,

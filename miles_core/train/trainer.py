@@ -104,6 +104,7 @@ class Trainer:
         # expert parallelism: a rank's routed experts are its own; their gradients are summed over the
         # ranks holding the same experts (expert DP), their norms over the ranks holding the others
         self.expert_dp_rank = ps.get_expert_data_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank() if self.ep > 1 else 0
         self.expert_dp_group = ps.get_expert_data_parallel_group() if self.ep > 1 else None
         self.expert_groups = DP.ExpertGroups.current() if self.ep > 1 else None
 
@@ -347,6 +348,18 @@ class Trainer:
         """Whether rank 0 needs other ranks to export the weights: the TP shards and, under expert
         parallelism, the other EP ranks' experts are gathered (collectives they join: `join_export`)."""
         return self.tp > 1 or self.ep > 1
+
+    @property
+    def export_writer(self) -> tuple[int, int] | None:
+        """(this rank's part, the parts) when it writes a part of an exported snapshot, else None. The
+        writers are the ranks that hold the whole model once gathered: with peers (TP or EP) the ranks of
+        expert-DP rank 0 (one per TP x EP slice, part ep_rank x TP + tp_rank), else every data-parallel
+        rank, each a replica (part dp_rank). Rank 0 writes part 0."""
+        if self.exports_with_peers:
+            if self.expert_dp_rank != 0:
+                return None
+            return self.ep_rank * self.tp + self.tp_rank, self.tp * self.ep
+        return self.dp_rank, self.dp_size
 
     def join_export(self) -> None:
         """What a rank other than the export source does while rank 0 exports: the ranks holding one

@@ -3,14 +3,16 @@
 `miles_core.driver.placement.TrainerGroup` creates one `TrainerWorker` per rank and calls every method on
 every rank (collectives need all of them). Roles inside a call:
 - every rank trains on its data-parallel shard and takes part in checkpoint saves (barriers);
-- exporting weights (engine pushes, eval snapshots, --save-hf) is sourced by global rank 0; the
-  other ranks of DP rank 0 (rank 0's TP peers) take part in gathering the TP shards, and under
-  expert parallelism the ranks holding the other experts (expert-DP rank 0) in gathering those.
+- exporting weights: the ranks of the first replica (rank 0's TP peers and, under expert parallelism,
+  the ranks holding the other experts: expert-DP rank 0) take part in gathering the shards; a snapshot
+  in the run root (store pushes, pushes producers read, eval snapshots) is then written in parts, each by
+  a rank holding the whole model (`Trainer.export_writer`; without TP or EP every DP rank), and sealed by
+  the driver once every rank answered; the distributed broadcast and --save-hf come from global rank 0.
 Every push gathers the weights once (rank 0's TP and EP peers join that one gather, on their first call for
 the version; see `push_weights`), and a push made again for the same version (the driver's, after a lost
 engine) delivers those same weights: no rank gathers twice for a version, so none waits in a gather the
-others never make. A push (`push_weights(step, version)`) with `--weight-transport store` is the export alone: rank 0
-writes the version's snapshot into the run root and answers its URI; the rollout side delivers it to
+others never make. A push (`push_weights(step, version)`) with `--weight-transport store` is the export alone: the writer
+ranks write the version's snapshot into the run root and rank 0 answers its URI; the rollout side delivers it to
 the engines (pause, load, resume) on a call the driver holds. With `distributed` rank 0 also delivers
 it, here and before it answers (SGLang's weight-update group, NCCL on GPU and gloo on CPU: it reads the
 trainer's tensors while the engines are paused). The version number is the driver's
@@ -39,7 +41,7 @@ from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
 from miles_core.weights.distributed import DistributedWeightTransport
-from miles_core.weights.snapshot import export_snapshot
+from miles_core.weights.snapshot import export_part, export_snapshot, snapshot_key
 from miles_core.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -160,7 +162,10 @@ class TrainerWorker:
             self._push_key, self._push_weights, self._gathered = (step, version), None, False
         if self.rank != 0:
             if first:
-                self.trainer.join_export()
+                if self._writes_snapshot:
+                    self._write_part(self.run_store, snapshot_key(step, "weights"))
+                else:
+                    self.trainer.join_export()
             return {}
         try:
             out = self._push(step, version)
@@ -178,15 +183,40 @@ class TrainerWorker:
                    N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
         elif self.distributed:  # no engine left: the version is made all the same
             out["delivered"] = True
-        if self.publish or not self.distributed:
+        if self._writes_snapshot:
             t0 = time.perf_counter()
+            parts = self._parts
             with trace.span("export", lane="weights", version=version):
-                key = export_snapshot(_Gathered(self.trainer, self._weights), self.run_store, step, prefix="weights")
+                key = export_snapshot(_Gathered(self.trainer, self._weights), self.run_store, step, prefix="weights",
+                                      parts=parts)
             out.setdefault(N.WEIGHT_EXPORT_SECONDS, time.perf_counter() - t0)
             with trace.span("weights.cleanup", lane="weights", step=step):
                 self._drop_staged_except(key)
-            out["snapshot"] = self.run_store.uri(key)
+            out["snapshot"], out["sealed"] = self.run_store.uri(key), parts == 1
         return out
+
+    @property
+    def _writes_snapshot(self) -> bool:
+        """A push writes the version's weights to the run root: the store transport's delivery reads them,
+        and producer jobs (`publish`) load them whatever the transport."""
+        return self.publish or not self.distributed
+
+    @property
+    def _parts(self) -> int:
+        """The parts a snapshot is written in: one per rank that holds the whole model (`Trainer.export_writer`),
+        each written by its rank at once; the driver seals it once every rank answered."""
+        writer = self.trainer.export_writer
+        return writer[1] if writer else 1
+
+    def _write_part(self, store: Store, key: str) -> None:
+        """A rank but 0, while rank 0 exports a snapshot: its part (joining the gather that makes the whole
+        model, with TP or EP peers), or only the gather when it writes none."""
+        writer = self.trainer.export_writer
+        if writer is None or writer[1] == 1:
+            self.trainer.join_export()
+            return
+        with trace.span("export part", lane="weights", part=writer[0]):
+            export_part(self.trainer.hf_state_dict(), store, key, *writer)
 
     def _weights(self) -> dict:
         """The HF tensors of the version being pushed: gathered on the first call for it (a TP/EP collective its
@@ -213,16 +243,20 @@ class TrainerWorker:
             apply_load(self.trainer, self.cfg.train.load, self.checkpoints.store)
         return restored
 
-    def export_hf(self, step: int, dest_uri: str) -> None:
-        """Write the current weights as an HF directory at dest_uri (`.complete` last)."""
+    def export_hf(self, step: int, dest_uri: str) -> bool:
+        """Write the current weights as an HF directory at dest_uri, every writer rank its part; whether it is
+        sealed (`.complete` written last): when written in parts the caller seals it once every rank answered
+        (miles_core.weights.snapshot.seal)."""
         with trace.span("snapshot export", lane="eval", step=step):
-            self._export_hf(step, dest_uri)
+            return self._export_hf(step, dest_uri)
 
-    def _export_hf(self, step: int, dest_uri: str) -> None:
+    def _export_hf(self, step: int, dest_uri: str) -> bool:
         if self.rank != 0:
-            self.trainer.join_export()
-            return
-        export_snapshot(self.trainer, Store(dest_uri), step, key="")
+            self._write_part(Store(dest_uri), "")
+            return True
+        parts = self._parts
+        export_snapshot(self.trainer, Store(dest_uri), step, key="", parts=parts)
+        return parts == 1
 
     def logprobs(self, samples: list) -> list[list[float]]:
         return self.trainer.logprobs(samples)

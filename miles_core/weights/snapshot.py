@@ -3,6 +3,13 @@
 `export_snapshot(trainer, store, step)` writes model.safetensors, config.json and tokenizer files,
 then `.complete` last (readers never trust a directory without it, docs/quickstart.md#where-the-run-lives).
 Engines get the snapshot's URI and copy it to their own node (`miles_core.storage.node_local.localize`).
+
+Written by several ranks at once (`parts` > 1: docs/training.md, "Weight export"): the HF tensors are
+cut into `parts` shards of about equal bytes (`partition`, the same on every rank that holds them);
+part i is written by the i-th writer (`export_part`) as `model-0000{i+1}-of-0000{n}.safetensors`, and
+part 0's writer also writes `model.safetensors.index.json` (HF's sharded layout, which SGLang,
+transformers and the CPU engine read) and the small files. No writer writes `.complete`: whoever saw
+every writer finish seals the directory (`seal`), so a reader never finds a part missing.
 """
 
 from __future__ import annotations
@@ -27,23 +34,82 @@ class SnapshotError(RuntimeError):
 
 
 def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshots", dtype=None,
-                    key: str | None = None) -> str:
+                    key: str | None = None, parts: int = 1) -> str:
     """Write the snapshot of `trainer` for `step` (at `key`, default `{prefix}/step_{k:08d}`); return
-    its key. `.complete` is written last."""
+    its key. `.complete` is written last; with `parts` > 1 this writes part 0, the index and the small
+    files, and the other writers' parts and `seal` complete it."""
     key = snapshot_key(step, prefix) if key is None else key.strip("/")
-    marker = f"{key}/{MARKER}" if key else MARKER
+
     def copy(name: str) -> None:
-        store.put_bytes(f"{key}/{name}" if key else name, trainer.aux_files[name])
+        store.put_bytes(_at(key, name), trainer.aux_files[name])
 
     # The small files (config, tokenizer) commit in parallel with the weights: each put is fsynced.
     with ThreadPoolExecutor(max_workers=4) as pool:
         small = [pool.submit(copy, name) for name in trainer.aux_files]
-        put_tensors(store, f"{key}/model.safetensors" if key else "model.safetensors", trainer.hf_state_dict(dtype),
-                    digest=False)  # nothing lists a snapshot's digest: write the bytes once, never read them back
+        state = trainer.hf_state_dict(dtype)
+        if parts == 1:
+            put_tensors(store, _at(key, "model.safetensors"), state,
+                        digest=False)  # nothing lists a snapshot's digest: write the bytes once, never read them back
+        else:
+            export_part(state, store, key, 0, parts)
+            store.put_json(_at(key, INDEX), index(state, parts))
         for f in small:
             f.result()
-    store.put_bytes(marker, b"")
+    if parts == 1:
+        seal(store, key)
     return key
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def _at(key: str, name: str) -> str:
+    return f"{key}/{name}" if key else name
+
+
+def part_name(i: int, parts: int) -> str:
+    """HF's name of shard i (from 0) of `parts`."""
+    return f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def partition(sizes: dict[str, int], parts: int) -> list[list[str]]:
+    """The tensor names cut into `parts` lists of about equal bytes: the largest first, each to the part
+    with the fewest bytes so far (ties: the lower part); deterministic, so every writer computes the same."""
+    load = [0] * parts
+    out: list[list[str]] = [[] for _ in range(parts)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        i = min(range(parts), key=lambda p: (load[p], p))
+        out[i].append(name)
+        load[i] += sizes[name]
+    return [sorted(names) for names in out]
+
+
+def _sizes(state: dict) -> dict[str, int]:
+    return {name: t.numel() * t.element_size() for name, t in state.items()}
+
+
+def export_part(state: dict, store: Store, key: str, i: int, parts: int) -> int:
+    """Write part i of `parts` of the HF tensors `state` (every writer holds the same names and shapes);
+    returns its bytes."""
+    names = partition(_sizes(state), parts)[i]
+    return put_tensors(store, _at(key, part_name(i, parts)), {n: state[n] for n in names}, digest=False)["size"]
+
+
+def index(state: dict, parts: int) -> dict:
+    """HF's `model.safetensors.index.json` of `state` cut into `parts`."""
+    sizes = _sizes(state)
+    weight_map = {n: part_name(i, parts) for i, names in enumerate(partition(sizes, parts)) for n in names}
+    return {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def seal(store: Store, key: str = "") -> None:
+    """Mark the snapshot at `key` complete (its last write: every part and small file is there)."""
+    store.put_bytes(_at(key, MARKER), b"")
+
+
+def seal_uri(uri: str) -> None:
+    """`seal` the snapshot directory at `uri` (the driver, once every writer rank answered)."""
+    seal(Store(uri))
 
 
 def complete_snapshots(store: Store, prefix: str = "snapshots") -> list[int]:

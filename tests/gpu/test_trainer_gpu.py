@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from miles_core.config import parse_flags
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.models.safetensors_dir import load_safetensors_dir
+from miles_core.weights.snapshot import seal_uri
 from tests.unit.test_train import make_groups
 
 pytestmark = pytest.mark.gpu
@@ -39,8 +40,11 @@ def _cfg(tmp, ranks, tp=1, save="", extra=()):
 
 
 def _weights(group, out):
-    group.export_hf(0, f"file://{out}").result()
-    return load_file(f"{out}/model.safetensors")
+    """The exported weights (written in parts by the ranks holding the whole model; sealed as the driver does)."""
+    if not group.export_hf(0, f"file://{out}").result():
+        seal_uri(f"file://{out}")
+    assert (out / ".complete").exists()
+    return load_safetensors_dir(str(out))
 
 
 @pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")

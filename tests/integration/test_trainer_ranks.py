@@ -20,11 +20,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from miles_core.config import parse_flags
 from miles_core.driver.placement import TrainerGroup
 from miles_core.models.builtin import materialize_checkpoint
+from miles_core.models.safetensors_dir import load_safetensors_dir
+from miles_core.weights.snapshot import seal_uri
 from miles_core.train import collectives
 from tests.support import strict_device as strict
 from tests.unit.test_train import make_groups
@@ -42,8 +43,11 @@ def _cfg(tmp, ranks: int, tp: int = 1, save: str = "", balance: bool = False, ex
 
 
 def _weights(group: TrainerGroup, out) -> dict[str, torch.Tensor]:
-    group.export_hf(0, f"file://{out}").result()
-    return load_file(f"{out}/model.safetensors")
+    """The exported weights (written in parts by the ranks holding the whole model; sealed as the driver does)."""
+    if not group.export_hf(0, f"file://{out}").result():
+        seal_uri(f"file://{out}")
+    assert (out / ".complete").exists()
+    return load_safetensors_dir(str(out))
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -109,6 +113,11 @@ def test_data_parallel_matches_one_rank_and_checkpoints_resume_at_any_dp_size(tm
         d2, db = _max_diff(w1, _weights(two, tmp_path / "w2")), _max_diff(w1, _weights(balanced, tmp_path / "wb"))
         print(f"DP=2 vs DP=1 max |param diff| {d2:.2e}, with --balance-data {db:.2e}")
         assert d2 < PARAM_ATOL and db < PARAM_ATOL
+        # Each DP rank (a whole replica) wrote half of the export, at once; one rank wrote it whole.
+        parts = {p.name: p.stat().st_size for p in (tmp_path / "w2").glob("*.safetensors")}
+        assert sorted(parts) == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], parts
+        assert max(parts.values()) < 0.75 * sum(parts.values())
+        assert [p.name for p in (tmp_path / "w1").glob("*.safetensors")] == ["model.safetensors"]
         for m in (m2, mb):  # metrics are global sums over DP, not rank 0's shard
             assert m["train/loss"] == pytest.approx(m1["train/loss"], rel=LOSS_RTOL)
             assert m["train/samples"] == m1["train/samples"] and m["train/tokens"] == m1["train/tokens"]

@@ -93,9 +93,10 @@ class _TPTrainer:
     exports_with_peers = True
     cuda = False
 
-    def __init__(self, state: dict[str, torch.Tensor]):
+    def __init__(self, state: dict[str, torch.Tensor], rank: int):
         self.state, self.gathers = state, 0
         self.aux_files = {"config.json": b"{}"}
+        self.export_writer = (rank, 2)  # each TP rank writes its part of a published snapshot
 
     def hf_state_dict(self, dtype=None) -> dict[str, torch.Tensor]:
         from miles_core.train import collectives
@@ -145,7 +146,7 @@ def _tp_rank(rank: int, tmp: str, urls: list[str], victim_pid: int, hf_dir: str,
         dist.init_process_group("gloo", init_method=f"file://{tmp}/pg", rank=rank, world_size=2, timeout=WORLD_TIMEOUT)
         strict.enforce_device_rule("cuda", [None])  # the world is the TP group and stands for NCCL
         strict.watch_weight_groups()
-        trainer = _TPTrainer(load_file(f"{hf_dir}/model.safetensors"))
+        trainer = _TPTrainer(load_file(f"{hf_dir}/model.safetensors"), rank)
         worker = _worker(rank, trainer, tmp, publish)
         if rank == 0:
             worker.set_engines(urls, [None] * len(urls))
@@ -196,7 +197,11 @@ def test_a_push_made_again_after_a_lost_engine_reuses_the_gathered_weights(tmp_p
     assert (outs[0]["gathers"], outs[1]["gathers"], outs[0]["gathers_both"]) == (1, 1, 2.0), outs
     if publish:
         assert outs[0]["second"]["snapshot"].endswith("weights/step_00000000"), outs
-        assert (tmp_path / "run" / "weights" / "step_00000000" / ".complete").exists()
+        # each TP rank wrote its part (rank 1 in its one call, rank 0 in the push made again); the driver seals
+        version_dir = tmp_path / "run" / "weights" / "step_00000000"
+        assert outs[0]["second"]["sealed"] is False and not (version_dir / ".complete").exists()
+        assert sorted(p.name for p in version_dir.glob("*.safetensors")) == [
+            "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
     async def version() -> str:
         async with EngineClient([urls[0]]) as c:
