@@ -4,7 +4,7 @@
     python bench/gpu_check.py --cpu-smoke  # any machine: a tiny Llama on CPU, every phase (CI runs it)
 
 One process (no Ray, no engine servers). It writes a random-initialised Llama as an HF checkpoint
-(`--cpu-smoke`: a tiny one), then runs six phases; each is timed and ends `pass`, `fail` or `skip`
+(`--cpu-smoke`: a tiny one), then runs seven phases; each is timed and ends `pass`, `fail` or `skip`
 (with the reason), and a phase whose input phase did not pass is skipped:
 - train: `Trainer` with --bf16 and --use-distributed-optimizer: Megatron DDP + Megatron's
   `DistributedOptimizer` (fp32 main params and Adam moments; on one GPU DP=1, so it shards over one
@@ -18,6 +18,11 @@ One process (no Ray, no engine servers). It writes a random-initialised Llama as
   `overhead` term (CUDA context and allocator slack, which that counter does not see). On CPU the peak
   of live tensor storage (a dispatch-mode counter, `StoragePeak`) against `estimate(..., gpu=False)`,
   reported but not enforced: the smoke model is a few hundred kB, where fixed costs dominate.
+- long_seq: one sample of the model's maximum length (2,048 tokens; micro-batch 1) through a bf16
+  trainer of the layers `--transformer-impl auto` builds on this machine: the s x s attention state
+  dominates its activations (Megatron's unfused attention: the fp32 softmax output and the bf16
+  probabilities; Transformer Engine's fused attention: none). Its peak against the estimate for
+  that implementation, within 25% on CUDA.
 - engine: the CPU engine's model (`miles_core.engines.model.CausalLM`) loaded onto the device from
   the exported weights; the probe samples' log-probs teacher-forced through its own prefill + decode
   path (what the engine returns while generating) equal the trainer's: mean |diff| <= 0.02 and max
@@ -98,6 +103,7 @@ class Plan:
     packing_steps: int            # (prompt_len + response_len) tokens packed; timed steps after the first
     probe_samples: int
     probe_response_len: int
+    long_seq: int = 0             # long_seq phase: one sample of this many tokens (the model's maximum)
 
     @property
     def tokens_per_step(self) -> int:
@@ -110,10 +116,11 @@ class Plan:
 
 
 GPU_PLAN = Plan(LLAMA_05B, groups=8, samples_per_group=8, prompt_len=128, response_len=384, micro_batch_size=8,
-                warmup=2, steps=4, packed_micro_batch_size=4, packing_steps=2, probe_samples=8, probe_response_len=64)
+                warmup=2, steps=4, packed_micro_batch_size=4, packing_steps=2, probe_samples=8, probe_response_len=64,
+                long_seq=2048)
 CPU_SMOKE_PLAN = Plan(LLAMA_TINY, groups=2, samples_per_group=4, prompt_len=6, response_len=10, micro_batch_size=4,
                       warmup=1, steps=1, packed_micro_batch_size=2, packing_steps=1, probe_samples=4,
-                      probe_response_len=6)
+                      probe_response_len=6, long_seq=64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +144,8 @@ LR = 1e-3
 TRAIN_FLAGS = {"bf16": True, "use_distributed_optimizer": True, "actor_num_gpus_per_node": 1}  # one rank
 PACKING_FLAGS = ("use_dynamic_batch_size", "max_tokens_per_gpu")
 # Seconds each phase may take on CUDA before it is stopped (and fails); tests/gpu/check.sh bounds the whole run.
-GPU_PHASE_SECONDS = {"train": 150, "checkpoint": 120, "memory": 30, "engine": 90, "packing": 120, "baseline": 90}
+GPU_PHASE_SECONDS = {"train": 150, "checkpoint": 120, "memory": 30, "long_seq": 90, "engine": 90, "packing": 120,
+                     "baseline": 90}
 
 
 def log(msg: str) -> None:
@@ -441,6 +449,41 @@ def memory_phase(ctx: Context) -> dict:
     return out
 
 
+def long_seq_phase(ctx: Context) -> dict:
+    """The memory of a long sequence: one sample of `plan.long_seq` tokens (micro-batch 1), where the s x s
+    attention state dominates, through a bf16 trainer of the layers `--transformer-impl auto` builds here
+    (Megatron's unfused attention keeps the softmax output in fp32 and the probabilities in bf16;
+    Transformer Engine's fused attention keeps none); its peak against the estimate for that
+    implementation, within 25% on CUDA (on CPU reported, not enforced, as the memory phase)."""
+    from miles_core.prepare.memory import GIB, estimate, impl_on_this_node
+    from miles_core.train.trainer import Trainer
+
+    n = ctx.plan.long_seq
+    plan = dataclasses.replace(ctx.plan, groups=1, samples_per_group=2, prompt_len=n // 4, response_len=n - n // 4,
+                               micro_batch_size=1)
+    train = train_section(plan)
+    impl = impl_on_this_node(train) if ctx.device.type == "cuda" else "local"
+    tr = Trainer(train, ctx.hf_dir, seed=3)
+    try:
+        tr.train_step(0, make_batch(plan, 0))  # the optimizer's state exists before the metered step, as in a run
+        with peak_meter(ctx.device) as meter:
+            tr.train_step(1, make_batch(plan, 1))
+        built = getattr(tr.model, "miles_transformer_impl", impl)
+    finally:
+        tr.close()
+    with open(os.path.join(ctx.hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    cuda = ctx.device.type == "cuda"
+    est = estimate(hf_config, run_config(plan, dataclasses.replace(train, transformer_impl=built)), gpu=cuda)
+    predicted = est.total - est.overhead
+    rel = (predicted - meter.peak) / meter.peak
+    log(f"long_seq: {n} tokens, --transformer-impl {built}: estimate {predicted / GIB:.3f} GiB ({est.describe()}) vs "
+        f"measured peak {meter.peak / GIB:.3f} GiB: {rel:+.1%}" + ("" if cuda else " (CPU: reported, not enforced)"))
+    return {"ok": abs(rel) <= ctx.tol.memory_rel or not cuda, "enforced": cuda, "tokens": n, "transformer_impl": built,
+            "estimate_bytes": predicted, "measured_peak_bytes": meter.peak, "activations_bytes": est.activations,
+            "rel_error": rel, "tolerance": ctx.tol.memory_rel}
+
+
 def engine_phase(ctx: Context) -> dict:
     """The CPU engine's model on the device, on the exported weights, against the trainer's log-probs."""
     from miles_core.engines.model import CausalLM, read_safetensors, read_spec
@@ -583,7 +626,8 @@ def transformers_step(model, opt, cfg, plan: Plan, groups, device: torch.device)
 
 # (name, function, the phases it needs)
 PHASES = (("train", train_phase, ()), ("checkpoint", checkpoint_phase, ("train",)),
-          ("memory", memory_phase, ("train",)), ("engine", engine_phase, ("checkpoint",)),
+          ("memory", memory_phase, ("train",)), ("long_seq", long_seq_phase, ("train",)),
+          ("engine", engine_phase, ("checkpoint",)),
           ("packing", packing_phase, ()), ("baseline", baseline_phase, ()))
 
 
@@ -659,6 +703,8 @@ def summary(ctx: Context, env: dict, wall: float) -> dict:
             "losses_uninterrupted": train.get("next_losses"), "losses_resumed": ckpt.get("next_losses"),
             "resume_rel_diff": ckpt.get("rel_diff"), "resume_ok": ckpt.get("status") == "pass",
             "memory_rel_error": ph.get("memory", {}).get("rel_error"),
+            "long_seq_rel_error": ph.get("long_seq", {}).get("rel_error"),
+            "long_seq_transformer_impl": ph.get("long_seq", {}).get("transformer_impl"),
             "engine_max_abs_diff": ph.get("engine", {}).get("max_abs_diff"),
             "packing_speedup": ph.get("packing", {}).get("speedup"),
             "phases_failed": failed, "phases_skipped": skipped, "ok": not failed,

