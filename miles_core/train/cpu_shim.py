@@ -38,6 +38,10 @@ the names undefined, yet its router's gating (`RouterGatingLinearFunction`) test
 `te_general_gemm is not None`: without TE every MoE forward raises NameError. Defining the
 missing names as None takes the torch path that test was written for.
 
+`eager_jit_fuser()` (called by `miles_core.train` on import, before any Megatron module loads): on
+a machine without CUDA, Megatron's `jit_fuser` (torch.compile) is the identity, so importing Megatron
+skips torch's compiler stack (its fused functions run eagerly).
+
 `quiet_fallback_warnings()` (called by `miles_core.train` on import, before any Megatron module
 loads) filters, on a machine without CUDA only, the UserWarnings Megatron emits at import because
 Transformer Engine and Apex are absent ("Transformer Engine and Apex are not installed. Falling
@@ -49,6 +53,8 @@ warning is left alone.
 from __future__ import annotations
 
 import contextlib
+import sys
+import types
 import warnings
 from unittest import mock
 
@@ -65,6 +71,25 @@ def quiet_fallback_warnings() -> bool:
     for message in FALLBACK_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     return True
+
+def eager_jit_fuser() -> bool:
+    """Without CUDA, before Megatron is imported: Megatron's `jit_fuser` (megatron/core/jit.py:
+    `torch.compile`, applied as a decorator to its fused bias/activation/dropout functions when their
+    modules load) becomes the identity, so importing Megatron does not import torch's compiler stack
+    (torch._dynamo, torch._inductor: 1.7 of the 4.3 CPU-seconds of `import megatron.core`, in every rank
+    process). The functions then run eagerly, op by op, which is what torch.compile's result computes;
+    on CPU there is no fused kernel to gain. Megatron's own `disable_jit_fuser()` comes too late: every
+    fusion module is imported with the package. True when installed (CUDA absent, Megatron not yet
+    imported)."""
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return False
+    jit = types.ModuleType("megatron.core.jit", "Megatron's jit module on CPU: the identity (miles_core.train.cpu_shim)")
+    jit.noop_decorator = lambda func: func
+    jit.jit_fuser = jit.noop_decorator
+    jit.enable_jit_fuser = jit.disable_jit_fuser = lambda: None
+    sys.modules["megatron.core.jit"] = jit
+    return True
+
 
 _INSTALLED = False
 

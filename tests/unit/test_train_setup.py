@@ -42,3 +42,27 @@ def test_cpu_tracker_fork_isolates_its_stream():
     assert torch.equal(torch.cat([a, b]), torch.rand(4, generator=ref))
     with pytest.raises(RuntimeError, match="already exists"):
         tracker.add("model-parallel-rng", 1)
+
+
+def test_megatron_on_cpu_imports_no_compiler_and_runs_its_fusions_eagerly():
+    """Pins: importing miles_core.train on a machine without CUDA makes Megatron's jit fuser the identity
+    before Megatron loads: its fused functions are plain functions (run op by op) and importing Megatron
+    did not import torch's compiler stack. Guards: every rank process paying ~1.7 CPU-s of
+    torch._dynamo/_inductor imports for kernels CPU runs never compile."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("with CUDA Megatron keeps torch.compile")
+    import miles_core.train  # noqa: F401 - installs it (first thing, as in a rank process)
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.jit import jit_fuser
+
+    def f(x):
+        return x
+
+    assert jit_fuser(f) is f
+    assert type(fused_bias_swiglu.bias_swiglu).__name__ == "function"
+    x = torch.randn(3, 8)
+    assert torch.allclose(fused_bias_swiglu.swiglu(x), torch.nn.functional.silu(x[:, :4]) * x[:, 4:])
