@@ -5,13 +5,14 @@ The real `pyflyte run workflows/fully_async.py fully_async_rl` on CPU with
 `--custom-generate-function-path miles_core.rollout.multiturn:reverse4_two_turns`: two model turns
 per episode with a masked feedback token between them, sample granularity (the fully async
 default), weight updates while episodes are in flight. The bar (from a plain-torch probe of the
-same task): after 80 steps the mean reward of the last 10% of steps is >= 0.9 and >= 5x the first
+same task): after 100 steps the mean reward of the last 10% of steps is >= 0.9 and >= 5x the first
 5 steps. The control, `reverse4_two_turns_unmasked` (environment tokens in the loss, with
 --no-use-rollout-logprobs since the engine gives no log-prob for them), must fail the same bar: the
-bar catches a masking bug. Why 80 steps: in the probe the last 10% of the first 80 steps averaged
-1.00 masked and 0.30-0.78 unmasked (4 seeds each); this run, measured at 120 steps, was at 0.99
-masked by step 80 (0.92 by step 60) and the learning rate is constant, so the shorter run is the
-longer one's prefix.
+bar catches a masking bug. Why 100 steps: in the probe the last 10% of the first 80 steps averaged
+1.00 masked and 0.30-0.78 unmasked (4 seeds each), <= 0.84 unmasked at 100-200 steps; this run,
+measured at 120 steps on an idle machine, was at 0.99 masked by step 80 (0.92 by step 60), but in
+CI's three saturated lanes a fully async run learns slower per step (0.46 by step 80 once, on
+2026-12-06), so the runs take 20 steps of margin.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.e2e.test_pyflyte_run import _reward_by_step, _run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-STEPS = 80
+STEPS = 100
 FN = "miles_core.rollout.multiturn:"
 COMMON = f"--num-rollout {STEPS} --rollout-max-response-len 3 --eval-interval {STEPS} --save-interval {STEPS}"
 
