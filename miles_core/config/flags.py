@@ -112,7 +112,8 @@ def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfi
         except PresetError as e:
             problems.append(str(e))
     cfg = replace_fields(base, **values)
-    return replace_fields(cfg, **_evals_follow_data(base, cfg, set(values)), **_cpus_follow_backend(base.run, cfg.engine, set(values))), problems
+    derived = {**_evals_follow_data(base, cfg, set(values)), **_cpus_follow_backend(base.run, cfg.engine, set(values))}
+    return replace_fields(cfg, **derived), problems
 
 
 # Ray CPUs of a trainer rank on a run with GPUs when --num-cpus-trainer is not given: the train task's
