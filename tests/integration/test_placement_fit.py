@@ -16,7 +16,9 @@ from miles_core.prepare.resources import demand, fit_problems
 
 pytestmark = pytest.mark.slow  # a Ray cluster of three or four nodes starts in ~20 s on two cores
 
-SGLANG = ["--engine-backend", "sglang"]
+# One Ray CPU per trainer rank (a GPU run reserves 4 by default): these logical nodes have 2 CPUs per GPU
+# (Ray prestarts a worker per logical CPU, so they cannot have the 8 of a real pod here).
+SGLANG = ["--engine-backend", "sglang", "--num-cpus-trainer", "1"]
 
 
 @pytest.fixture

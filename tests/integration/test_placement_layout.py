@@ -24,7 +24,9 @@ from miles_core.prepare.resources import fit_problems
 
 pytestmark = pytest.mark.slow  # one Ray cluster of three nodes: ~10 s to start on two cores
 
-SGLANG = ["--preset", "tiny-reverse4", "--engine-backend", "sglang"]
+# One Ray CPU per trainer rank (a GPU run reserves 4 by default): these logical nodes have 2 CPUs per GPU
+# (Ray prestarts a worker per logical CPU, so they cannot have the 8 of a real pod here).
+SGLANG = ["--preset", "tiny-reverse4", "--engine-backend", "sglang", "--num-cpus-trainer", "1"]
 
 
 @pytest.fixture(scope="module")
