@@ -17,6 +17,7 @@ Before anything is written or started (docs/training.md):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import socket
 import sys
@@ -28,7 +29,7 @@ from miles_core.config.sections import RunSection
 from miles_core.driver.feed_publisher import feed_publisher
 from miles_core.driver.fleet_reconciler import FleetReconciler
 from miles_core.driver.loop import LoopResult, run_loop
-from miles_core.driver.placement import Cluster, check_fits, ensure_ray, start_cluster
+from miles_core.driver.placement import Cluster, TrainerGroup, check_fits, ensure_ray, start_cluster
 from miles_core.driver.plan import PREFIX, is_finished
 from miles_core.driver.prometheus import PrometheusExporter
 from miles_core.driver.pushes import WeightPusher, WeightVersion
@@ -128,6 +129,13 @@ def _keep_traceback(store, segment: int) -> None:
     print(f"{PREFIX} the traceback of this failure: {where}", file=sys.stderr, flush=True)
 
 
+def _export_snapshot(board: Switchboard, trainer: TrainerGroup, step: int, uri: str) -> None:
+    """An eval snapshot of the trainer's weights at `uri`: every writer rank writes its part; sealed here once
+    all answered (miles_core.weights.snapshot)."""
+    if not board.wait(trainer.export_hf(step, uri)):
+        seal_uri(uri)
+
+
 def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after: bool = False,
                  ) -> tuple[LoopResult, int]:
     ensure_ray()
@@ -155,7 +163,7 @@ def _run_segment(cfg: RunConfig, store, segment: int, lease, eval_follower_after
         board.every(2.0, fleet.tick)
         sink = stack.enter_context(MetricsSink(store, "trainer"))
         evals = build_eval_scheduler(
-            cfg, exporter=lambda step, uri: board.wait(trainer.export_hf(step, uri)) or seal_uri(uri),
+            cfg, exporter=functools.partial(_export_snapshot, board, trainer),
             metrics=stack.enter_context(MetricsSink(store, "eval")), shared_engine_urls=cluster.fleet.urls,
             pause_submission=lambda: board.wait(rollout.pause()),
             resume_submission=lambda: board.wait(rollout.resume()), initial_model=initial_model,
