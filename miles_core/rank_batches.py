@@ -7,16 +7,14 @@ The rollout side cuts each batch here and puts one part per DP rank in Ray's obj
 hands the references to the ranks without reading them, and each rank reads only its own part (a
 tensor-parallel peer reads the same one). A part carries what a rank needs of the whole rollout: each
 optimizer step's global loss-token count (the loss is normalised by it, so DP=N makes the DP=1 update)
-and the rollout's count of trainable samples. The rollout side imports no trainer and no torch from here
-(the advantages are numpy's).
+and the rollout's count of trainable samples. The rollout side imports no trainer from here (torch only
+for the advantages, inside `trainable_samples`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import numpy as np
 
 from miles_core.samples import Group, Sample, SampleStatus
 
@@ -76,28 +74,30 @@ def sequence_length(s: Sample) -> int:
     return len(s.prompt_ids) + len(s.response_ids)
 
 
-def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:
-    """Per-sample advantages of one group (its rewards, any sequence of numbers): r - mean(r), divided by
-    (std + eps) when asked, in float32. std is unbiased (n - 1, torch's default), as in slime; a group of
-    one sample gets 0. numpy, not torch: the rollout side computes them, and importing torch there cost
-    every run's rollout actor ~1.3 CPU-seconds."""
-    r = np.asarray(rewards, dtype=np.float32)
-    if r.size < 2:
-        return np.zeros_like(r)
-    adv = r - r.mean(dtype=np.float32)
+def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6):
+    """Per-sample advantages of one group (a tensor of rewards): r - mean(r), divided by (std + eps) when
+    asked. std is torch's default (unbiased, n - 1), as in slime; a group of one sample gets 0."""
+    import torch
+
+    rewards = rewards.to(torch.float32)
+    if rewards.numel() < 2:
+        return torch.zeros_like(rewards)
+    adv = rewards - rewards.mean()
     if normalize_std:
-        adv = adv / (r.std(ddof=1, dtype=np.float32) + np.float32(eps))
+        adv = adv / (rewards.std() + eps)
     return adv
 
 
 def trainable_samples(groups: list[Group], normalize_std: bool) -> list[Item]:
     """(sample, advantage) for every sample that can be trained on, advantages per group."""
+    import torch
+
     out = []
     for g in groups:
         kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
         if not kept:
             continue
-        adv = grpo_advantages([s.reward for s in kept], normalize_std)
+        adv = grpo_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float64), normalize_std)
         out.extend(zip(kept, adv.tolist()))
     return out
 

@@ -81,22 +81,6 @@ def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
     assert out.strip() == "[]"
 
 
-def test_the_rollout_side_cuts_a_batch_without_torch():
-    """Pins: the rollout actor's work on a batch (advantages, the DP parts) imports no torch. Guards: every
-    run's rollout actor importing torch (~1.3 CPU-s) at its first batch for a group's mean and std."""
-    import subprocess
-    import sys
-
-    code = ("import sys; from miles_core.rank_batches import DataLayout, split_rollout; "
-            "from miles_core.samples import Group, Sample, SampleStatus; "
-            "g = Group('g', 0, [Sample('g', 0, i, [1, 2], [3, 4], [-1.0, -1.0], [1, 1], [0, 0], reward=float(i), "
-            "status=SampleStatus.COMPLETED) for i in range(4)]); "
-            "parts = split_rollout([g], DataLayout(dp_size=2), optimizer_steps=1, balance=False, normalize_std=True); "
-            "print(len(parts), 'torch' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.stdout.strip() == "2 False", out.stdout + out.stderr[-2000:]
-
-
 def test_megatron_fallback_warnings_are_quiet_on_cpu_and_nothing_else_is():
     """Importing the trainer under `-W always` (every warning shown) prints none of Megatron's
     Transformer Engine / Apex fallback warnings on a CPU machine; a warning of any other text, and
