@@ -120,6 +120,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """Make the bytes of the file at `path`, just written, durable before it is renamed into place."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def makedirs_durable(path: str) -> None:
     """`os.makedirs`, then fsync the parent of every directory it created."""
     missing = []
@@ -332,11 +341,7 @@ class Store:
                 tmp = f"{path}{TMP_MARK}{uuid.uuid4().hex}"
                 try:
                     shutil.copyfile(local, tmp)
-                    fd = os.open(tmp, os.O_RDONLY)
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
+                    fsync_file(tmp)
                     replace_durable(tmp, path)
                 finally:
                     if os.path.exists(tmp):

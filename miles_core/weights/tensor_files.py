@@ -21,7 +21,7 @@ import tempfile
 import uuid
 from typing import TYPE_CHECKING
 
-from miles_core.storage import TMP_MARK, Store
+from miles_core.storage import TMP_MARK, Store, fsync_file
 
 if TYPE_CHECKING:  # torch is imported where tensors are written: a process that only reads snapshot
     import torch  # names (the rollout manager) never pays its ~2 CPU-seconds import
@@ -41,11 +41,7 @@ def put_tensors(store: Store, key: str, tensors: dict[str, torch.Tensor],
         try:
             save_file(tensors, tmp, metadata=meta)
             written = _file_digest(tmp) if digest else {"size": os.path.getsize(tmp)}
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_file(tmp)
             os.replace(tmp, local)
         finally:
             if os.path.exists(tmp):
