@@ -212,7 +212,7 @@ class TrainerWorker:
         """A rank but 0, while rank 0 exports a snapshot: its part (joining the gather that makes the whole
         model, with TP or EP peers), or only the gather when it writes none."""
         writer = self.trainer.export_writer
-        if writer is None or writer[1] == 1:
+        if writer is None:  # a rank of another replica: nothing to gather or write
             self.trainer.join_export()
             return
         with trace.span("export part", lane="weights", part=writer[0]):
