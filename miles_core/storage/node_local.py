@@ -41,6 +41,7 @@ import os
 import shutil
 import tempfile
 import threading
+from typing import Callable
 
 from miles_core.storage import Store, normalize_uri
 
@@ -70,24 +71,29 @@ def node_cache_dir() -> str:
     return os.environ.get("MILES_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "miles")
 
 
-def localize(uri: str, kind: str = "models", *, required: str | None = None) -> str:
-    """A directory on this node holding the tree at `uri` (and, with `required`, that file in it)."""
+def localize(uri: str, kind: str = "models", *, required: str | None = None,
+             build: Callable[[str], None] | None = None) -> str:
+    """A directory on this node holding the tree at `uri` (and, with `required`, that file in it).
+
+    With `build`, the copy is not downloaded but made by `build(directory)` (into an empty directory,
+    published as a download is; a file:// URI gets a cached copy too): how a weight version stored as a
+    delta is rebuilt on the node (miles_core.storage.weight_versions)."""
     uri = normalize_uri(require_uri(uri, "uri"))
-    if uri.startswith("file://"):
+    if uri.startswith("file://") and build is None:
         path = uri[len("file://"):]
         if not os.path.isdir(path) or (required and not os.path.exists(os.path.join(path, required))):
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
-    dest = os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])
+    dest = _entry(uri, kind)
     for _ in range(2):  # the node cache may be cleaned underneath a copy: copy again
         try:
-            return _cached(uri, dest, kind, required)
+            return _cached(uri, dest, kind, required, build)
         except FileNotFoundError:
             pass
-    return _cached(uri, dest, kind, required)  # also: a source without `required` says so here
+    return _cached(uri, dest, kind, required, build)  # also: a source without `required` says so here
 
 
-def _cached(uri: str, dest: str, kind: str, required: str | None) -> str:
+def _cached(uri: str, dest: str, kind: str, required: str | None, build: Callable[[str], None] | None) -> str:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     use = _flock(dest + ".use", fcntl.LOCK_SH)  # before the marker is checked: prune now leaves dest alone
     try:
@@ -95,7 +101,7 @@ def _cached(uri: str, dest: str, kind: str, required: str | None) -> str:
             lock = _flock(dest + ".lock", fcntl.LOCK_EX)  # one download per node: the others wait here
             try:
                 if not _complete(dest):
-                    _download(Store(uri), dest, required)
+                    _download(Store(uri), dest, required, build)
             finally:
                 os.close(lock)
         os.utime(dest)  # last use, for pruning
@@ -111,14 +117,16 @@ def _complete(dest: str) -> bool:
     return os.path.exists(os.path.join(dest, MARKER))
 
 
-def _download(src: Store, dest: str, required: str | None) -> None:
+def _download(src: Store, dest: str, required: str | None, build: Callable[[str], None] | None = None) -> None:
     keys = src.list("")
     if required and required not in keys:
         raise FileNotFoundError(f"{src.uri()} has no {required}; it is incomplete")
     root, name = os.path.split(dest)
     tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root)
     try:
-        for key in keys:
+        if build is not None:
+            build(tmp)
+        for key in keys if build is None else ():
             out = _inside(tmp, key, src)
             os.makedirs(os.path.dirname(out), exist_ok=True)
             with open(out, "wb") as f:
@@ -227,3 +235,15 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def cached(uri: str, kind: str) -> str | None:
+    """This node's complete cached copy of `uri` (a `localize` of it made it), or None; not held for the
+    caller: a reader that finds it pruned underneath (FileNotFoundError) copies again."""
+    dest = _entry(normalize_uri(uri), kind)
+    return dest if _complete(dest) else None
+
+
+def _entry(uri: str, kind: str) -> str:
+    """The cache directory of (normalized) `uri`."""
+    return os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])

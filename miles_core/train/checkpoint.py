@@ -35,7 +35,7 @@ from miles_core.train import checkpoint_manifest as manifest
 from miles_core.train import collectives
 from miles_core.train.process_groups import checkpoint_group
 from miles_core.weights.snapshot import export_snapshot
-from miles_core.weights.tensor_files import put_tensors
+from miles_core.storage.tensor_files import put_tensors
 
 MARKER = "COMPLETE"
 LATEST = "LATEST"

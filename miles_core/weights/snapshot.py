@@ -18,7 +18,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 
 from miles_core.storage import COMPLETE_MARKER, Store
-from miles_core.weights.tensor_files import put_tensors
+from miles_core.storage.tensor_files import put_tensors
 
 MARKER = COMPLETE_MARKER
 _STEP = re.compile(r"^step_(\d{8})$")

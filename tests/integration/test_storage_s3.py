@@ -170,7 +170,7 @@ def test_a_large_file_is_uploaded_streamed_in_parts(storage_root, tmp_path):
     before its upload (tens of GB at 8B)."""
     import torch
 
-    from miles_core.weights.tensor_files import put_tensors
+    from miles_core.storage.tensor_files import put_tensors
 
     store = Store(storage_root)
     local = tmp_path / "big.bin"

@@ -37,7 +37,7 @@ from miles_core.engines.cpu_server import CpuEngineServer, serve
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.storage import Store
 from miles_core.weights.sync import StoreWeightTransport, WeightSync
-from miles_core.weights.tensor_files import put_tensors
+from miles_core.storage.tensor_files import put_tensors
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROMPT = [1, 2, 3, 4, 10]

@@ -503,7 +503,7 @@ def test_tensors_reach_an_object_store_streamed_from_their_file(tmp_path, monkey
     import torch
     from safetensors.torch import load
 
-    from miles_core.weights.tensor_files import put_tensors
+    from miles_core.storage.tensor_files import put_tensors
 
     store = Store(f"memory://{tmp_path.name}")
     uploads = []

@@ -1,0 +1,427 @@
+"""Weight versions in the run root as bf16 anchors and sparse bf16 deltas (docs/weight-versions.md).
+
+A published weight version is bf16, whatever the trainer's master precision: that is what SGLang
+serves on GPU, and past the first optimizer steps at RL learning rates most bf16 elements do not
+change between two versions (the step falls below bf16's rounding), so a version is written as the
+elements that changed since the one before it.
+
+One version is the directory `weights/step_{k:08d}/`, written in `parts` by the trainer's writer ranks
+(miles_core.weights.snapshot.partition: every writer cuts the same tensors the same way). Part i is
+either
+- an anchor part: `model.safetensors` (one part) or `model-0000{i+1}-of-0000{n}.safetensors`, the part's
+  bf16 tensors, an ordinary HF file (SGLang, transformers and the CPU engine read it as it is), with a
+  checksum of each tensor in its metadata (`miles.checksums`); or
+- a delta part: `delta-0000{i+1}-of-0000{n}.safetensors.zst`, zstd-compressed safetensors holding, for
+  each tensor that changed, the positions that changed (as gaps, int32) and their new bf16 bits (int16),
+  or the tensor's whole bits when that is smaller (`:d`), and in its metadata the version directory whose
+  part i it applies to (`miles.base`, a sibling) and the checksum of every tensor of the part after
+  applying. Positions and values overwrite, so applying a delta twice is harmless.
+Beside the parts: the HF index (several parts), config and tokenizer files, `.complete` last.
+
+`PartWriter` is one writer rank's side: it keeps the bf16 part it published last and writes the next as
+a delta against it, or as an anchor for the first `first_anchors` versions, at least every
+`anchor_every` versions, after a restart (no part in memory) and whenever the delta would not be much
+smaller than the part.
+
+`localize_weights(uri)` is every reader's side (an engine's node, a producer job's engines): a local
+directory holding the version's full bf16 weights in the HF layout, every checksum verified. A delta
+version is rebuilt in the node cache from its base (itself localized the same way, so a node that has
+the version before reads only the delta, and a late joiner the chain back to its anchor); a checksum
+that fails is counted and the version is rebuilt from the chain's anchor read again from storage,
+never served corrupt (`WeightVersionError` when that fails too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from miles_core.storage import COMPLETE_MARKER, Store
+from miles_core.storage.node_local import localize
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+CHECKSUMS = "miles.checksums"
+BASE = "miles.base"
+ZSTD_LEVEL = 3
+_DELTA = re.compile(r"^delta-(\d{5})-of-(\d{5})\.safetensors\.zst$")
+# A delta part is written only when its raw encoding is below this share of the part's bf16 bytes:
+# a delta that changes most elements (a toy learning rate) is an anchor instead, so no chain grows for nothing.
+DELTA_MAX_SHARE = 0.5
+_BYTES_PER_CHANGE = 6  # an int32 gap and an int16 value
+
+
+class WeightVersionError(RuntimeError):
+    def __init__(self, message: str):
+        super().__init__(message)
+
+
+def model_file(i: int, parts: int) -> str:
+    """HF's name of the weights of part i (from 0) of `parts`."""
+    return "model.safetensors" if parts == 1 else f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
+
+
+def delta_file(i: int, parts: int) -> str:
+    return f"delta-{i + 1:05d}-of-{parts:05d}.safetensors.zst"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bf16 tensor's bits, flat, as int16 (a view)."""
+    import torch
+
+    return t.reshape(-1).view(torch.int16)
+
+
+def checksum(t: torch.Tensor) -> str:
+    """xxh3-64 of the bf16 tensor's bytes."""
+    import xxhash
+
+    return xxhash.xxh3_64_hexdigest(bits(t.contiguous()).numpy())
+
+
+# ----------------------------------------------------------------------------- the codec
+
+
+@dataclass
+class Encoded:
+    """One part's delta against its base: the compressed bytes, or None when an anchor is the smaller."""
+    blob: bytes | None
+    elements: int
+    changed: int  # elements whose bits differ from the base
+    raw_bytes: int  # the delta's encoding before compression
+
+
+def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_name: str, *,
+           max_share: float = DELTA_MAX_SHARE) -> Encoded:
+    """The delta taking `base` to `new` (bf16 tensors of the same part), or `blob=None` when its encoding
+    would be at least `max_share` of the part's bf16 bytes (write an anchor instead)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save
+
+    tensors: dict[str, torch.Tensor] = {}
+    sums, elements, changed, raw = {}, 0, 0, 0
+    for name in sorted(new):
+        t = new[name]
+        sums[name] = checksum(t)
+        elements += t.numel()
+        old = base.get(name)
+        now = bits(t).numpy()
+        if old is None or old.shape != t.shape or old.dtype != t.dtype:
+            tensors[f"{name}:d"], raw, changed = torch.from_numpy(now.copy()), raw + 2 * now.size, changed + now.size
+            continue
+        where = np.flatnonzero(now != bits(old).numpy())
+        changed += where.size
+        if where.size == 0:
+            continue
+        if where.size * _BYTES_PER_CHANGE >= 2 * now.size or now.size >= 2 ** 31:
+            tensors[f"{name}:d"], raw = torch.from_numpy(now.copy()), raw + 2 * now.size
+            continue
+        gaps = np.diff(where, prepend=0).astype(np.int32)
+        tensors[f"{name}:i"], tensors[f"{name}:v"] = torch.from_numpy(gaps), torch.from_numpy(now[where])
+        raw += where.size * _BYTES_PER_CHANGE
+    if raw >= max_share * 2 * elements:
+        return Encoded(None, elements, changed, raw)
+    import zstandard
+
+    payload = save(tensors, metadata={BASE: base_name, CHECKSUMS: json.dumps(sums, sort_keys=True)})
+    return Encoded(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload), elements, changed, raw)
+
+
+def _metadata(payload: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors buffer (its header: 8 bytes of length, then JSON)."""
+    (n,) = struct.unpack("<Q", payload[:8])
+    return json.loads(payload[8:8 + n]).get("__metadata__") or {}
+
+
+def read_delta(blob: bytes) -> tuple[str, dict[str, str], dict[str, torch.Tensor]]:
+    """(base directory name, checksums after applying, the encoded tensors) of a delta part."""
+    import zstandard
+    from safetensors.torch import load
+
+    payload = zstandard.ZstdDecompressor().decompress(blob)
+    meta = _metadata(payload)
+    if BASE not in meta or CHECKSUMS not in meta:
+        raise WeightVersionError("a delta part without its base or checksums")
+    return meta[BASE], json.loads(meta[CHECKSUMS]), load(payload)
+
+
+def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
+          encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The part after the delta: `base` (bf16, left unchanged) with the delta's positions overwritten;
+    every tensor's checksum verified (WeightVersionError naming the first that differs)."""
+    import numpy as np
+    import torch
+
+    out = {}
+    for name, want in checksums.items():
+        if f"{name}:d" in encoded:
+            old = base.get(name)
+            t = encoded[f"{name}:d"].view(torch.bfloat16)
+            out[name] = t.reshape(old.shape) if old is not None and old.numel() == t.numel() else t
+        elif name not in base:
+            raise WeightVersionError(f"the delta changes {name}, which its base does not hold")
+        else:
+            out[name] = base[name].clone()
+            if f"{name}:i" in encoded:
+                where = np.cumsum(encoded[f"{name}:i"].numpy(), dtype=np.int64)
+                bits(out[name])[torch.from_numpy(where)] = encoded[f"{name}:v"]
+        if checksum(out[name]) != want:
+            raise WeightVersionError(f"{name}: checksum mismatch after applying the delta")
+    return out
+
+
+def verify(state: dict[str, torch.Tensor], checksums: dict[str, str], what: str) -> None:
+    if set(state) != set(checksums):
+        raise WeightVersionError(f"{what}: holds {len(state)} tensors, its checksums name {len(checksums)}")
+    for name, t in state.items():
+        if checksum(t) != checksums[name]:
+            raise WeightVersionError(f"{what}: {name}: checksum mismatch")
+
+
+# ----------------------------------------------------------------------------- the writer
+
+
+@dataclass
+class PartStats:
+    """What writing one part of a version did (the version's metrics sum them over parts)."""
+    anchor: bool
+    bytes: int
+    elements: int
+    changed: int  # elements that differ from the part published before (all of them at a first anchor)
+    encode_seconds: float
+
+
+class PartWriter:
+    """One writer rank's published versions (see the module doc): the bf16 part it wrote last."""
+
+    def __init__(self, *, anchor_every: int = 20, first_anchors: int = 3):
+        if anchor_every < 1 or first_anchors < 1:
+            raise ValueError("anchor_every and first_anchors must be at least 1")
+        self.anchor_every, self.first_anchors = anchor_every, first_anchors
+        self._base: dict | None = None
+        self._base_name: str | None = None
+        self._written = 0
+        self._since_anchor = 0
+
+    def write(self, store: Store, key: str, state: dict, i: int, parts: int, names: list[str]) -> PartStats:
+        """Write part i of `parts` (the tensors `names` of `state`, cast to bf16) of the version at `key`."""
+        import torch
+
+        t0 = time.perf_counter()
+        part = {n: state[n].to(torch.bfloat16, copy=True).contiguous() for n in names}  # never a view of a live parameter
+        name = key.rstrip("/").rsplit("/", 1)[-1]
+        encoded = None
+        wants_anchor = (self._base is None or set(self._base) != set(part) or self._written < self.first_anchors
+                        or self._since_anchor + 1 >= self.anchor_every)
+        if not wants_anchor:
+            encoded = encode(self._base, part, self._base_name)
+        if encoded is not None and encoded.blob is not None:
+            store.put_bytes(_at(key, delta_file(i, parts)), encoded.blob)
+            stats = PartStats(False, len(encoded.blob), encoded.elements, encoded.changed, time.perf_counter() - t0)
+            self._since_anchor += 1
+        else:
+            from miles_core.storage.tensor_files import put_tensors
+
+            sums = {n: checksum(t) for n, t in part.items()}
+            size = put_tensors(store, _at(key, model_file(i, parts)), part,
+                               {CHECKSUMS: json.dumps(sums, sort_keys=True)}, digest=False)["size"]
+            changed = encoded.changed if encoded is not None else sum(t.numel() for t in part.values())
+            stats = PartStats(True, size, sum(t.numel() for t in part.values()), changed, time.perf_counter() - t0)
+            self._since_anchor = 0
+        self._base, self._base_name = part, name
+        self._written += 1
+        return stats
+
+
+def _at(key: str, name: str) -> str:
+    return f"{key}/{name}" if key else name
+
+
+# ----------------------------------------------------------------------------- the readers
+
+
+@dataclass
+class ReadStats:
+    """What this process's `localize_weights` calls read and did (the reader's side of the version metrics)."""
+    versions: int = 0
+    bytes_read: int = 0  # deltas and anchor parts read from storage to rebuild versions
+    deltas_applied: int = 0
+    anchors_read: int = 0  # anchor parts read to rebuild a version (a late joiner, a failed checksum)
+    apply_seconds: float = 0.0
+    checksum_failures: int = 0
+    last_used_anchor: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts) -> None:
+        with self._lock:
+            for k, v in counts.items():
+                setattr(self, k, getattr(self, k) + v)
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {k: v for k, v in vars(self).items() if not k.startswith("_")}
+
+
+READS = ReadStats()
+_verified: dict[str, float] = {}  # anchor directory -> mtime of its marker when its checksums were verified
+
+
+def is_delta_version(keys: list[str]) -> bool:
+    return any(_DELTA.match(k) for k in keys)
+
+
+def localize_weights(uri: str) -> str:
+    """A directory on this node with the full bf16 weights of the version at `uri` (see the module doc)."""
+    store = Store(uri)
+    keys = store.list("")
+    if COMPLETE_MARKER not in keys:
+        raise FileNotFoundError(f"{uri} has no {COMPLETE_MARKER}; it is incomplete")
+    t0 = time.perf_counter()
+    if not is_delta_version(keys):
+        path = localize(uri, "weights", required=COMPLETE_MARKER)
+        _verify_anchor(path)
+        READS.add(versions=1)
+        return path
+    used_anchor = []
+    path = localize(uri, "weights", required=COMPLETE_MARKER,
+                    build=lambda tmp: used_anchor.append(_build(store, keys, tmp)))
+    READS.add(versions=1, apply_seconds=time.perf_counter() - t0)
+    READS.last_used_anchor = any(used_anchor)
+    return path
+
+
+def _verify_anchor(path: str) -> None:
+    """Check every tensor of an anchor directory against the checksums its files carry (once per copy;
+    files written before checksums existed carry none and are taken as they are)."""
+    from safetensors import safe_open
+
+    marker = os.path.join(path, COMPLETE_MARKER)
+    stamp = os.path.getmtime(marker) if os.path.exists(marker) else 0.0
+    if _verified.get(path) == stamp:
+        return
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".safetensors"):
+            continue
+        with safe_open(os.path.join(path, name), "pt") as f:
+            sums = (f.metadata() or {}).get(CHECKSUMS)
+            if sums is None:
+                continue
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        try:
+            verify(state, json.loads(sums), f"{path}/{name}")
+        except WeightVersionError:
+            READS.add(checksum_failures=1)
+            raise
+    _verified[path] = stamp
+
+
+def _sibling(uri: str, name: str) -> str:
+    if "/" in name or name in ("", ".", ".."):
+        raise WeightVersionError(f"a delta names the base {name!r}, which is not a version beside it")
+    return f"{uri.rstrip('/').rsplit('/', 1)[0]}/{name}"
+
+
+def _build(store: Store, keys: list[str], tmp: str) -> bool:
+    """Write the full version at `store` into `tmp` (the node cache's new entry); whether an anchor was read."""
+    from safetensors.torch import save_file
+
+    used_anchor = False
+    for key in keys:
+        if key == COMPLETE_MARKER or _DELTA.match(key) or "/" in key:
+            continue
+        data = store.get_bytes(key)  # the index, config and tokenizer files, anchor parts
+        READS.add(bytes_read=len(data) if key.endswith(".safetensors") else 0)
+        with open(os.path.join(tmp, key), "wb") as f:
+            f.write(data)
+    for key in keys:
+        m = _DELTA.match(key)
+        if m is None:
+            continue
+        i, parts = int(m.group(1)) - 1, int(m.group(2))
+        blob = store.get_bytes(key)
+        READS.add(bytes_read=len(blob))
+        base_name, sums, encoded = read_delta(blob)
+        part = None
+        base_dir = _local_copy(_sibling(store.uri(), base_name))
+        if base_dir is not None:
+            try:
+                part = apply(_load(os.path.join(base_dir, model_file(i, parts))), sums, encoded)
+                READS.add(deltas_applied=1)
+            except FileNotFoundError:
+                part = None  # pruned underneath: rebuilt from the anchor below
+            except WeightVersionError as e:
+                READS.add(checksum_failures=1)
+                log.warning("weights %s part %d: %s; rebuilding it from its anchor", store.uri(), i, e)
+        if part is None:
+            part = _from_anchor(store.uri(), i, parts)
+            used_anchor = True
+        save_file(part, os.path.join(tmp, model_file(i, parts)),
+                  metadata={"format": "pt", CHECKSUMS: json.dumps(sums, sort_keys=True)})
+    return used_anchor
+
+
+def _load(path: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+def _local_copy(uri: str) -> str | None:
+    """This node's complete copy of the version at `uri`, without reading storage: a file:// anchor in
+    place, or its node-cache entry; None when there is none."""
+    from miles_core.storage.node_local import cached
+
+    if uri.startswith("file://"):
+        path = uri[len("file://"):]
+        names = os.listdir(path) if os.path.isdir(path) else []
+        if COMPLETE_MARKER in names and not is_delta_version(names):
+            return path
+    return cached(uri, "weights")
+
+
+def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000) -> dict:
+    """Part i of the version at `uri` rebuilt from storage alone: back along the bases to the anchor, then
+    every delta applied in order, each checksum verified (WeightVersionError when one still fails)."""
+    from safetensors.torch import load
+
+    chain = []
+    for _ in range(max_chain):
+        store = Store(uri)
+        names = store.list("")
+        if delta_file(i, parts) in names:
+            blob = store.get_bytes(delta_file(i, parts))
+            READS.add(bytes_read=len(blob))
+            base_name, sums, encoded = read_delta(blob)
+            chain.append((uri, sums, encoded))
+            uri = _sibling(uri, base_name)
+            continue
+        if model_file(i, parts) not in names:
+            raise WeightVersionError(f"{uri} holds neither part {i} of {parts} nor its delta: the chain is broken")
+        data = store.get_bytes(model_file(i, parts))
+        READS.add(bytes_read=len(data), anchors_read=1)
+        part = load(data)
+        sums = _metadata(data).get(CHECKSUMS)
+        if sums is not None:
+            verify(part, json.loads(sums), f"{uri}/{model_file(i, parts)}")
+        break
+    else:
+        raise WeightVersionError(f"no anchor within {max_chain} versions before {uri}")
+    for at, sums, encoded in reversed(chain):
+        try:
+            part = apply(part, sums, encoded)
+        except WeightVersionError as e:
+            READS.add(checksum_failures=1)
+            raise WeightVersionError(f"{at}: rebuilt from its anchor, {e}: not served") from e
+        READS.add(deltas_applied=1)
+    return part

@@ -1,0 +1,147 @@
+"""Weight versions as bf16 anchors and sparse deltas (miles_core/storage/weight_versions.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from miles_core.storage import COMPLETE_MARKER, Store
+from miles_core.storage import weight_versions as wv
+from miles_core.weights.snapshot import partition
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(64, 32, generator=g), "layer.0.w": torch.randn(32, 32, generator=g),
+            "layer.0.b": torch.randn(32, generator=g), "norm.weight": torch.ones(32)}
+
+
+def _step(state: dict, share: float, seed: int) -> dict:
+    """`state` with about `share` of each tensor's elements moved by more than bf16's rounding."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in state.items():
+        moved = torch.rand(t.shape, generator=g) < share
+        out[name] = torch.where(moved, t * 1.05 + 0.01, t)
+    return out
+
+
+def _bf16(state: dict) -> dict:
+    return {k: v.to(torch.bfloat16) for k, v in state.items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(wv.bits(a[k]), wv.bits(b[k])) for k in a)
+
+
+def test_a_sparse_delta_rebuilds_the_new_bits_exactly_and_twice_is_harmless():
+    old = _bf16(_state())
+    new = _bf16(_step(_state(), 0.02, 1))
+    enc = wv.encode(old, new, "step_00000001")
+    assert enc.blob is not None and 0 < enc.changed < 0.05 * enc.elements
+    assert len(enc.blob) < 0.2 * sum(t.numel() * 2 for t in new.values())
+    base_name, sums, encoded = wv.read_delta(enc.blob)
+    assert base_name == "step_00000001"
+    once = wv.apply(old, sums, encoded)
+    assert _same(once, new)
+    assert _same(wv.apply(once, sums, encoded), new)  # overwrite, not XOR: applying again changes nothing
+    assert _same(old, _bf16(_state()))  # the base is left as it was
+
+
+def test_a_tensor_that_mostly_changed_travels_dense_and_a_delta_of_everything_is_an_anchor():
+    old = _bf16(_state())
+    new = dict(old)
+    new["layer.0.w"] = (old["layer.0.w"].float() * 1.5).to(torch.bfloat16)  # every element of one tensor
+    enc = wv.encode(old, new, "b")
+    _, sums, encoded = wv.read_delta(enc.blob)
+    assert "layer.0.w:d" in encoded and "embed.weight:i" not in encoded  # unchanged tensors are not written
+    assert _same(wv.apply(old, sums, encoded), new)
+    everything = _bf16(_step(_state(), 1.0, 2))
+    assert wv.encode(old, everything, "b").blob is None  # the toy learning rate's versions: anchors
+
+
+def test_a_wrong_base_fails_its_checksum_by_name():
+    old = _bf16(_state())
+    new = _bf16(_step(_state(), 0.02, 1))
+    _, sums, encoded = wv.read_delta(wv.encode(old, new, "b").blob)
+    wrong = dict(old)
+    wrong["norm.weight"] = torch.zeros(32, dtype=torch.bfloat16)
+    with pytest.raises(wv.WeightVersionError, match="norm.weight: checksum mismatch"):
+        wv.apply(wrong, sums, encoded)
+
+
+def _publish(store: Store, writers: list[wv.PartWriter], step: int, state: dict) -> list[wv.PartStats]:
+    """Every writer rank's part of version `step`, then the marker (the driver's seal)."""
+    parts = len(writers)
+    names = partition({k: v.numel() * 2 for k, v in state.items()}, parts)
+    key = f"weights/step_{step:08d}"
+    stats = [w.write(store, key, state, i, parts, names[i]) for i, w in enumerate(writers)]
+    store.put_bytes(f"{key}/config.json", b"{}")
+    store.put_bytes(f"{key}/{COMPLETE_MARKER}", b"")
+    return stats
+
+
+def _read(path: str, parts: int) -> dict:
+    out = {}
+    for i in range(parts):
+        out.update(load_file(os.path.join(path, wv.model_file(i, parts))))
+    return out
+
+
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(wv, "READS", wv.ReadStats())
+    return tmp_path / "cache"
+
+
+def test_writers_publish_anchors_first_then_deltas_and_an_anchor_every_n(tmp_path, node_cache):
+    store = Store(f"file://{tmp_path}/run")
+    writers = [wv.PartWriter(anchor_every=4, first_anchors=2) for _ in range(2)]
+    state, kinds, truth = _state(), [], {}
+    for step in range(1, 10):
+        state = _step(state, 0.01, step)
+        kinds.append(all(s.anchor for s in _publish(store, writers, step, state)))
+        truth[step] = _bf16(state)
+    assert kinds == [True, True, False, False, False, True, False, False, False]
+    for step in (9, 3, 6):  # a node that has none of them: anchor + deltas; then one it has the base of
+        got = _read(wv.localize_weights(store.uri(f"weights/step_{step:08d}")), 2)
+        assert _same(got, truth[step]), step
+    assert wv.READS.anchors_read >= 2 and wv.READS.checksum_failures == 0
+    before = wv.READS.snapshot()
+    wv.localize_weights(store.uri("weights/step_00000004"))  # base step 3 is this node's: only the delta is read
+    after = wv.READS.snapshot()
+    assert after["anchors_read"] == before["anchors_read"] and after["deltas_applied"] == before["deltas_applied"] + 2
+    fresh = [wv.PartWriter(anchor_every=4, first_anchors=2) for _ in range(2)]  # a restarted trainer
+    assert all(s.anchor for s in _publish(store, fresh, 10, _step(state, 0.01, 10)))
+
+
+def test_a_corrupt_local_base_falls_back_to_the_anchor_and_a_corrupt_delta_is_never_served(tmp_path, node_cache):
+    store = Store(f"file://{tmp_path}/run")
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    state, truth = _state(), {}
+    for step in range(1, 5):
+        state = _step(state, 0.01, step)
+        _publish(store, writers, step, state)
+        truth[step] = _bf16(state)
+    base = wv.localize_weights(store.uri("weights/step_00000003"))
+    damaged = load_file(os.path.join(base, "model.safetensors"))
+    damaged["layer.0.w"][0, 0] += 1
+    from safetensors.torch import save_file
+    save_file(damaged, os.path.join(base, "model.safetensors"))  # the node's copy rots after it was verified
+    got = _read(wv.localize_weights(store.uri("weights/step_00000004")), 1)
+    assert _same(got, truth[4]) and wv.READS.checksum_failures == 1 and wv.READS.last_used_anchor
+    raw = store.get_bytes("weights/step_00000002/delta-00001-of-00001.safetensors.zst")
+    _, sums, encoded = wv.read_delta(raw)
+    changed = next(k for k in sorted(encoded) if k.endswith(":v"))
+    encoded[changed] = encoded[changed] + 1  # a flipped value the store handed back
+    import json
+    import zstandard
+    from safetensors.torch import save
+    store.put_bytes("weights/step_00000002/delta-00001-of-00001.safetensors.zst", zstandard.ZstdCompressor().compress(
+        save(encoded, metadata={wv.BASE: "step_00000001", wv.CHECKSUMS: json.dumps(sums)})))
+    with pytest.raises(wv.WeightVersionError, match=changed[:-2]):
+        wv.localize_weights(store.uri("weights/step_00000002"))
