@@ -8,7 +8,8 @@ SmolLM2-135M: hidden 576, 30 layers, 9 heads, 3 kv heads, intermediate 1536, voc
 runs the real path: a Megatron-core Trainer on CPU and `WeightSync.push` into the project's CPU
 engine server.
 
-- store: export the safetensors snapshot to a file:// run root, stage it on the engine (served in
+- store: export the safetensors snapshot (every version an anchor, the dense path: the whole model in
+  bf16, docs/weight-versions.md) to a file:// run root, stage it on the engine (served in
   this process: it reads the snapshot in place and builds the model while it could generate), pause,
   `update_weights_from_disk` over HTTP (the staged model is swapped in), resume, publish.
   Baseline: a raw copy of the snapshot's bytes (read + write + fsync of model.safetensors into a new
@@ -164,7 +165,7 @@ async def bench_store(name: str, repeats: int, work: str, modes: list[str], **_)
     copies: list[str] = []
     try:
         async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
-            sync = WeightSync([client], StoreWeightTransport(trainer, store), "retract")
+            sync = WeightSync([client], StoreWeightTransport(trainer, store, anchor_interval=1), "retract")
 
             async def one_round(k: int, mode: str | None) -> None:
                 if mode:

@@ -33,6 +33,7 @@ METRIC_SOURCES: list[tuple[str, str]] = [
     (NAMES, "BUFFER_METRICS"),       # the buffer, docs/data-path.md
     (NAMES, "ROLLOUT_METRICS"),      # the rollout's batch and producer metrics, docs/metrics.md
     (NAMES, "PERF_METRICS"),         # docs/metrics.md perf/*
+    (NAMES, "WEIGHTS_METRICS"),      # weight versions written and read, docs/weight-versions.md
     (NAMES, "RUN_METRICS"),          # the random-policy level, the published version, the fleet
     (NAMES, "PRODUCER_METRICS"),     # who generated each step's batch
     (NAMES, "LOSS_METRICS"),         # the policy loss, docs/fully-async.md

@@ -185,7 +185,7 @@ BOUNDS = [
     ("rollout", "failed_sample_window_steps", *_AT_LEAST_1),
     ("engine", "rollout_num_gpus_per_engine", *_AT_LEAST_1), ("engine", "engine_max_running_requests", *_AT_LEAST_1),
     ("engine", "sglang_mem_fraction_static", lambda v: 0 < v < 1, "must be in (0, 1)"),
-    ("engine", "engine_startup_timeout_seconds", *_POSITIVE),
+    ("engine", "engine_startup_timeout_seconds", *_POSITIVE), ("engine", "weight_anchor_interval", *_AT_LEAST_1),
     ("train", "weight_decay", *_NON_NEGATIVE), ("train", "clip_grad", *_NON_NEGATIVE),
     ("train", "eps_clip", *_POSITIVE), ("train", "eps_clip_high", *_POSITIVE),
     ("train", "entropy_coef", *_NON_NEGATIVE),

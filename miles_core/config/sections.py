@@ -138,6 +138,7 @@ class EngineSection:
     sglang_mem_fraction_static: float = opt(0.8, "SGLang --mem-fraction-static.")
     sglang_extra_args: str = opt("", "Extra arguments appended to `python -m sglang.launch_server`.")
     weight_transport: str = opt("store", "How weights reach the engines: store (a snapshot in the run root that each engine copies to its own node and loads with update_weights_from_disk) or distributed (SGLang's /init_weights_update_group + /update_weights_from_distributed broadcast: NCCL on GPU, gloo on CPU).", choices=("store", "distributed"))
+    weight_anchor_interval: int = opt(20, "Weight versions in the run root (the store transport's, and every version producer jobs read) are bf16: the first 3 and then at least every this many are anchors (the whole model), the others sparse deltas against the version before (the changed bf16 elements, compressed, checksummed). 1: every version an anchor. docs/weight-versions.md.")
     update_weight_buffer_size: int = opt(512 << 20, "Bytes per bucket of the distributed weight push (one /update_weights_from_distributed call and broadcast per bucket).")
     engine_custom_resource: str = opt("", "Ray custom resource every engine actor requests (a sliver of one unit): pins engines to the nodes that offer it, e.g. a GPU node group.")
     trainer_custom_resource: str = opt("", "Ray custom resource every trainer rank requests (a sliver of one unit): pins the trainer to the nodes that offer it.")

@@ -23,11 +23,13 @@ T = TypeVar("T")
 
 
 class Pending(Generic[T]):
-    """A call in flight. `refs`: Ray object refs (all must finish; `result()` is the first one's value, and a
-    ref that failed raises at once, whatever the others do); or `future`, a concurrent future."""
+    """A call in flight. `refs`: Ray object refs (all must finish; `result()` is the first one's value, or
+    `combine` of all of them, and a ref that failed raises at once, whatever the others do); or `future`, a
+    concurrent future."""
 
-    def __init__(self, refs: Sequence[Any] = (), future: concurrent.futures.Future | None = None):
-        self.refs, self.future = list(refs), future
+    def __init__(self, refs: Sequence[Any] = (), future: concurrent.futures.Future | None = None,
+                 combine: Callable[[list], T] | None = None):
+        self.refs, self.future, self.combine = list(refs), future, combine
 
     def done(self) -> bool:
         if self.future is not None:
@@ -46,7 +48,8 @@ class Pending(Generic[T]):
         for ref in ready:  # one rank failed: its error, not a wait for the peers it leaves in a collective
             if _failed(ref):
                 ray.get(ref)
-        return ray.get(self.refs, timeout=timeout)[0]
+        values = ray.get(self.refs, timeout=timeout)
+        return values[0] if self.combine is None else self.combine(values)
 
     def unfinished(self) -> list:
         """What a wait on this call waits for."""

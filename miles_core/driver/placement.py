@@ -30,6 +30,7 @@ from miles_core.driver.clients import Pending, RolloutClient
 from miles_core.driver.local_ray import start_local_ray
 from miles_core.engines.auth import bind_problem
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, custom_resource, end_actors, port_taken
+from miles_core.metrics import names as N
 from miles_core.prepare.checks import check_device_memory
 from miles_core.prepare.resources import (Bundle, ClusterShape, Node, fit_problems, producer_fit_problems,
                                           trainer_bundles, uses_gpus)
@@ -217,7 +218,11 @@ class TrainerGroup:
         return self.train_parts(step, split_for_run(groups, self.layout, self.cfg))
 
     def push_weights(self, step: int, version: int) -> Pending[dict]:
-        return self._on_every_rank(lambda a: a.push_weights, step, version)
+        """Rank 0's answer, with what every writer rank wrote of the version as its `weights/*` metrics."""
+        import ray
+
+        refs = [ray.put(a) for a in (step, version)]
+        return Pending([a.push_weights.remote(*refs) for a in self.actors], combine=version_written)
 
     def save_checkpoint(self, step: int, extras: dict) -> Pending[str | None]:
         return self._on_every_rank(lambda a: a.save_checkpoint, step, extras)
@@ -295,3 +300,18 @@ def _stop_rollout(rollout: RolloutClient, actor) -> None:
     except Exception as e:  # noqa: BLE001 - the actor is ended below either way
         log.warning("the rollout manager did not stop cleanly (%s); ending it", e)
         end_actors([actor], timeout_seconds=0.0)
+
+
+def version_written(answers: list[dict]) -> dict:
+    """Rank 0's push answer, its "part" and every other writer rank's replaced by the version's `weights/*`
+    metrics: bytes of all parts, the changed share of all elements, the slowest part's seconds, whether any
+    part is an anchor."""
+    out = {k: v for k, v in answers[0].items() if k != "part"}
+    parts = [a["part"] for a in answers if "part" in a]
+    if parts:
+        elements = sum(p["elements"] for p in parts)
+        out |= {N.WEIGHTS_VERSION_BYTES: sum(p["bytes"] for p in parts),
+                N.WEIGHTS_CHANGED_SHARE: sum(p["changed"] for p in parts) / max(1, elements),
+                N.WEIGHTS_ENCODE_SECONDS: max(p["encode_seconds"] for p in parts),
+                N.WEIGHTS_ANCHOR: float(any(p["anchor"] for p in parts))}
+    return out

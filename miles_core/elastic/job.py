@@ -285,7 +285,7 @@ class ProducerJob:
         if feed.version <= self.version:
             return
         try:
-            await asyncio.to_thread(self.fleet.stage_weights, feed.weights)
+            read = await asyncio.to_thread(self.fleet.stage_weights, feed.weights)
             await paused_load([self.engine], self.cfg.rollout.pause_generation_mode,
                               lambda: asyncio.to_thread(self.fleet.load_weights, feed.weights, feed.version),
                               feed.version)
@@ -295,7 +295,10 @@ class ProducerJob:
             return
         self.version = feed.version
         self.producer.set_version(feed.version)
-        log.info("producer %s: engines serve weights v%d", self.producer_id, feed.version)
+        log.info("producer %s: engines serve weights v%d (rebuilt reading %s bytes in %.2f s%s%s)", self.producer_id,
+                 feed.version, read.get("read_bytes", "?"), read.get("apply_seconds", 0.0),
+                 ", from an anchor" if read.get("anchor_reads") else "",
+                 f", {read['checksum_failures']} failed checksum(s)" if read.get("checksum_failures") else "")
 
     def _check_id_free(self, wait_seconds: float = 1.5 * HEARTBEAT_SECONDS) -> None:
         """Two live producers under one id would take each other's prompt claims for their own. Live

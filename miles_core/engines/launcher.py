@@ -77,8 +77,8 @@ from typing import Any
 
 from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
-from miles_core.storage import COMPLETE_MARKER
 from miles_core.storage.node_local import localize, require_uri
+from miles_core.storage.weight_versions import READS, localize_weights, staged_read, sum_reads
 
 log = logging.getLogger(__name__)
 
@@ -284,21 +284,26 @@ class EngineServer:
             self.model_path, self.weight_version, self.model_kind = model_path, weight_version, "weights"
 
     def load_weights(self, uri: str, weight_version: int, *, flush_cache: bool = False) -> None:
-        """Copy the snapshot at `uri` to this node and load it (`/update_weights_from_disk` with the
-        local path); the server reports `weight_version` from then on, and restarts load it too."""
-        path = localize(uri, "weights", required=COMPLETE_MARKER)
+        """Copy the weight version at `uri` to this node and load it (`/update_weights_from_disk` with the
+        local path); the server reports `weight_version` from then on, and restarts load it too. A version
+        stored as a delta is rebuilt on this node first (miles_core.storage.weight_versions)."""
+        path = localize_weights(uri)
         try:
             asyncio.run(self._update_from_disk(path, weight_version, flush_cache))
         except EngineControlError as e:
             raise EngineLoadError(f"{self.name}: loading {uri} failed: {e}") from e
         self.note_weights(uri, weight_version)
 
-    def stage_weights(self, uri: str) -> bool:
-        """Before a pause: copy the snapshot at `uri` to this node and have the server read it and build
-        its model beside the served one (`/stage_weights_from_disk`), so the `load_weights` of the same
-        URI that follows only swaps it in. False when the server has no staging (SGLang)."""
-        path = localize(uri, "weights", required=COMPLETE_MARKER)
-        return bool(asyncio.run(self._stage(path)))
+    def stage_weights(self, uri: str) -> dict:
+        """Before a pause: copy (or rebuild) the weight version at `uri` on this node and have the server read
+        it and build its model beside the served one (`/stage_weights_from_disk`), so the `load_weights` of
+        the same URI that follows only swaps it in. The answer: "staged", False when the server has no
+        staging (SGLang: the copy is made all the same, so its load reads the local disk alone), and what
+        rebuilding the version read (`staged_read`)."""
+        before = READS.snapshot()
+        path = localize_weights(uri)
+        read = staged_read(before, READS.snapshot())
+        return {"staged": bool(asyncio.run(self._stage(path))), **read}
 
     async def _stage(self, path: str) -> list[str]:
         async with EngineClient([self.url], control_timeout_seconds=self.spec.startup_timeout_seconds) as client:
@@ -332,7 +337,12 @@ class EngineServer:
     def _launch(self) -> None:
         # A URI (the Ray roles hand engines URIs only) is copied to this node first; a local path
         # (an EngineServer made directly, on this node) is used as is.
-        path = localize(self.model_path, self.model_kind) if "://" in self.model_path else self.model_path
+        if "://" not in self.model_path:
+            path = self.model_path
+        elif self.model_kind == "weights":
+            path = localize_weights(self.model_path)
+        else:
+            path = localize(self.model_path, self.model_kind)
         cmd = server_command(self.spec, path, self.weight_version, self.port)
         log.info("%s: starting %s", self.name, shlex.join(redact_command(cmd)))
         with open(self.log_path, "ab") as logf:
@@ -433,7 +443,7 @@ class EngineActor:
         self.server.load_weights(require_uri(uri, f"{self.server.name} weights"), weight_version,
                                  flush_cache=flush_cache)
 
-    def stage_weights(self, uri: str) -> bool:
+    def stage_weights(self, uri: str) -> dict:
         return self.server.stage_weights(require_uri(uri, f"{self.server.name} weights"))
 
     def restart(self) -> str:
@@ -549,13 +559,13 @@ class EngineFleet:
 
         ray.get([a.load_weights.remote(uri, weight_version, flush_cache) for a in self.actors])
 
-    def stage_weights(self, uri: str) -> None:
+    def stage_weights(self, uri: str) -> dict:
         """Every engine copies the snapshot at `uri` to its own node and stages it beside the model it
         serves (blocking; engines go on generating): the `load_weights` of `uri` that follows, while
-        paused, only swaps it in."""
+        paused, only swaps it in. The answer: what rebuilding it read, all engines' nodes together (`sum_reads`)."""
         import ray
 
-        ray.get([a.stage_weights.remote(uri) for a in self.actors])
+        return sum_reads(ray.get([a.stage_weights.remote(uri) for a in self.actors]))
 
     # ---- changes while a run goes on ------------------------------------------------------------
     def spawn(self) -> FleetMember:

@@ -45,6 +45,29 @@ PERF_METRICS: dict[str, str] = {
     ENGINE_PAUSE_SECONDS: "Seconds the engines were paused during the weight update (flush, load, resume).",
 }
 
+# ----------------------------------------------------------------------------- weights/* (versions in the run root)
+# Each published version (docs/weight-versions.md): what its writer ranks wrote, logged with the step's
+# push; what the readers (the engines' nodes) read to rebuild it, logged with its delivery.
+WEIGHTS_VERSION_BYTES = "weights/version_bytes"
+WEIGHTS_CHANGED_SHARE = "weights/changed_share"
+WEIGHTS_ENCODE_SECONDS = "weights/encode_seconds"
+WEIGHTS_ANCHOR = "weights/anchor"
+WEIGHTS_READ_BYTES = "weights/read_bytes"
+WEIGHTS_APPLY_SECONDS = "weights/apply_seconds"
+WEIGHTS_ANCHOR_READS = "weights/anchor_reads"
+WEIGHTS_CHECKSUM_FAILURES = "weights/checksum_failures"
+WEIGHTS_METRICS: dict[str, str] = {
+    WEIGHTS_VERSION_BYTES: "Bytes the trainer wrote to the run root for the version's weights, all parts together "
+                           "(an anchor: the bf16 model; a delta: its compressed changes).",
+    WEIGHTS_CHANGED_SHARE: "Share of the model's bf16 elements that differ from the version before (1 at a first anchor).",
+    WEIGHTS_ENCODE_SECONDS: "Seconds the slowest writer rank took to cast, diff, compress and write its part.",
+    WEIGHTS_ANCHOR: "1 when the version was written as an anchor (the whole bf16 model), 0 as a delta.",
+    WEIGHTS_READ_BYTES: "Bytes the engines' nodes read from the run root to rebuild the delivered version, all nodes together.",
+    WEIGHTS_APPLY_SECONDS: "Seconds the slowest engine node took to rebuild the delivered version (download, apply, verify, write), before the pause.",
+    WEIGHTS_ANCHOR_READS: "Engine nodes that read an anchor to rebuild the delivered version (a node that joined late, fell behind or found a failed checksum).",
+    WEIGHTS_CHECKSUM_FAILURES: "Checksums that failed while the engines' nodes rebuilt the delivered version (each then rebuilt from its anchor; never served).",
+}
+
 # ----------------------------------------------------------------------------- the run (driver)
 # Logged once, at step 0 of a run on a builtin task: the level learning has to beat.
 RANDOM_POLICY_REWARD = "rollout/random_policy_reward"
@@ -272,5 +295,5 @@ def eval_skipped_metric(reason: str) -> str:
 # ----------------------------------------------------------------------------- all of them
 # Every name and pattern above that is logged (the reference lists exactly these).
 METRIC_NAMES: tuple[str, ...] = tuple(dict.fromkeys(
-    [*PERF_METRICS, *RUN_METRICS, *PRODUCER_METRICS, *ROLLOUT_METRICS, *BUFFER_METRICS, *LOSS_METRICS,
+    [*PERF_METRICS, *WEIGHTS_METRICS, *RUN_METRICS, *PRODUCER_METRICS, *ROLLOUT_METRICS, *BUFFER_METRICS, *LOSS_METRICS,
      *TRAIN_STEP_METRICS, *EVAL_METRICS]))

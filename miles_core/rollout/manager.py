@@ -180,7 +180,11 @@ class RolloutManager:
         async with EngineClient([url for url, _ in engines], control_retries=6) as control:
             sync = WeightSync([control], transport, self.cfg.rollout.pause_generation_mode)
             result = await sync.deliver(Exported(-1, version, uri, time.perf_counter(), 0.0))
-        return {N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds}
+        read = transport.read  # what the engines' nodes read to rebuild the version (docs/weight-versions.md)
+        return {N.WEIGHT_UPDATE_SECONDS: result.total_seconds, N.ENGINE_PAUSE_SECONDS: result.pause_seconds,
+                **({N.WEIGHTS_READ_BYTES: read["read_bytes"], N.WEIGHTS_APPLY_SECONDS: read["apply_seconds"],
+                    N.WEIGHTS_ANCHOR_READS: read["anchor_reads"], N.WEIGHTS_CHECKSUM_FAILURES: read["checksum_failures"]}
+                   if read else {})}
 
     async def set_engine_urls(self, urls: list[str]) -> None:
         """The engines generation may use from now on (the fleet changed): a dropped engine gets no new

@@ -213,14 +213,17 @@ class PartWriter:
         self._base_name: str | None = None
         self._written = 0
         self._since_anchor = 0
+        self._last: PartStats | None = None
 
     def write(self, store: Store, key: str, state: dict, i: int, parts: int, names: list[str]) -> PartStats:
         """Write part i of `parts` (the tensors `names` of `state`, cast to bf16) of the version at `key`."""
         import torch
 
+        name = key.rstrip("/").rsplit("/", 1)[-1]
+        if name == self._base_name and self._last is not None:
+            return self._last  # written already (a push made again): a delta against itself would break the chain
         t0 = time.perf_counter()
         part = {n: state[n].to(torch.bfloat16, copy=True).contiguous() for n in names}  # never a view of a live parameter
-        name = key.rstrip("/").rsplit("/", 1)[-1]
         encoded = None
         wants_anchor = (self._base is None or set(self._base) != set(part) or self._written < self.first_anchors
                         or self._since_anchor + 1 >= self.anchor_every)
@@ -239,7 +242,7 @@ class PartWriter:
             changed = encoded.changed if encoded is not None else sum(t.numel() for t in part.values())
             stats = PartStats(True, size, sum(t.numel() for t in part.values()), changed, time.perf_counter() - t0)
             self._since_anchor = 0
-        self._base, self._base_name = part, name
+        self._base, self._base_name, self._last = part, name, stats
         self._written += 1
         return stats
 
@@ -368,6 +371,7 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
             used_anchor = True
         save_file(part, os.path.join(tmp, model_file(i, parts)),
                   metadata={"format": "pt", CHECKSUMS: json.dumps(sums, sort_keys=True)})
+    open(os.path.join(tmp, COMPLETE_MARKER), "wb").close()
     return used_anchor
 
 
@@ -425,3 +429,45 @@ def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000) -> dict:
             raise WeightVersionError(f"{at}: rebuilt from its anchor, {e}: not served") from e
         READS.add(deltas_applied=1)
     return part
+
+
+def staged_read(before: dict, after: dict) -> dict:
+    """What rebuilding one version read, from two `READS.snapshot()`s around its `localize_weights`."""
+    return {"read_bytes": after["bytes_read"] - before["bytes_read"],
+            "apply_seconds": after["apply_seconds"] - before["apply_seconds"],
+            "anchor_reads": int(after["anchors_read"] > before["anchors_read"]),
+            "checksum_failures": after["checksum_failures"] - before["checksum_failures"]}
+
+
+def sum_reads(reads: list[dict]) -> dict:
+    """Several nodes' `staged_read`s as one: bytes, anchor reads and failures added, the slowest node's seconds."""
+    return {"read_bytes": sum(r["read_bytes"] for r in reads), "apply_seconds": max(r["apply_seconds"] for r in reads),
+            "anchor_reads": sum(r["anchor_reads"] for r in reads),
+            "checksum_failures": sum(r["checksum_failures"] for r in reads)} if reads else {}
+
+
+def version_dirs(keys: list[str]) -> dict[str, bool]:
+    """{version directory: whether it holds a delta part} of a listing of `weights/` (keys `weights/<dir>/<file>`)."""
+    dirs: dict[str, bool] = {}
+    for key in keys:
+        parts = key.split("/")
+        if len(parts) >= 3:
+            dirs[parts[1]] = dirs.get(parts[1], False) or bool(_DELTA.match(parts[2]))
+    return dirs
+
+
+def needed(dirs: dict[str, bool], names: set[str]) -> set[str]:
+    """The version directories that rebuilding each of `names` reads: itself and, back from it, every one
+    before it up to a whole anchor (a directory without a delta part). A writer's delta is always against
+    the version it wrote just before, so these cover every part's chain."""
+    order = sorted(dirs)
+    out: set[str] = set()
+    for name in names:
+        if name not in dirs:
+            continue
+        i = order.index(name)
+        out.add(name)
+        while dirs[order[i]] and i > 0:
+            i -= 1
+            out.add(order[i])
+    return out

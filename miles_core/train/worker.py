@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import asdict
 from typing import Callable
 
 from miles_core.engines.client import EngineClient
@@ -41,7 +42,8 @@ from miles_core.storage.node_local import localize, require_uri
 from miles_core.train.checkpoint import CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
 from miles_core.weights.distributed import DistributedWeightTransport
-from miles_core.weights.snapshot import export_part, export_snapshot, snapshot_key
+from miles_core.storage.weight_versions import PartStats, PartWriter, needed, version_dirs
+from miles_core.weights.snapshot import export_part, export_snapshot, export_version, seal, snapshot_key
 from miles_core.weights.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class TrainerWorker:
         self.checkpoints = CheckpointManager.from_config(cfg.train, self.run_store)
         self.loop = self.engines = self.sync = None
         self.publish = cfg.buffer.allow_rollout_producers  # every version in the run root, for producer jobs
+        # this rank's part of the versions it publishes: bf16 anchors and deltas (docs/weight-versions.md)
+        self._versions = PartWriter(anchor_every=cfg.engine.weight_anchor_interval)
         self.distributed = cfg.engine.weight_transport == "distributed"
         self._superseded: dict[str, float] = {}  # staged weights -> when a newer version replaced them
         self._last_key: str | None = None  # the previous push's staged weights
@@ -163,9 +167,9 @@ class TrainerWorker:
         if self.rank != 0:
             if first:
                 if self._writes_snapshot:
-                    self._write_part(self.run_store, snapshot_key(step, "weights"))
-                else:
-                    self.trainer.join_export()
+                    part = self._write_part(self.run_store, snapshot_key(step, "weights"), version=True)
+                    return {} if part is None else {"part": asdict(part)}
+                self.trainer.join_export()
             return {}
         try:
             out = self._push(step, version)
@@ -185,14 +189,16 @@ class TrainerWorker:
             out["delivered"] = True
         if self._writes_snapshot:
             t0 = time.perf_counter()
-            parts = self._parts
+            parts, key = self._parts, snapshot_key(step, "weights")
             with trace.span("export", lane="weights", version=version):
-                key = export_snapshot(_Gathered(self.trainer, self._weights), self.run_store, step, prefix="weights",
-                                      parts=parts)
+                part = export_version(self._weights(), self.run_store, key, self._versions, 0, parts,
+                                      self.trainer.aux_files)
+                if parts == 1:
+                    seal(self.run_store, key)
             out.setdefault(N.WEIGHT_EXPORT_SECONDS, time.perf_counter() - t0)
             with trace.span("weights.cleanup", lane="weights", step=step):
                 self._drop_staged_except(key)
-            out["snapshot"], out["sealed"] = self.run_store.uri(key), parts == 1
+            out["snapshot"], out["sealed"], out["part"] = self.run_store.uri(key), parts == 1, asdict(part)
         return out
 
     @property
@@ -208,15 +214,19 @@ class TrainerWorker:
         writer = self.trainer.export_writer
         return writer[1] if writer else 1
 
-    def _write_part(self, store: Store, key: str) -> None:
+    def _write_part(self, store: Store, key: str, *, version: bool = False) -> PartStats | None:
         """A rank but 0, while rank 0 exports a snapshot: its part (joining the gather that makes the whole
-        model, with TP or EP peers), or only the gather when it writes none."""
+        model, with TP or EP peers), or only the gather when it writes none. A weight version's part
+        (`version`) is bf16, an anchor or a delta against this rank's part of the version before."""
         writer = self.trainer.export_writer
         if writer is None:  # a rank of another replica: nothing to gather or write
             self.trainer.join_export()
-            return
+            return None
         with trace.span("export part", lane="weights", part=writer[0]):
+            if version:
+                return export_version(self.trainer.hf_state_dict(), store, key, self._versions, *writer)
             export_part(self.trainer.hf_state_dict(), store, key, *writer)
+        return None
 
     def _weights(self) -> dict:
         """The HF tensors of the version being pushed: gathered on the first call for it (a TP/EP collective its
@@ -277,12 +287,15 @@ class TrainerWorker:
         the new one is delivered, and what a restarting engine reloads meanwhile). When producers may join, a
         superseded version stays PRODUCER_GRACE_SECONDS after it was superseded: a producer starting or
         loading engines from it right now (it read the feed before this push) still finds it."""
-        keep = {k for k in (new_key, self._last_key) if k}
+        dirs = version_dirs(self.run_store.list("weights"))
+        if self._parts > 1 and new_key.split("/")[-1] in dirs:  # other ranks may be writing delta parts of it still
+            dirs[new_key.split("/")[-1]] = True
+        # a version stored as a delta needs the versions back to its anchor (docs/weight-versions.md)
+        keep = needed(dirs, {k.split("/")[-1] for k in (new_key, self._last_key) if k})
         self._last_key = new_key
-        staged = sorted({k.split("/")[1] for k in self.run_store.list("weights") if "/" in k})
         now = time.monotonic()
-        for key in staged:
-            if any(k.endswith(key) for k in keep):
+        for key in sorted(dirs):
+            if key in keep:
                 continue
             if self.publish and now - self._superseded.setdefault(key, now) < PRODUCER_GRACE_SECONDS:
                 continue
@@ -291,14 +304,3 @@ class TrainerWorker:
                 self.run_store.delete_prefix(f"weights/{key}")
             except Exception as e:  # noqa: BLE001 - staging cleanup never fails a step
                 log.warning("could not delete staged weights %s: %s", key, e)
-
-
-class _Gathered:
-    """The trainer as `export_snapshot` reads it, with the weights this push gathered (`TrainerWorker._weights`)."""
-
-    def __init__(self, trainer, weights: Callable[[], dict]):
-        self.aux_files, self._weights = trainer.aux_files, weights
-
-    def hf_state_dict(self, dtype=None) -> dict:
-        state = self._weights()
-        return state if dtype is None else {k: v.to(dtype) for k, v in state.items()}

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from miles_core.storage import COMPLETE_MARKER, Store
 from miles_core.storage.tensor_files import put_tensors
+from miles_core.storage.weight_versions import PartStats, PartWriter
 
 MARKER = COMPLETE_MARKER
 _STEP = re.compile(r"^step_(\d{8})$")
@@ -97,9 +98,29 @@ def export_part(state: dict, store: Store, key: str, i: int, parts: int) -> int:
 
 def index(state: dict, parts: int) -> dict:
     """HF's `model.safetensors.index.json` of `state` cut into `parts`."""
-    sizes = _sizes(state)
+    return _index(_sizes(state), parts)
+
+
+def _index(sizes: dict[str, int], parts: int) -> dict:
     weight_map = {n: part_name(i, parts) for i, names in enumerate(partition(sizes, parts)) for n in names}
     return {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def export_version(state: dict, store: Store, key: str, writer: PartWriter, i: int = 0, parts: int = 1,
+                   aux_files: dict[str, bytes] | None = None) -> PartStats:
+    """Write part i of `parts` of the published weight version at `key` from the HF tensors `state`: bf16, an
+    anchor or a delta against the part `writer` wrote before (docs/weight-versions.md). The writer of part 0
+    passes `aux_files` (config, tokenizer) and writes them and, with several parts, HF's index. Not sealed:
+    `seal` it once every part is written."""
+    sizes = {n: t.numel() * 2 for n, t in state.items()}  # the published dtype's bytes: every writer cuts the same
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        small = [pool.submit(store.put_bytes, _at(key, name), data) for name, data in (aux_files or {}).items()]
+        stats = writer.write(store, key, state, i, parts, partition(sizes, parts)[i])
+        if aux_files is not None and parts > 1:
+            store.put_json(_at(key, INDEX), _index(sizes, parts))
+        for f in small:
+            f.result()
+    return stats
 
 
 def seal(store: Store, key: str = "") -> None:

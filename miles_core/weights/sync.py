@@ -52,8 +52,8 @@ from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
 from miles_core.failures import chaos
 from miles_core.metrics import trace
 from miles_core.storage import Store
-from miles_core.storage.node_local import localize
-from miles_core.weights.snapshot import MARKER, export_snapshot, snapshot_key
+from miles_core.storage.weight_versions import PartStats, PartWriter, localize_weights, sum_reads
+from miles_core.weights.snapshot import MARKER, export_version, seal, snapshot_key
 
 log = logging.getLogger(__name__)
 PAUSE_MODES = ("retract", "in_place")
@@ -114,17 +114,24 @@ class StoreWeightTransport:
 
     def __init__(self, trainer, store: Store, *, prefix: str = "snapshots",
                  loaders: Sequence[Callable[[str, int], None]] | None = None,
-                 stagers: Sequence[Callable[[str], None]] | None = None):
+                 stagers: Sequence[Callable[[str], dict]] | None = None, anchor_interval: int = 20):
         self.trainer, self.store, self.prefix, self.loaders, self.stagers = trainer, store, prefix, loaders, stagers
         self.key: str | None = None
         self.uri: str | None = None
+        self.writer = PartWriter(anchor_every=anchor_interval)
+        self.written: PartStats | None = None  # what the last `prepare` wrote
+        self.read: dict = {}  # what the engines' nodes read to rebuild the last staged version (`sum_reads`)
         self._local: tuple[str, str] | None = None  # (uri, its local path) once localized here
 
     def prepare(self, step: int) -> str:
-        """Export the snapshot of `step` (once: a push made again after a lost engine reuses it)."""
-        if self.key != snapshot_key(step, self.prefix):
-            self.key = export_snapshot(self.trainer, self.store, step, prefix=self.prefix)
-            self.uri = self.store.uri(self.key)
+        """Export the weight version of `step` (bf16, an anchor or a delta: docs/weight-versions.md; once: a
+        push made again after a lost engine reuses it)."""
+        key = snapshot_key(step, self.prefix)
+        if self.key != key:
+            self.written = export_version(self.trainer.hf_state_dict(), self.store, key, self.writer,
+                                          aux_files=self.trainer.aux_files)
+            seal(self.store, key)
+            self.key, self.uri = key, self.store.uri(key)
         return self.uri
 
     async def stage(self, engines: Sequence[EngineControl], version: int) -> None:
@@ -136,12 +143,16 @@ class StoreWeightTransport:
             else:
                 path = await self._localized()
                 calls = [e.stage_weights_from_disk(path) for e in engines if hasattr(e, "stage_weights_from_disk")]
+            reads = []
             for r in await asyncio.gather(*calls, return_exceptions=True):
                 if isinstance(r, Exception):
                     log.warning("weights v%d: staging %s failed (the engine loads it while paused): %s",
                                 version, self.uri, r)
                 elif isinstance(r, BaseException):
                     raise r
+                elif isinstance(r, dict):
+                    reads.append(r)
+            self.read = sum_reads(reads)
         except Exception as e:  # noqa: BLE001 - staging only saves pause time; the load reports real failures
             log.warning("weights v%d: staging %s failed (engines load it while paused): %s", version, self.uri, e)
 
@@ -157,7 +168,7 @@ class StoreWeightTransport:
         """This node's copy of the snapshot (localize: a file:// run root is used in place)."""
         if self._local is None or self._local[0] != self.uri or not os.path.exists(os.path.join(self._local[1], MARKER)):
             uri = self.uri
-            self._local = (uri, await asyncio.to_thread(localize, uri, "weights", required=MARKER))
+            self._local = (uri, await asyncio.to_thread(localize_weights, uri))
         return self._local[1]
 
 

@@ -38,6 +38,9 @@ def trainer(tmp_path_factory):
     path = materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path_factory.mktemp("tiny-gpt")))
     with Trainer(TrainSection(), path) as tr:
         tr.train_step(0, make_groups())
+        with torch.no_grad():  # bf16-representable: the published (bf16) version is exactly these weights
+            for p in tr.model.parameters():
+                p.copy_(p.to(torch.bfloat16).float())
         yield tr
 
 
@@ -84,7 +87,7 @@ def test_push_order_versions_and_contents(trainer, storage_root, tmp_path, mode)
         one = [("pause", mode), ("update", 1, False, False), ("continue",)]
         assert ops[:len(one)] == one
         assert ops[len(one):] == [o if o[0] != "update" else ("update", 2, False, False) for o in one]
-    expect = trainer.hf_state_dict()
+    expect = {k: v.to(torch.bfloat16) for k, v in trainer.hf_state_dict().items()}  # a published version is bf16
     for e in engines:
         assert e.version == 2 and set(e.weights) == set(expect)
         assert all(torch.equal(e.weights[k], v) for k, v in expect.items())
@@ -138,7 +141,8 @@ def _free_port() -> int:
 
 
 def test_cpu_engine_serves_the_pushed_weights(trainer, tmp_path):
-    """Through the real CPU engine server and client: version 1 after a push, log-probs = trainer's."""
+    """Through the real CPU engine server and client: version 1 after a push, log-probs = trainer's (whose
+    weights the fixture made bf16-representable: a published version is bf16, docs/weight-versions.md)."""
     from miles_core.engines.client import EngineClient
     from miles_core.engines.cpu_server import CpuEngineServer, serve
 

@@ -112,7 +112,7 @@ def test_bad_component_name_rejected(tmp_path):
 def test_perf_metric_names_are_documented():
     from miles_core.metrics import names as N
 
-    components = (N.PERF_METRICS, N.RUN_METRICS, N.PRODUCER_METRICS, N.ROLLOUT_METRICS, N.BUFFER_METRICS,
+    components = (N.PERF_METRICS, N.WEIGHTS_METRICS, N.RUN_METRICS, N.PRODUCER_METRICS, N.ROLLOUT_METRICS, N.BUFFER_METRICS,
                   N.LOSS_METRICS, N.TRAIN_STEP_METRICS, N.EVAL_METRICS)
     assert set(METRIC_NAMES) == set().union(*components) and len(METRIC_NAMES) == len(set(METRIC_NAMES))
     assert all(all(c.values()) for c in components)  # every name has its meaning

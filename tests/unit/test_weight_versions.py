@@ -145,3 +145,28 @@ def test_a_corrupt_local_base_falls_back_to_the_anchor_and_a_corrupt_delta_is_ne
         save(encoded, metadata={wv.BASE: "step_00000001", wv.CHECKSUMS: json.dumps(sums)})))
     with pytest.raises(wv.WeightVersionError, match=changed[:-2]):
         wv.localize_weights(store.uri("weights/step_00000002"))
+
+
+def test_retention_keeps_every_version_back_to_the_anchor_of_what_is_served():
+    listing = [f"weights/step_{s:08d}/{f}" for s, f in [
+        (1, "model.safetensors"), (2, "model.safetensors"), (3, "delta-00001-of-00001.safetensors.zst"),
+        (4, "delta-00001-of-00001.safetensors.zst"), (5, "model.safetensors"),
+        (6, "delta-00001-of-00001.safetensors.zst")]] + ["weights/step_00000004/config.json"]
+    dirs = wv.version_dirs(listing)
+    assert [d for d, delta in sorted(dirs.items()) if delta] == ["step_00000003", "step_00000004", "step_00000006"]
+    name = "step_{:08d}".format
+    assert wv.needed(dirs, {name(4)}) == {name(2), name(3), name(4)}
+    assert wv.needed(dirs, {name(6), name(5)}) == {name(5), name(6)}  # the old chain can go
+    assert wv.needed(dirs, {name(9)}) == set()
+
+
+def test_a_push_reports_what_every_writer_rank_wrote():
+    from miles_core.driver.placement import version_written
+    from miles_core.metrics import names as N
+
+    part = {"anchor": False, "bytes": 100, "elements": 1000, "changed": 20, "encode_seconds": 0.5}
+    out = version_written([{"snapshot": "s3://r/weights/step_00000001", "part": part},
+                           {"part": part | {"anchor": True, "bytes": 300, "encode_seconds": 0.75}}, {}])
+    assert out == {"snapshot": "s3://r/weights/step_00000001", N.WEIGHTS_VERSION_BYTES: 400,
+                   N.WEIGHTS_CHANGED_SHARE: 0.02, N.WEIGHTS_ENCODE_SECONDS: 0.75, N.WEIGHTS_ANCHOR: 1.0}
+    assert version_written([{"delivered": True}, {}]) == {"delivered": True}  # no version in the run root
