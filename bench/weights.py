@@ -299,6 +299,110 @@ async def bench_distributed(name: str, repeats: int, work: str, modes: list[str]
             "baseline": "raw gloo broadcast", **summarize(rows)}
 
 
+def real_smollm2(work: str) -> str:
+    """SmolLM2-135M-Instruct as an HF directory (the real-model preset's import of the local GGUF)."""
+    from miles_core.config.flags import parse_flags
+    from miles_core.prepare.initial_model import ensure_model
+    from miles_core.storage.node_local import localize
+
+    cfg = parse_flags(["--preset", "smollm2-arith", "--storage-root", f"file://{work}/import", "--run-id", "v"])
+    return localize(ensure_model(cfg), "models")
+
+
+async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr: float = 1e-5,
+                         model: str = "real") -> dict:
+    """Weight versions as bf16 deltas on SmolLM2-135M (`model` real: its real weights; random: the Llama of its
+    size from random init), trained between versions by the real
+    Megatron trainer (AdamW at `lr`), published to a SeaweedFS S3 server and followed by a reader with its
+    own node cache and the CPU engine (docs/weight-versions.md). Per version: bytes written, changed share,
+    export, the reader's update (download, apply, verify, write, and the engine's stage), the engine's
+    pause. Baseline in the same run: a dense download of the same model (an anchor) from the same store.
+    Then a late joiner (an empty node cache) rebuilds the newest version: anchors and deltas it read."""
+    import s3fs
+
+    from bench.buffer import open_s3
+    from miles_core.config.sections import TrainSection
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.cpu_server import CpuEngineServer, serve
+    from miles_core.storage import Store
+    from miles_core.storage import weight_versions as wv
+    from miles_core.train.trainer import Trainer
+    from miles_core.weights.sync import StoreWeightTransport, WeightSync
+    from tests.unit.test_train import make_groups
+
+    hf = real_smollm2(work) if model == "real" else make_checkpoint("smollm", os.path.join(work, "versions-hf"))
+    server_s3, bucket = open_s3()
+    os.environ["MILES_CACHE_DIR"] = os.path.join(work, "reader-cache")
+    trainer = Trainer(TrainSection(lr=lr), hf)
+    engine = CpuEngineServer(hf)
+    port = free_port()
+    runner = await serve(engine, "127.0.0.1", port)
+    store = Store(f"{bucket}/versions")
+    rows = []
+    try:
+        async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
+            transport = StoreWeightTransport(trainer, store, prefix="weights", anchor_interval=anchor_interval)
+            sync = WeightSync([client], transport, "retract")
+            for k in range(1, versions + 1):
+                trainer.train_step(k, make_groups(seed=k))
+                before = wv.READS.snapshot()
+                res = await sync.push(k, k)
+                read = wv.staged_read(before, wv.READS.snapshot())
+                written = transport.written
+                dense = 2 * written.elements
+                down_s = None
+                if written.anchor:  # the baseline: a dense download of this anchor from the same store
+                    t0 = time.perf_counter()
+                    with open(os.path.join(work, "dense-download"), "wb") as f:
+                        f.write(store.get_bytes(f"weights/step_{k:08d}/model.safetensors"))
+                    down_s = time.perf_counter() - t0
+                rows.append({"version": k, "anchor": written.anchor, "bytes": written.bytes, "dense_bytes": dense,
+                             "share_of_dense": written.bytes / dense, "changed_share": written.changed / written.elements,
+                             "export_s": res.export_seconds, "update_s": res.stage_seconds,
+                             "pause_s": res.pause_seconds, "read_bytes": read["read_bytes"],
+                             "dense_download_s": down_s})
+                r = rows[-1]
+                print(f"version {k:3d} {'anchor' if r['anchor'] else 'delta '} {r['bytes'] / 2**20:8.2f} MiB "
+                      f"({r['share_of_dense']:.4f} of dense bf16; {r['changed_share']:.4f} of elements changed)  "
+                      f"export {r['export_s']:.2f}s  reader update {r['update_s']:.2f}s  pause {r['pause_s']:.3f}s"
+                      + (f"  dense download {down_s:.2f}s" if down_s is not None else ""), flush=True)
+        late = os.path.join(work, "late-cache")
+        os.environ["MILES_CACHE_DIR"] = late
+        before = wv.READS.snapshot()
+        t0 = time.perf_counter()
+        wv.localize_weights(store.uri(f"weights/step_{versions:08d}"))
+        late_s = time.perf_counter() - t0
+        after = wv.READS.snapshot()
+        fs = s3fs.S3FileSystem(endpoint_url=server_s3.endpoint)
+        stored = sum(fs.du(f"{bucket[5:]}/versions/weights/{d.rsplit('/', 1)[-1]}") for d in fs.ls(f"{bucket[5:]}/versions/weights"))
+    finally:
+        await runner.cleanup()
+        trainer.close()
+        server_s3.stop()
+    steady = [r for r in rows if r["version"] > 3]
+    deltas = [r for r in steady if not r["anchor"]]
+    downloads = [r["dense_download_s"] for r in rows if r["dense_download_s"]]
+    out = {
+        "model": f"smollm2-{model}", "transport": "versions", "lr": lr, "versions": versions, "rounds": rows,
+        "steady_share_of_dense": statistics.median(r["share_of_dense"] for r in deltas) if deltas else None,
+        "steady_changed_share": statistics.median(r["changed_share"] for r in deltas) if deltas else None,
+        "stored_share_per_version": stored / versions / rows[0]["dense_bytes"],
+        "update_s": statistics.median(r["update_s"] for r in deltas) if deltas else None,
+        "dense_download_s": statistics.median(downloads),
+        "pause_s": statistics.median(r["pause_s"] for r in steady) if steady else None,
+        "late_joiner": {"seconds": late_s, "anchors_read": after["anchors_read"] - before["anchors_read"],
+                        "deltas_applied": after["deltas_applied"] - before["deltas_applied"]},
+    }
+    if out["update_s"] is not None:
+        out["update_vs_dense_download"] = out["update_s"] / out["dense_download_s"]
+    print(f"versions: steady delta {out['steady_share_of_dense']} of dense bf16 (goal <= 0.03), stored "
+          f"{out['stored_share_per_version']:.3f} of dense per version, reader update {out['update_s']} s vs dense "
+          f"download {out['dense_download_s']:.2f} s (ratio {out.get('update_vs_dense_download')}, goal <= 0.25), "
+          f"pause {out['pause_s']} s (goal <= 0.1); late joiner read {out['late_joiner']['anchors_read']} anchor part(s) "
+          f"and {out['late_joiner']['deltas_applied']} delta part(s) in {late_s:.2f} s", flush=True)
+    return out
+
+
 def print_row(r: dict, modes: list[str]) -> None:
     store = r["transport"] == "store"
     for mode in modes:
@@ -319,6 +423,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5, help="Rounds per cache state (each: a push, then its baseline).")
     ap.add_argument("--cache", default="warm,cold", help="Page-cache states to measure: warm, cold (root only) or both.")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--versions", type=int, default=12, help="Weight versions of the bf16-delta measure (the "
+                    "SmolLM2-sized Llama trained at --versions-lr between them, on S3); 0 skips it.")
+    ap.add_argument("--versions-lr", type=float, default=1e-5)
+    ap.add_argument("--versions-model", default="real", choices=("real", "random"),
+                    help="real: SmolLM2-135M-Instruct's weights (the real-model preset's import); random: its shape, random init")
     ap.add_argument("--bucket-mib", type=float, default=512.0, help="Bucket size of the distributed push "
                     "(--update-weight-buffer-size; default 512 MiB).")
     add_results_flag(ap, "weights")
@@ -338,8 +447,14 @@ def main(argv: list[str] | None = None) -> dict:
                 rows.append(asyncio.run(benches[transport](name, args.repeats, work, modes,
                                                            bucket_bytes=int(args.bucket_mib * 2**20))))
                 print_row(rows[-1], modes)
+        versions = asyncio.run(bench_versions(args.versions, work, lr=args.versions_lr,
+                                                             model=args.versions_model)) if args.versions else None
     keys = [f"{k}{'' if m == 'warm' else '_' + m}" for m in modes for k in ("push_s", "pause_s", "ratio")]
     figures = {f"{r['model']}_{r['transport']}_{k}": r[k] for r in rows for k in keys}
+    if versions is not None:
+        figures |= {f"versions_{k}": versions[k] for k in ("steady_share_of_dense", "stored_share_per_version",
+                                                            "update_vs_dense_download", "pause_s") if k in versions}
+        rows.append(versions)
     return results.write(args.results, figures, rows)
 
 
