@@ -173,9 +173,10 @@ def read_delta(blob: bytes) -> tuple[str, dict[str, str], dict[str, torch.Tensor
 
 
 def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
-          encoded: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The part after the delta: `base` (bf16, left unchanged) with the delta's positions overwritten;
-    every tensor's checksum verified (WeightVersionError naming the first that differs)."""
+          encoded: dict[str, torch.Tensor], *, in_place: bool = False) -> dict[str, torch.Tensor]:
+    """The part after the delta: `base` (bf16) with the delta's positions overwritten, every tensor's checksum
+    verified (WeightVersionError naming the first that differs). `base` is left unchanged, unless `in_place`
+    (a part just read from a file: no copy of the model is made)."""
     import numpy as np
     import torch
 
@@ -188,7 +189,7 @@ def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
         elif name not in base:
             raise WeightVersionError(f"the delta changes {name}, which its base does not hold")
         else:
-            out[name] = base[name].clone()
+            out[name] = base[name] if in_place else base[name].clone()
             if f"{name}:i" in encoded:
                 where = np.cumsum(_unplanes(encoded[f"{name}:i"], np.int32), dtype=np.int64)
                 bits(out[name])[torch.from_numpy(where)] = torch.from_numpy(_unplanes(encoded[f"{name}:v"], np.int16))
@@ -375,7 +376,7 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
         base_dir = _local_copy(_sibling(store.uri(), base_name))
         if base_dir is not None:
             try:
-                part = apply(_load(os.path.join(base_dir, model_file(i, parts))), sums, encoded)
+                part = apply(_load(os.path.join(base_dir, model_file(i, parts))), sums, encoded, in_place=True)
                 READS.add(deltas_applied=1)
             except FileNotFoundError:
                 part = None  # pruned underneath: rebuilt from the anchor below
@@ -439,7 +440,7 @@ def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000) -> dict:
         raise WeightVersionError(f"no anchor within {max_chain} versions before {uri}")
     for at, sums, encoded in reversed(chain):
         try:
-            part = apply(part, sums, encoded)
+            part = apply(part, sums, encoded, in_place=True)
         except WeightVersionError as e:
             READS.add(checksum_failures=1)
             raise WeightVersionError(f"{at}: rebuilt from its anchor, {e}: not served") from e
