@@ -285,7 +285,7 @@ class ProducerJob:
         if feed.version <= self.version:
             return
         try:
-            read = await asyncio.to_thread(self.fleet.stage_weights, feed.weights)
+            read = await asyncio.to_thread(self.fleet.stage_weights, feed.weights) or {}
             await paused_load([self.engine], self.cfg.rollout.pause_generation_mode,
                               lambda: asyncio.to_thread(self.fleet.load_weights, feed.weights, feed.version),
                               feed.version)

@@ -39,10 +39,10 @@ from miles_core.metrics import trace
 from miles_core.rank_batches import RankBatch, data_layout
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
+from miles_core.storage.weight_versions import PartStats, PartWriter, needed, version_dirs
 from miles_core.train.checkpoint import CheckpointManager
 from miles_core.train.initial_weights import apply_load, apply_ref_load
 from miles_core.weights.distributed import DistributedWeightTransport
-from miles_core.storage.weight_versions import PartStats, PartWriter, needed, version_dirs
 from miles_core.weights.snapshot import export_part, export_snapshot, export_version, seal, snapshot_key
 from miles_core.weights.sync import WeightSync
 

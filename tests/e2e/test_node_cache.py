@@ -1,10 +1,14 @@
-"""An S3-only run survives its node caches being deleted mid-run (docs/training.md).
+"""An S3-only run survives its node caches being deleted mid-run (docs/training.md), its weight versions
+written as bf16 deltas (docs/weight-versions.md).
 
-The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir. Once the
-engines serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of
-its checkpoint: what it read config and tokenizer files from at every export) every second while
-the run trains and checkpoints. The trainer keeps what it needs in memory and every role re-fetches
-from the run root, so the run finishes all its steps.
+The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir, at a learning
+rate whose versions are sparse (`--lr 1e-5`: deltas between anchors every 8 versions). Once the engines
+serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of its
+checkpoint: what it read config and tokenizer files from at every export) and the engine node's rebuilt
+weight versions every second while the run trains and checkpoints. The trainer keeps what it needs in
+memory and every role re-fetches from the run root: the run finishes all its steps, versions were
+written as deltas, the engine's node rebuilt some from their anchor (its local base deleted), and no
+checksum failed.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_core.metrics import names as N
+from miles_core.metrics import read_metrics
 from miles_core.storage import Store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -34,11 +40,13 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
         while not stop.wait(1.0):
             if (cache / "weights").exists() and (cache / "models").exists():
                 shutil.rmtree(cache / "models", ignore_errors=True)
+                shutil.rmtree(cache / "weights", ignore_errors=True)  # the base of the next delta, too
                 deletions.append(1)
 
     cleaner = threading.Thread(target=clean, daemon=True)
     env = {**__import__("os").environ, **seaweed.env(), "MILES_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
-    flags = "--preset tiny-reverse4 --num-rollout 25 --run-id cache --save-interval 10 --eval-interval none --eval-prompt-data"
+    flags = ("--preset tiny-reverse4 --num-rollout 25 --run-id cache --save-interval 10 --eval-interval none "
+             "--eval-prompt-data --lr 1e-5 --weight-anchor-interval 8")
     cmd = [str(Path(sys.executable).with_name("pyflyte")), "run", "workflows/fully_async.py", "fully_async_rl",
            "--flags", flags, "--storage_root", storage]
     cleaner.start()
@@ -51,3 +59,14 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
     status = Store(f"{storage}/runs/cache").get_json("STATUS.json")
     assert status["state"] == "finished" and status["last_step"] == 24, status
     assert deletions, "the cache was never there to delete"
+    events = list(read_metrics(Store(f"{storage}/runs/cache")))
+
+    def series(name: str) -> dict[int, float]:
+        return {e["step"]: e["value"] for e in events if e["name"] == name}
+
+    anchors = series(N.WEIGHTS_ANCHOR)
+    assert len(anchors) == 25 and [s for s, a in anchors.items() if a] == [0, 1, 2, 10, 18], anchors
+    assert max(v for s, v in series(N.WEIGHTS_VERSION_BYTES).items() if not anchors[s]) < 0.2 * series(
+        N.WEIGHTS_VERSION_BYTES)[0]
+    assert sum(series(N.WEIGHTS_ANCHOR_READS).values()) >= 1  # a delivery whose base the cleaner had deleted
+    assert not any(series(N.WEIGHTS_CHECKSUM_FAILURES).values())

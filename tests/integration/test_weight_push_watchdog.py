@@ -116,6 +116,7 @@ def _lost(i: int) -> None:
 def _worker(rank: int, trainer: _TPTrainer, tmp: str, publish: bool):
     """A TrainerWorker around `trainer` (its constructor builds a Megatron model; the push needs none)."""
     from miles_core.storage import Store
+    from miles_core.storage.weight_versions import PartWriter
     from miles_core.train.worker import TrainerWorker
 
     class Worker(TrainerWorker):
@@ -130,6 +131,7 @@ def _worker(rank: int, trainer: _TPTrainer, tmp: str, publish: bool):
     w.loop = w.engines = w.sync = None
     w.publish, w.distributed = publish, True
     w._superseded, w._last_key, w._closed = {}, None, threading.Event()
+    w._versions = PartWriter()
     return w
 
 

@@ -228,3 +228,41 @@ def test_push_with_requests_running_and_waiting(trainer, tmp_path, mode):
             after = [i for i, v in enumerate(r.token_versions) if v == 1]
             ours = new_weights(r)
             assert max(abs(ours[i] - r.output_logprobs[i]) for i in after) < 1e-4
+
+
+def test_versions_written_as_deltas_reach_the_cpu_engine_bit_for_bit(tmp_path, monkeypatch):
+    """The trainer at an RL learning rate (1e-5: sparse bf16 changes) trains between pushes; the store transport
+    writes versions 1-3 as anchors and 4-6 as deltas (anchor interval 4), the engine's side rebuilds each in its
+    node cache before the pause, and the real CPU engine then holds exactly the trainer's weights cast to bf16
+    (docs/weight-versions.md)."""
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.cpu_server import CpuEngineServer, serve
+
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "node-cache"))
+    path = materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path / "tiny-gpt"))
+    written, held = [], []
+
+    async def main(tr):
+        server = CpuEngineServer(path)
+        port = _free_port()
+        runner = await serve(server, "127.0.0.1", port)
+        try:
+            async with EngineClient([f"http://127.0.0.1:{port}"]) as client:
+                transport = StoreWeightTransport(tr, Store(f"file://{tmp_path}/run"), prefix="weights", anchor_interval=4)
+                sync = WeightSync([client], transport)
+                for k in range(1, 7):
+                    tr.train_step(k, make_groups(seed=k))
+                    await sync.push(k, k)
+                    written.append(transport.written)
+                    want = {n: t.to(torch.bfloat16) for n, t in tr.hf_state_dict().items()}
+                    held.append(set(want) == set(server.hf_tensors) and all(
+                        torch.equal(server.hf_tensors[n].to(torch.bfloat16), t) for n, t in want.items()))
+        finally:
+            await runner.cleanup()
+
+    with Trainer(TrainSection(lr=1e-5), path) as tr:
+        asyncio.run(main(tr))
+    assert [w.anchor for w in written] == [True, True, True, False, False, False]
+    assert all(0 < w.changed < 0.2 * w.elements for w in written[3:]), [(w.changed, w.elements) for w in written]
+    assert max(w.bytes for w in written[3:]) < 0.2 * written[0].bytes
+    assert held == [True] * 6
