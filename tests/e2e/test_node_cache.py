@@ -2,7 +2,8 @@
 written as bf16 deltas (docs/weight-versions.md).
 
 The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir, at a learning
-rate whose versions are sparse (`--lr 1e-5`: deltas between anchors every 8 versions). Once the engines
+rate whose versions are sparse (`--lr 1e-6`: about 3.5% of the toy model's bf16 elements change per step;
+deltas between anchors every 8 versions). Once the engines
 serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of its
 checkpoint: what it read config and tokenizer files from at every export) and the engine node's rebuilt
 weight versions every second while the run trains and checkpoints. The trainer keeps what it needs in
@@ -38,15 +39,16 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
 
     def clean():
         while not stop.wait(1.0):
-            if (cache / "weights").exists() and (cache / "models").exists():
-                shutil.rmtree(cache / "models", ignore_errors=True)
-                shutil.rmtree(cache / "weights", ignore_errors=True)  # the base of the next delta, too
-                deletions.append(1)
+            if (cache / "weights").exists():  # the engines serve pushed weights
+                if (cache / "models").exists():
+                    shutil.rmtree(cache / "models", ignore_errors=True)
+                    deletions.append(1)
+                shutil.rmtree(cache / "weights", ignore_errors=True)  # the base of the next delta
 
     cleaner = threading.Thread(target=clean, daemon=True)
     env = {**__import__("os").environ, **seaweed.env(), "MILES_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
     flags = ("--preset tiny-reverse4 --num-rollout 25 --run-id cache --save-interval 10 --eval-interval none "
-             "--eval-prompt-data --lr 1e-5 --weight-anchor-interval 8")
+             "--eval-prompt-data --lr 1e-6 --weight-anchor-interval 8")
     cmd = [str(Path(sys.executable).with_name("pyflyte")), "run", "workflows/fully_async.py", "fully_async_rl",
            "--flags", flags, "--storage_root", storage]
     cleaner.start()
@@ -65,7 +67,9 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
         return {e["step"]: e["value"] for e in events if e["name"] == name}
 
     anchors = series(N.WEIGHTS_ANCHOR)
-    assert len(anchors) == 25 and [s for s, a in anchors.items() if a] == [0, 1, 2, 10, 18], anchors
+    anchor_steps = sorted(s for s, a in anchors.items() if a)
+    assert len(anchors) == 25 and anchor_steps[:2] == [0, 1] and len(anchor_steps) <= 6, anchors
+    assert all(b - a <= 8 for a, b in zip(anchor_steps, anchor_steps[1:] + [25])), anchor_steps  # every 8 at least
     assert max(v for s, v in series(N.WEIGHTS_VERSION_BYTES).items() if not anchors[s]) < 0.2 * series(
         N.WEIGHTS_VERSION_BYTES)[0]
     assert sum(series(N.WEIGHTS_ANCHOR_READS).values()) >= 1  # a delivery whose base the cleaner had deleted
