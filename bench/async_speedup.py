@@ -134,6 +134,8 @@ def measured_push_costs(path: str = results_file.default_path("weights")) -> dic
     """PUSH_COSTS, with every model and transport that the weights bench's results file holds."""
     costs = dict(PUSH_COSTS)
     for row in (results_file.read(path) or {}).get("rows", []):
+        if "push_s" not in row:  # the versions measure (bf16 deltas): no push cost of a transport
+            continue
         name = f"{row['model']}-{row['transport']}"
         costs[name] = PushCost(name, row["push_s"], row["pause_s"], os.path.relpath(path))
     return costs

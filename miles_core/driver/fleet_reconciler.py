@@ -179,8 +179,18 @@ class FleetReconciler:
             try:
                 changed |= self._advance_one(m)
             except Exception as e:  # noqa: BLE001 - its start failed (Ray wraps EngineStartError) or its actor died
-                changed |= self._failed(m, e)
+                changed |= self._superseded_load(m, e) or self._failed(m, e)
         return changed
+
+    def _superseded_load(self, m: FleetMember, error: BaseException) -> bool:
+        """A load that failed while newer versions were delivered (the trainer keeps only the versions in use,
+        so the one it began with may be gone): it loads the delivered version now instead of leaving the
+        fleet, which a joiner slower than two pushes would do at every try."""
+        if m.state != LOADING or m.detail.get("loading") == self.version.delivered:
+            return False
+        log.info("engine %s: weight version %s was superseded while it loaded (%s); loading version %d",
+                 m.name, m.detail.pop("loading"), str(error).splitlines()[-1][:200], self.version.delivered)
+        return self._load_current(m)
 
     def _advance_one(self, m: FleetMember) -> bool:
         self._waiting(m)

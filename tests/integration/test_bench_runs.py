@@ -30,8 +30,8 @@ def test_engine_writes_ratios_against_both_baselines(tmp_path):
 @pytest.mark.slow
 def test_weights_writes_push_pause_and_ratio(tmp_path):
     out = tmp_path / "weights.json"
-    run_bench("weights", "--models", "tiny", "--transports", "store", "--repeats", "1", "--results", str(out),
-              timeout=300)
+    run_bench("weights", "--models", "tiny", "--transports", "store", "--repeats", "1", "--versions", "0",
+              "--results", str(out), timeout=300)
     record = check_schema(load_strict(out), "weights", ("models", "transports"))
     assert record["figures"]["tiny_store_ratio"] > 0
     costs = async_speedup.measured_push_costs(str(out))

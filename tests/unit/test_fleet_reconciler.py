@@ -38,6 +38,7 @@ class FakeFleet:
         self.start_ok: set[str] = set()  # names whose start has finished
         self.load_ok: set[str] = set()
         self.fail: dict[str, Exception] = {}
+        self.load_fail: dict[str, Exception] = {}  # the next `loaded` of that name raises it
         self.loads: list[tuple[str, str, int]] = []
         for _ in range(n):
             m = self.spawn()
@@ -63,6 +64,8 @@ class FakeFleet:
         self.loads.append((m.name, uri, version))
 
     def loaded(self, m):
+        if m.name in self.load_fail:
+            raise self.load_fail.pop(m.name)
         return m.name in self.load_ok
 
     def lost(self):
@@ -158,6 +161,32 @@ def test_an_engine_whose_load_fell_behind_joins_at_the_next_push(rig):
     rec.version.delivered, rec.version.delivering = 7, False
     assert rec.reconcile(5) == {ENGINES: 2.0}  # the push of version 7 reached it
     assert log[-1] == ("rollout", urls("engine-0", "engine-1"))
+
+
+def test_a_load_of_a_version_deleted_meanwhile_loads_the_delivered_one_instead(rig):
+    """The trainer keeps only the versions in use: a joiner slower than two pushes finds the version it began
+    with deleted. It loads the delivered version instead of leaving the fleet; a load failing at the delivered
+    version still fails it."""
+    rec, fleet, trainer, rollout, store, clock, log = rig
+    write_target(store, 2)
+    rec.reconcile(0)
+    fleet.start_ok.add("engine-1")
+    rec.reconcile(1)
+    rec.version.exported = rec.version.delivered = 7  # two pushes delivered while it loaded version 5
+    rec.version.delivered_snapshot = "file:///w/v7"
+    fleet.load_fail["engine-1"] = FileNotFoundError("file:///w/v5: no such directory")
+    rec.reconcile(2)
+    assert fleet.loads == [("engine-1", "file:///w/v5", 5), ("engine-1", "file:///w/v7", 7)] and fleet.removed == []
+    fleet.load_ok.add("engine-1")
+    assert rec.reconcile(3) == {ENGINES: 2.0}
+    write_target(store, 3)
+    clock.now += 2
+    rec.reconcile(4)
+    fleet.start_ok.add("engine-2")
+    rec.reconcile(5)
+    fleet.load_fail["engine-2"] = RuntimeError("the engine refused the weights")
+    rec.reconcile(6)
+    assert ("engine-2", True) in fleet.removed  # failed at the delivered version: it leaves, as before
 
 
 def test_without_weights_in_the_run_root_an_engine_joins_through_a_push(rig):
