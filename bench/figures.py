@@ -227,7 +227,28 @@ def render_weights(results: dict[str, dict]) -> list[str]:
     lines += _table(["model", "transport", "page cache", "push", "engines paused", "baseline", "ratio"],
                     [_weights_row(r, cache) for r in rec["rows"] for cache in ("warm", "cold")
                      if f"push_s{_cache_suffix(cache)}" in r])
+    for v in (r for r in rec["rows"] if r.get("transport") == "versions"):
+        lines += ["", _versions_line(v), ""]
+        lines += _table(["version", "written as", "bytes", "of dense bf16", "elements changed", "export",
+                         "reader update", "engines paused", "dense download"],
+                        [[str(x["version"]), "anchor" if x["anchor"] else "delta", _mib(x["bytes"]),
+                          f"{x['share_of_dense']:.4f}", f"{x['changed_share']:.4f}", _s(x["export_s"]), _s(x["update_s"]),
+                          _s(x["pause_s"]), _s(x["dense_download_s"]) if x["dense_download_s"] else ""]
+                         for x in v["rounds"]])
     return lines + [""]
+
+
+def _versions_line(v: dict) -> str:
+    late = v["late_joiner"]
+    ratio = v.get("update_vs_dense_download")
+    return (f"Weight versions as bf16 deltas ({v['model']}, trained at lr {v['lr']:g} between {v['versions']} versions "
+            f"published to SeaweedFS S3): steady-state delta {v['steady_share_of_dense']:.4f} of the dense bf16 model "
+            f"(goal <= 0.03), {v['steady_changed_share']:.4f} of elements changed; object-store growth per delta version "
+            f"{v['stored_share_per_version']:.4f} with its config and tokenizer files (goal <= 0.05); a reader's update (download, apply, verify, write, engine stage) "
+            f"{_s(v['update_s'])} against a dense download of {_s(v['dense_download_s'])}"
+            + (f" (ratio {ratio:.2f}, goal <= 0.25)" if ratio is not None else "")
+            + f"; engines paused {_s(v['pause_s'])} (goal <= 0.1 s); a late joiner read {late['anchors_read']} anchor "
+            f"part(s) and {late['deltas_applied']} delta part(s) in {_s(late['seconds'])}.")
 
 
 def _cache_suffix(cache: str) -> str:

@@ -122,6 +122,7 @@ def _download(src: Store, dest: str, required: str | None, build: Callable[[str]
     if required and required not in keys:
         raise FileNotFoundError(f"{src.uri()} has no {required}; it is incomplete")
     root, name = os.path.split(dest)
+    os.makedirs(root, exist_ok=True)  # the cache may have been deleted since `_cached` made it
     tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root)
     try:
         if build is not None:

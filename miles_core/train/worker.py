@@ -190,11 +190,12 @@ class TrainerWorker:
         if self._writes_snapshot:
             t0 = time.perf_counter()
             parts, key = self._parts, snapshot_key(step, "weights")
-            with trace.span("export", lane="weights", version=version):
+            with trace.span("export", lane="weights", version=version) as args:
                 part = export_version(self._weights(), self.run_store, key, self._versions, 0, parts,
                                       self.trainer.aux_files)
                 if parts == 1:
                     seal(self.run_store, key)
+                args.update(anchor=part.anchor, bytes=part.bytes, changed=part.changed)
             out.setdefault(N.WEIGHT_EXPORT_SECONDS, time.perf_counter() - t0)
             with trace.span("weights.cleanup", lane="weights", step=step):
                 self._drop_staged_except(key)
@@ -222,9 +223,11 @@ class TrainerWorker:
         if writer is None:  # a rank of another replica: nothing to gather or write
             self.trainer.join_export()
             return None
-        with trace.span("export part", lane="weights", part=writer[0]):
+        with trace.span("export part", lane="weights", part=writer[0]) as args:
             if version:
-                return export_version(self.trainer.hf_state_dict(), store, key, self._versions, *writer)
+                part = export_version(self.trainer.hf_state_dict(), store, key, self._versions, *writer)
+                args.update(anchor=part.anchor, bytes=part.bytes, changed=part.changed)
+                return part
             export_part(self.trainer.hf_state_dict(), store, key, *writer)
         return None
 

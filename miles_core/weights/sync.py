@@ -206,8 +206,9 @@ class WeightSync:
         t_stage = time.perf_counter()
         stage = getattr(self.transport, "stage", None)
         if stage is not None:  # still before the pause: engines keep generating meanwhile
-            with trace.span("stage", lane="weights", version=version):
+            with trace.span("stage", lane="weights", version=version) as args:
                 await stage(self.engines, version)
+                args.update(getattr(self.transport, "read", None) or {})  # what rebuilding it read (bf16 deltas)
         t1 = time.perf_counter()
         pause_seconds = await paused_load(self.engines, self.pause_mode, lambda: self.transport.load(self.engines, version),
                                           version)

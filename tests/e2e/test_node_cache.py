@@ -3,10 +3,10 @@ written as bf16 deltas (docs/weight-versions.md).
 
 The real `pyflyte run` with the run root on SeaweedFS S3 and the node cache in a temp dir, at a learning
 rate whose versions are sparse (`--lr 1e-6`: about 3.5% of the toy model's bf16 elements change per step;
-deltas between anchors every 8 versions). Once the engines
-serve pushed weights, a thread deletes the cached initial model (the trainer's local copy of its
-checkpoint: what it read config and tokenizer files from at every export) and the engine node's rebuilt
-weight versions every second while the run trains and checkpoints. The trainer keeps what it needs in
+deltas between anchors every 8 versions). Once the engines serve pushed weights, a thread deletes the
+cached initial model (the trainer's local copy of its checkpoint: what it read config and tokenizer files
+from at every export) every second, and the engine node's rebuilt weight versions every third second,
+while the run trains and checkpoints. The trainer keeps what it needs in
 memory and every role re-fetches from the run root: the run finishes all its steps, versions were
 written as deltas, the engine's node rebuilt some from their anchor (its local base deleted), and no
 checksum failed.
@@ -38,12 +38,15 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
     stop, deletions = threading.Event(), []
 
     def clean():
+        ticks = 0
         while not stop.wait(1.0):
+            ticks += 1
             if (cache / "weights").exists():  # the engines serve pushed weights
                 if (cache / "models").exists():
                     shutil.rmtree(cache / "models", ignore_errors=True)
                     deletions.append(1)
-                shutil.rmtree(cache / "weights", ignore_errors=True)  # the base of the next delta
+                if ticks % 3 == 0:
+                    shutil.rmtree(cache / "weights", ignore_errors=True)  # the base of the next delta
 
     cleaner = threading.Thread(target=clean, daemon=True)
     env = {**__import__("os").environ, **seaweed.env(), "MILES_CACHE_DIR": str(cache), "PYTHONUNBUFFERED": "1"}
