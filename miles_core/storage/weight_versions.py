@@ -118,14 +118,14 @@ def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_nam
         old = base.get(name)
         now = bits(t).numpy()
         if old is None or old.shape != t.shape or old.dtype != t.dtype:
-            tensors[f"{name}:d"], raw, changed = torch.from_numpy(now.copy()), raw + 2 * now.size, changed + now.size
+            tensors[f"{name}:d"], raw, changed = _dense(now, t), raw + 2 * now.size, changed + now.size
             continue
         where = np.flatnonzero(now != bits(old).numpy())
         changed += where.size
         if where.size == 0:
             continue
         if where.size * _BYTES_PER_CHANGE >= 2 * now.size or now.size >= 2 ** 31:
-            tensors[f"{name}:d"], raw = torch.from_numpy(now.copy()), raw + 2 * now.size
+            tensors[f"{name}:d"], raw = _dense(now, t), raw + 2 * now.size
             continue
         gaps = np.diff(where, prepend=0).astype(np.int32)
         tensors[f"{name}:i"], tensors[f"{name}:v"] = _planes(gaps), _planes(now[where])
@@ -136,6 +136,13 @@ def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_nam
 
     payload = save(tensors, metadata={BASE: base_name, CHECKSUMS: json.dumps(sums, sort_keys=True)})
     return Encoded(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload), elements, changed, raw)
+
+
+def _dense(flat_bits, t: torch.Tensor) -> torch.Tensor:
+    """A tensor's whole bf16 bits (int16) in its shape."""
+    import torch
+
+    return torch.from_numpy(flat_bits.copy()).reshape(t.shape)
 
 
 def _planes(a) -> torch.Tensor:
@@ -183,9 +190,7 @@ def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
     out = {}
     for name, want in checksums.items():
         if f"{name}:d" in encoded:
-            old = base.get(name)
-            t = encoded[f"{name}:d"].view(torch.bfloat16)
-            out[name] = t.reshape(old.shape) if old is not None and old.numel() == t.numel() else t
+            out[name] = encoded[f"{name}:d"].view(torch.bfloat16)  # the tensor's bits in its own shape
         elif name not in base:
             raise WeightVersionError(f"the delta changes {name}, which its base does not hold")
         else:

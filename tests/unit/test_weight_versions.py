@@ -59,6 +59,10 @@ def test_a_tensor_that_mostly_changed_travels_dense_and_a_delta_of_everything_is
     _, sums, encoded = wv.read_delta(enc.blob)
     assert "layer.0.w:d" in encoded and "embed.weight:i" not in encoded  # unchanged tensors are not written
     assert _same(wv.apply(old, sums, encoded), new)
+    grown = dict(new, **{"layer.0.b": torch.ones(48, dtype=torch.bfloat16)})  # a tensor of another shape
+    _, sums, encoded = wv.read_delta(wv.encode(old, grown, "b", max_share=1.0).blob)
+    applied = wv.apply(old, sums, encoded)
+    assert _same(applied, grown) and applied["layer.0.w"].shape == (32, 32) and applied["layer.0.b"].shape == (48,)
     everything = _bf16(_step(_state(), 1.0, 2))
     assert wv.encode(old, everything, "b").blob is None  # the toy learning rate's versions: anchors
 
