@@ -338,11 +338,18 @@ def _verify_anchor(path: str) -> None:
     for name in sorted(os.listdir(path)):
         if not name.endswith(".safetensors"):
             continue
-        with safe_open(os.path.join(path, name), "pt") as f:
-            sums = (f.metadata() or {}).get(CHECKSUMS)
-            if sums is None:
-                continue
-            state = {k: f.get_tensor(k) for k in f.keys()}
+        file = os.path.join(path, name)
+        try:
+            with safe_open(file, "pt") as f:
+                sums = (f.metadata() or {}).get(CHECKSUMS)
+                if sums is None:
+                    continue
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except Exception as e:  # noqa: BLE001 - safetensors raises RuntimeError for a missing or damaged file
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"{file}: deleted while it was read") from e
+            READS.add(checksum_failures=1)
+            raise WeightVersionError(f"{file}: unreadable ({e})") from e
         try:
             verify(state, json.loads(sums), f"{path}/{name}")
         except WeightVersionError:
@@ -383,11 +390,12 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
             try:
                 part = apply(_load(os.path.join(base_dir, model_file(i, parts))), sums, encoded, in_place=True)
                 READS.add(deltas_applied=1)
-            except FileNotFoundError:
-                part = None  # pruned underneath: rebuilt from the anchor below
             except WeightVersionError as e:
                 READS.add(checksum_failures=1)
                 log.warning("weights %s part %d: %s; rebuilding it from its anchor", store.uri(), i, e)
+            except Exception as e:  # noqa: BLE001 - pruned or damaged underneath (safetensors raises RuntimeError)
+                log.info("weights %s part %d: this node's copy of its base is unreadable (%s); rebuilding it "
+                         "from its anchor", store.uri(), i, e)
         if part is None:
             part = _from_anchor(store.uri(), i, parts)
             used_anchor = True

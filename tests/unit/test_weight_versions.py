@@ -138,6 +138,13 @@ def test_a_corrupt_local_base_falls_back_to_the_anchor_and_a_corrupt_delta_is_ne
     save_file(damaged, os.path.join(base, "model.safetensors"))  # the node's copy rots after it was verified
     got = _read(wv.localize_weights(store.uri("weights/step_00000004")), 1)
     assert _same(got, truth[4]) and wv.READS.checksum_failures == 1 and wv.READS.last_used_anchor
+    state = _step(state, 0.01, 5)
+    _publish(store, writers, 5, state)
+    four = wv.localize_weights(store.uri("weights/step_00000004"))
+    with open(os.path.join(four, "model.safetensors"), "wb") as f:
+        f.write(b"garbage")  # unreadable, not a checksum mismatch: rebuilt from the anchor all the same
+    got = _read(wv.localize_weights(store.uri("weights/step_00000005")), 1)
+    assert _same(got, _bf16(state)) and wv.READS.checksum_failures == 1 and wv.READS.last_used_anchor
     raw = store.get_bytes("weights/step_00000002/delta-00001-of-00001.safetensors.zst")
     _, sums, encoded = wv.read_delta(raw)
     changed = next(k for k in sorted(encoded) if k.endswith(":v"))
