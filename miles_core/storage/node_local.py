@@ -248,3 +248,16 @@ def cached(uri: str, kind: str) -> str | None:
 def _entry(uri: str, kind: str) -> str:
     """The cache directory of (normalized) `uri`."""
     return os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])
+
+
+def discard(uri: str, kind: str) -> None:
+    """Drop this node's cached copy of `uri` (a copy found damaged): moved aside, then deleted, so the next
+    `localize` copies it again; a process still reading the old copy keeps its open files."""
+    dest = _entry(normalize_uri(uri), kind)
+    aside = f"{os.path.dirname(dest)}/.{os.path.basename(dest)}.discarded-{os.getpid()}-{threading.get_ident()}"
+    try:
+        os.rename(dest, aside)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(aside, ignore_errors=True)
+

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles_core.storage import COMPLETE_MARKER, Store
-from miles_core.storage.node_local import localize
+from miles_core.storage.node_local import discard, localize
 
 if TYPE_CHECKING:
     import torch
@@ -315,7 +315,15 @@ def localize_weights(uri: str) -> str:
     t0 = time.perf_counter()
     if not is_delta_version(keys):
         path = localize(uri, "weights", required=COMPLETE_MARKER)
-        _verify_anchor(path)
+        try:
+            _verify_anchor(path)
+        except WeightVersionError as e:
+            if uri.startswith("file://"):
+                raise  # the run root's own files: nothing to copy again
+            log.warning("weights %s: this node's copy failed its checksums (%s); copying it again", uri, e)
+            discard(uri, "weights")
+            path = localize(uri, "weights", required=COMPLETE_MARKER)
+            _verify_anchor(path)
         READS.add(versions=1)
         return path
     used_anchor = []

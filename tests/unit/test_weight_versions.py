@@ -181,3 +181,31 @@ def test_a_push_reports_what_every_writer_rank_wrote():
     assert out == {"snapshot": "s3://r/weights/step_00000001", N.WEIGHTS_VERSION_BYTES: 400,
                    N.WEIGHTS_CHANGED_SHARE: 0.02, N.WEIGHTS_ENCODE_SECONDS: 0.75, N.WEIGHTS_ANCHOR: 1.0}
     assert version_written([{"delivered": True}, {}]) == {"delivered": True}  # no version in the run root
+
+
+def test_a_node_copy_of_an_anchor_that_fails_its_checksums_is_copied_again(node_cache):
+    store = Store("memory://weight-versions-anchor/run")  # not file://: the node holds a copy
+    state = _state()
+    _publish(store, [wv.PartWriter()], 1, state)
+    uri = store.uri("weights/step_00000001")
+    path = wv.localize_weights(uri)
+    damaged = load_file(os.path.join(path, "model.safetensors"))
+    damaged["norm.weight"][0] = 7
+    from safetensors.torch import save_file
+    save_file(damaged, os.path.join(path, "model.safetensors"), metadata=_metadata_of(path))
+    wv._verified.clear()  # a new process: it verifies the copy it is handed
+    again = wv.localize_weights(uri)
+    assert _same(_read(again, 1), _bf16(state)) and wv.READS.checksum_failures == 1
+    store.put_bytes("weights/step_00000001/model.safetensors", open(os.path.join(again, "model.safetensors"), "rb")
+                    .read()[:-8] + b"\0" * 8)  # the stored anchor itself damaged: never served
+    from miles_core.storage.node_local import discard
+    discard(uri, "weights")
+    with pytest.raises(wv.WeightVersionError):
+        wv.localize_weights(uri)
+
+
+def _metadata_of(path: str) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return f.metadata()
