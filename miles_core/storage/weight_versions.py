@@ -99,6 +99,7 @@ class Encoded:
     elements: int
     changed: int  # elements whose bits differ from the base
     raw_bytes: int  # the delta's encoding before compression
+    checksums: dict[str, str]  # of every tensor of the new part (an anchor written instead carries them too)
 
 
 def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_name: str, *,
@@ -131,11 +132,11 @@ def encode(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], base_nam
         tensors[f"{name}:i"], tensors[f"{name}:v"] = _planes(gaps), _planes(now[where])
         raw += where.size * _BYTES_PER_CHANGE
     if raw >= max_share * 2 * elements:
-        return Encoded(None, elements, changed, raw)
+        return Encoded(None, elements, changed, raw, sums)
     import zstandard
 
     payload = save(tensors, metadata={BASE: base_name, CHECKSUMS: json.dumps(sums, sort_keys=True)})
-    return Encoded(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload), elements, changed, raw)
+    return Encoded(zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(payload), elements, changed, raw, sums)
 
 
 def _dense(flat_bits, t: torch.Tensor) -> torch.Tensor:
@@ -252,14 +253,14 @@ class PartWriter:
         if not wants_anchor:
             encoded = encode(self._base, part, self._base_name)
         if encoded is not None and encoded.blob is not None:
-            store.put_bytes(_at(key, delta_file(i, parts)), encoded.blob)
+            store.put_bytes(in_version(key, delta_file(i, parts)), encoded.blob)
             stats = PartStats(False, len(encoded.blob), encoded.elements, encoded.changed, time.perf_counter() - t0)
             self._since_anchor += 1
         else:
             from miles_core.storage.tensor_files import put_tensors
 
-            sums = {n: checksum(t) for n, t in part.items()}
-            size = put_tensors(store, _at(key, model_file(i, parts)), part,
+            sums = encoded.checksums if encoded is not None else {n: checksum(t) for n, t in part.items()}
+            size = put_tensors(store, in_version(key, model_file(i, parts)), part,
                                {CHECKSUMS: json.dumps(sums, sort_keys=True)}, digest=False)["size"]
             changed = encoded.changed if encoded is not None else sum(t.numel() for t in part.values())
             stats = PartStats(True, size, sum(t.numel() for t in part.values()), changed, time.perf_counter() - t0)
@@ -269,7 +270,8 @@ class PartWriter:
         return stats
 
 
-def _at(key: str, name: str) -> str:
+def in_version(key: str, name: str) -> str:
+    """The key of file `name` of the version (or snapshot) directory at `key` ("" : the store's root)."""
     return f"{key}/{name}" if key else name
 
 

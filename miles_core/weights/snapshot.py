@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from miles_core.storage import COMPLETE_MARKER, Store
 from miles_core.storage.tensor_files import put_tensors
-from miles_core.storage.weight_versions import PartStats, PartWriter
+from miles_core.storage.weight_versions import PartStats, PartWriter, in_version, model_file
 
 MARKER = COMPLETE_MARKER
 _STEP = re.compile(r"^step_(\d{8})$")
@@ -42,18 +42,18 @@ def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshot
     key = snapshot_key(step, prefix) if key is None else key.strip("/")
 
     def copy(name: str) -> None:
-        store.put_bytes(_at(key, name), trainer.aux_files[name])
+        store.put_bytes(in_version(key, name), trainer.aux_files[name])
 
     # The small files (config, tokenizer) commit in parallel with the weights: each put is fsynced.
     with ThreadPoolExecutor(max_workers=4) as pool:
         small = [pool.submit(copy, name) for name in trainer.aux_files]
         state = trainer.hf_state_dict(dtype)
         if parts == 1:
-            put_tensors(store, _at(key, "model.safetensors"), state,
+            put_tensors(store, in_version(key, "model.safetensors"), state,
                         digest=False)  # nothing lists a snapshot's digest: write the bytes once, never read them back
         else:
             export_part(state, store, key, 0, parts)
-            store.put_json(_at(key, INDEX), index(state, parts))
+            store.put_json(in_version(key, INDEX), index(state, parts))
         for f in small:
             f.result()
     if parts == 1:
@@ -62,15 +62,6 @@ def export_snapshot(trainer, store: Store, step: int, *, prefix: str = "snapshot
 
 
 INDEX = "model.safetensors.index.json"
-
-
-def _at(key: str, name: str) -> str:
-    return f"{key}/{name}" if key else name
-
-
-def part_name(i: int, parts: int) -> str:
-    """HF's name of shard i (from 0) of `parts`."""
-    return f"model-{i + 1:05d}-of-{parts:05d}.safetensors"
 
 
 def partition(sizes: dict[str, int], parts: int) -> list[list[str]]:
@@ -93,7 +84,7 @@ def export_part(state: dict, store: Store, key: str, i: int, parts: int) -> int:
     """Write part i of `parts` of the HF tensors `state` (every writer holds the same names and shapes);
     returns its bytes."""
     names = partition(_sizes(state), parts)[i]
-    return put_tensors(store, _at(key, part_name(i, parts)), {n: state[n] for n in names}, digest=False)["size"]
+    return put_tensors(store, in_version(key, model_file(i, parts)), {n: state[n] for n in names}, digest=False)["size"]
 
 
 def index(state: dict, parts: int) -> dict:
@@ -102,7 +93,7 @@ def index(state: dict, parts: int) -> dict:
 
 
 def _index(sizes: dict[str, int], parts: int) -> dict:
-    weight_map = {n: part_name(i, parts) for i, names in enumerate(partition(sizes, parts)) for n in names}
+    weight_map = {n: model_file(i, parts) for i, names in enumerate(partition(sizes, parts)) for n in names}
     return {"metadata": {"total_size": sum(sizes.values())}, "weight_map": dict(sorted(weight_map.items()))}
 
 
@@ -114,10 +105,10 @@ def export_version(state: dict, store: Store, key: str, writer: PartWriter, i: i
     `seal` it once every part is written."""
     sizes = {n: t.numel() * 2 for n, t in state.items()}  # the published dtype's bytes: every writer cuts the same
     with ThreadPoolExecutor(max_workers=4) as pool:
-        small = [pool.submit(store.put_bytes, _at(key, name), data) for name, data in (aux_files or {}).items()]
+        small = [pool.submit(store.put_bytes, in_version(key, name), data) for name, data in (aux_files or {}).items()]
         stats = writer.write(store, key, state, i, parts, partition(sizes, parts)[i])
         if aux_files is not None and parts > 1:
-            store.put_json(_at(key, INDEX), _index(sizes, parts))
+            store.put_json(in_version(key, INDEX), _index(sizes, parts))
         for f in small:
             f.result()
     return stats
@@ -125,7 +116,7 @@ def export_version(state: dict, store: Store, key: str, writer: PartWriter, i: i
 
 def seal(store: Store, key: str = "") -> None:
     """Mark the snapshot at `key` complete (its last write: every part and small file is there)."""
-    store.put_bytes(_at(key, MARKER), b"")
+    store.put_bytes(in_version(key, MARKER), b"")
 
 
 def seal_uri(uri: str) -> None:

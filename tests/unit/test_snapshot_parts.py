@@ -6,8 +6,8 @@ import torch
 
 from miles_core.models.safetensors_dir import load_safetensors_dir, safetensors_files
 from miles_core.storage import Store
-from miles_core.weights.snapshot import (INDEX, MARKER, complete_snapshots, export_part, export_snapshot, part_name,
-                                         partition, seal)
+from miles_core.storage.weight_versions import model_file
+from miles_core.weights.snapshot import INDEX, MARKER, complete_snapshots, export_part, export_snapshot, partition, seal
 
 
 class FakeTrainer:
@@ -47,7 +47,7 @@ def test_parts_written_by_three_writers_are_complete_only_once_sealed(tmp_path):
     seal(store, key)
     assert complete_snapshots(store, "weights") == [7]
     d = str(tmp_path / key)
-    assert safetensors_files(d) == [part_name(i, 3) for i in range(3)]
+    assert safetensors_files(d) == [model_file(i, 3) for i in range(3)]
     back = load_safetensors_dir(d)
     assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
     index = store.get_json(f"{key}/{INDEX}")
