@@ -125,14 +125,19 @@ def _download(src: Store, dest: str, required: str | None, build: Callable[[str]
     os.makedirs(root, exist_ok=True)  # the cache may have been deleted since `_cached` made it
     tmp = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=root)
     try:
-        if build is not None:
-            build(tmp)
-        for key in keys if build is None else ():
-            out = _inside(tmp, key, src)
-            os.makedirs(os.path.dirname(out), exist_ok=True)
-            with open(out, "wb") as f:
-                f.write(src.get_bytes(key))
-        open(os.path.join(tmp, MARKER), "wb").close()
+        try:
+            if build is not None:
+                build(tmp)
+            for key in keys if build is None else ():
+                out = _inside(tmp, key, src)
+                os.makedirs(os.path.dirname(out), exist_ok=True)
+                with open(out, "wb") as f:
+                    f.write(src.get_bytes(key))
+            open(os.path.join(tmp, MARKER), "wb").close()
+        except Exception as e:
+            if not os.path.isdir(tmp):  # the cache was cleaned under the copy (whatever the writer raised)
+                raise FileNotFoundError(f"{tmp}: the node cache was removed during the copy") from e
+            raise
         try:
             os.rename(tmp, dest)  # fails on a non-empty dest: a complete copy is never replaced
         except OSError:

@@ -71,3 +71,37 @@ def test_a_half_copy_without_its_marker_is_downloaded_again(cache, monkeypatch):
     reads.clear()
     assert localize(uri, "models") == path and reads == []  # complete now: served from the cache
     assert node_local.node_cache_dir() == str(cache)
+
+
+def test_a_cache_removed_during_a_build_is_built_again(cache):
+    """Pins: the node cache deleted while a build writes into it (an operator's clean-up, an evicted
+    host path) makes `localize` build again, whatever error the writer raised (safetensors raises its
+    own, not FileNotFoundError); guards against failing the load on the first clean-up."""
+    import shutil
+
+    calls = []
+
+    def build(tmp: str) -> None:
+        calls.append(tmp)
+        if len(calls) == 1:
+            shutil.rmtree(cache / "weights")  # the partial copy's directory goes with it
+            raise RuntimeError("Error while serializing: I/O error: No such file or directory")
+        with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
+            f.write(b"w")
+
+    path = localize(f"memory://node-cache-{uuid.uuid4().hex[:8]}/v1", "weights", build=build)
+    assert len(calls) == 2 and open(os.path.join(path, "model.safetensors"), "rb").read() == b"w"
+    assert os.path.exists(os.path.join(path, MARKER))
+
+
+def test_a_build_that_fails_with_its_cache_in_place_is_not_retried(cache):
+    """Guards the retry above from hiding real errors: a writer failing for its own reasons fails once."""
+    calls = []
+
+    def build(tmp: str) -> None:
+        calls.append(tmp)
+        raise RuntimeError("corrupt delta")
+
+    with pytest.raises(RuntimeError, match="corrupt delta"):
+        localize(f"memory://node-cache-{uuid.uuid4().hex[:8]}/v1", "weights", build=build)
+    assert len(calls) == 1
