@@ -49,3 +49,24 @@ def test_the_venv_holds_the_bytecode_of_its_packages(module):
 
     source = importlib.import_module(module).__file__
     assert os.path.exists(importlib.util.cache_from_source(source)), f"no bytecode for {source}"
+
+
+def test_setup_compiles_the_projects_own_sources(tmp_path):
+    """Pins: `./dev setup` writes the bytecode of the project's own packages (installed editable, so the
+    installer's --compile-bytecode does not reach them) even where PYTHONDONTWRITEBYTECODE is set. Guards:
+    without it every rank, engine actor and CLI process compiles the miles_core modules it imports
+    (measured: 1.9 -> 1.6 CPU-s for importing the driver, a rank, the rollout manager and the engine)."""
+    import os
+    import sys
+
+    for pkg in ("miles_core", "workflows", "tests", "bench"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "mod.py").write_text("X = 1\n")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "python").symlink_to(sys.executable)
+    script = f'set -euo pipefail; VENV=.venv; source <(sed -n "/^compile_sources()/,/^}}/p" {ROOT / "dev"}); compile_sources'
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, env=dict(os.environ, PYTHONDONTWRITEBYTECODE="1"), check=True)
+    import importlib.util
+
+    for pkg in ("miles_core", "workflows", "tests", "bench"):
+        assert os.path.exists(importlib.util.cache_from_source(str(tmp_path / pkg / "mod.py"))), pkg
