@@ -73,11 +73,12 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Callable
 
 from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
-from miles_core.storage.node_local import localize, require_uri
+from miles_core.storage.node_local import MARKER as NODE_MARKER
+from miles_core.storage.node_local import is_cache_entry, localize, require_uri
 from miles_core.storage.weight_versions import READS, localize_weights, staged_read, sum_reads
 
 log = logging.getLogger(__name__)
@@ -287,12 +288,25 @@ class EngineServer:
         """Copy the weight version at `uri` to this node and load it (`/update_weights_from_disk` with the
         local path); the server reports `weight_version` from then on, and restarts load it too. A version
         stored as a delta is rebuilt on this node first (miles_core.storage.weight_versions)."""
-        path = localize_weights(uri)
         try:
-            asyncio.run(self._update_from_disk(path, weight_version, flush_cache))
+            self._with_local_copy(uri, lambda path: asyncio.run(self._update_from_disk(path, weight_version,
+                                                                                       flush_cache)))
         except EngineControlError as e:
             raise EngineLoadError(f"{self.name}: loading {uri} failed: {e}") from e
         self.note_weights(uri, weight_version)
+
+    def _with_local_copy(self, uri: str, use: Callable[[str], Any]) -> Any:
+        """`use(path)` of this node's copy of the weight version at `uri`; made once more when the engine
+        failed to read a copy that is gone by then (the node cache cleaned between the copy and the read)."""
+        path = localize_weights(uri)
+        try:
+            return use(path)
+        except EngineControlError:
+            if not is_cache_entry(path) or os.path.exists(os.path.join(path, NODE_MARKER)):
+                raise  # the run root's own files, or a copy still in place: the engine's own failure
+            log.warning("%s: this node's copy of %s was removed while the engine read it; copying it again",
+                        self.name, uri)
+        return use(localize_weights(uri))
 
     def stage_weights(self, uri: str) -> dict:
         """Before a pause: copy (or rebuild) the weight version at `uri` on this node and have the server read
@@ -301,9 +315,8 @@ class EngineServer:
         staging (SGLang: the copy is made all the same, so its load reads the local disk alone), and what
         rebuilding the version read (`staged_read`)."""
         before = READS.snapshot()
-        path = localize_weights(uri)
-        read = staged_read(before, READS.snapshot())
-        return {"staged": bool(asyncio.run(self._stage(path))), **read}
+        staged = self._with_local_copy(uri, lambda path: asyncio.run(self._stage(path)))
+        return {"staged": bool(staged), **staged_read(before, READS.snapshot())}
 
     async def _stage(self, path: str) -> list[str]:
         async with EngineClient([self.url], control_timeout_seconds=self.spec.startup_timeout_seconds) as client:

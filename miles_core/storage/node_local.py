@@ -71,6 +71,12 @@ def node_cache_dir() -> str:
     return os.environ.get("MILES_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "miles")
 
 
+def is_cache_entry(path: str) -> bool:
+    """Whether `path` is in this node's cache (a copy `localize` made), not a directory it handed out in place."""
+    root = os.path.abspath(node_cache_dir())
+    return os.path.commonpath([root, os.path.abspath(path)]) == root
+
+
 def localize(uri: str, kind: str = "models", *, required: str | None = None,
              build: Callable[[str], None] | None = None) -> str:
     """A directory on this node holding the tree at `uri` (and, with `required`, that file in it).

@@ -105,3 +105,46 @@ def test_a_build_that_fails_with_its_cache_in_place_is_not_retried(cache):
     with pytest.raises(RuntimeError, match="corrupt delta"):
         localize(f"memory://node-cache-{uuid.uuid4().hex[:8]}/v1", "weights", build=build)
     assert len(calls) == 1
+
+
+def test_an_engine_whose_copy_vanished_while_it_read_it_copies_again(cache, monkeypatch):
+    """Pins: the launcher's load and stage make this node's copy of a weight version again when the engine
+    failed to read it and the copy is gone (the node cache cleaned between the copy and the read: CI's
+    node-cache test, an operator's clean-up); an engine failure on a copy still in place is raised at once.
+    Guards: a run failing because a cache directory was removed under a load."""
+    import shutil
+
+    from miles_core.engines import launcher
+    from miles_core.engines.client import EngineControlError
+
+    made = []
+
+    def fake_localize(uri: str) -> str:
+        path = cache / "weights" / f"copy{len(made)}"
+        path.mkdir(parents=True)
+        (path / MARKER).write_bytes(b"")
+        made.append(str(path))
+        return str(path)
+
+    monkeypatch.setattr(launcher, "localize_weights", fake_localize)
+    server = launcher.EngineServer.__new__(launcher.EngineServer)
+    server.name = "engine-0"
+    read = []
+
+    def engine_reads(path: str) -> str:
+        read.append(path)
+        if len(read) == 1:
+            shutil.rmtree(path)
+            raise EngineControlError(f"HTTP 400: {path}: no model.safetensors")
+        return "loaded"
+
+    assert server._with_local_copy("s3://b/run/weights/step_00000002", engine_reads) == "loaded"
+    assert read == made and len(made) == 2
+
+    def engine_fails(path: str) -> str:
+        raise EngineControlError("HTTP 400: out of memory")
+
+    with pytest.raises(EngineControlError, match="out of memory"):
+        server._with_local_copy("s3://b/run/weights/step_00000003", engine_fails)
+    assert len(made) == 3
+    assert not launcher.is_cache_entry("/elsewhere/run/weights/step_1") and launcher.is_cache_entry(made[0])

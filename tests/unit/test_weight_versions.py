@@ -209,3 +209,39 @@ def _metadata_of(path: str) -> dict:
 
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         return f.metadata()
+
+
+def test_patching_a_copy_of_the_base_file_makes_the_file_apply_would(tmp_path):
+    """Pins: `patch_copy` (the reader's fast path: the base's file copied by the kernel, the delta written
+    through a map, the checksums verified on it and replaced in the header) yields a safetensors file with
+    exactly the tensors `apply` makes and the new checksums in its metadata, over a chain of versions; a
+    base whose header has no room for the new checksums (a file written without them) is refused (False)
+    so the caller applies on the loaded base; a wrong delta fails by name. Guards: a patched file that
+    keeps the base's checksums, or a broken header."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    state = _state()
+    base = _bf16(state)
+    path = str(tmp_path / "v1.safetensors")
+    save_file(base, path, metadata={"format": "pt", wv.CHECKSUMS: json.dumps(
+        {k: wv.checksum(t) for k, t in base.items()}, sort_keys=True)})
+    for step in range(2, 6):  # each version's file is the next one's base
+        state = _step(state, 0.02 if step != 3 else 0.9, step)  # step 3 sends a tensor dense
+        new = _bf16(state)
+        _, sums, encoded = wv.read_delta(wv.encode(load_file(path), new, "prev", max_share=2.0).blob)
+        out = str(tmp_path / f"v{step}.safetensors")
+        assert wv.patch_copy(path, out, sums, encoded)
+        assert _same(load_file(out), new) and _same(load_file(out), wv.apply(load_file(path), sums, encoded))
+        with safe_open(out, "pt") as f:
+            assert json.loads(f.metadata()[wv.CHECKSUMS]) == sums
+        path = out
+    bare = str(tmp_path / "bare.safetensors")
+    save_file(load_file(path), bare)  # no checksums in its header: the new header would not fit
+    new = _bf16(_step(state, 0.02, 9))
+    _, sums, encoded = wv.read_delta(wv.encode(load_file(bare), new, "prev").blob)
+    assert not wv.patch_copy(bare, str(tmp_path / "fallback.safetensors"), sums, encoded)
+    with pytest.raises(wv.WeightVersionError, match="checksum mismatch"):
+        wv.patch_copy(path, str(tmp_path / "wrong.safetensors"), {**sums, "norm.weight": "0" * 16}, encoded)
