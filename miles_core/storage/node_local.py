@@ -124,8 +124,8 @@ def _complete(dest: str) -> bool:
 
 
 def _download(src: Store, dest: str, required: str | None, build: Callable[[str], None] | None = None) -> None:
-    keys = src.list("")
-    if required and required not in keys:
+    keys = src.list("") if build is None else []  # a builder reads its source itself (and checked it)
+    if build is None and required and required not in keys:
         raise FileNotFoundError(f"{src.uri()} has no {required}; it is incomplete")
     root, name = os.path.split(dest)
     os.makedirs(root, exist_ok=True)  # the cache may have been deleted since `_cached` made it

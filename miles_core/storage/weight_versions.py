@@ -378,20 +378,29 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
     """Write the full version at `store` into `tmp` (the node cache's new entry); whether an anchor was read."""
     from safetensors.torch import save_file
 
+    from concurrent.futures import ThreadPoolExecutor
+
     used_anchor = False
-    for key in keys:
-        if key == COMPLETE_MARKER or _DELTA.match(key) or "/" in key:
+    wanted = [k for k in keys if k != COMPLETE_MARKER and "/" not in k]
+    small = [k for k in wanted if not k.endswith(".safetensors")]  # deltas, the index, config, tokenizer
+    with ThreadPoolExecutor(max_workers=8) as pool:  # one round trip for all of them
+        fetched = dict(zip(small, pool.map(store.get_bytes, small)))
+    for key in wanted:
+        if _DELTA.match(key):
             continue
-        data = store.get_bytes(key)  # the index, config and tokenizer files, anchor parts
-        READS.add(bytes_read=len(data) if key.endswith(".safetensors") else 0)
+        if key in fetched:
+            data = fetched[key]
+        else:  # an anchor part: one at a time (a large model's parts are each a few GB)
+            data = store.get_bytes(key)
+            READS.add(bytes_read=len(data))
         with open(os.path.join(tmp, key), "wb") as f:
             f.write(data)
-    for key in keys:
+        del data
+    for key, blob in fetched.items():
         m = _DELTA.match(key)
         if m is None:
             continue
         i, parts = int(m.group(1)) - 1, int(m.group(2))
-        blob = store.get_bytes(key)
         READS.add(bytes_read=len(blob))
         base_name, sums, encoded = read_delta(blob)
         part = None
