@@ -246,28 +246,46 @@ class PartWriter:
         if name == self._base_name and self._last is not None:
             return self._last  # written already (a push made again): a delta against itself would break the chain
         t0 = time.perf_counter()
-        part = {n: state[n].to(torch.bfloat16, copy=True).contiguous() for n in names}  # never a view of a live parameter
-        encoded = None
-        wants_anchor = (self._base is None or set(self._base) != set(part) or self._written < self.first_anchors
+        wants_anchor = (self._base is None or set(self._base) != set(names) or self._written < self.first_anchors
                         or self._since_anchor + 1 >= self.anchor_every)
+        part: dict[str, torch.Tensor] = {}
+        sums: dict[str, str] = {}
+
+        def cast(n: str) -> torch.Tensor:  # never a view of a live parameter
+            part[n] = state[n].to(torch.bfloat16, copy=True).contiguous()
+            sums[n] = checksum(part[n])
+            return part[n]
+
+        encoded = None
         if not wants_anchor:
+            for n in names:
+                cast(n)
             encoded = encode(self._base, part, self._base_name)
         if encoded is not None and encoded.blob is not None:
             store.put_bytes(in_version(key, delta_file(i, parts)), encoded.blob)
             stats = PartStats(False, len(encoded.blob), encoded.elements, encoded.changed, time.perf_counter() - t0)
             self._since_anchor += 1
         else:
-            from miles_core.storage.tensor_files import put_tensors
-
-            sums = encoded.checksums if encoded is not None else {n: checksum(t) for n, t in part.items()}
-            size = put_tensors(store, in_version(key, model_file(i, parts)), part,
-                               {CHECKSUMS: json.dumps(sums, sort_keys=True)}, digest=False)["size"]
-            changed = encoded.changed if encoded is not None else sum(t.numel() for t in part.values())
-            stats = PartStats(True, size, sum(t.numel() for t in part.values()), changed, time.perf_counter() - t0)
+            size = _put_anchor(store, in_version(key, model_file(i, parts)), state, names,
+                               (lambda n: part[n]) if encoded is not None else cast, sums)
+            elements = sum(state[n].numel() for n in names)
+            stats = PartStats(True, size, elements, encoded.changed if encoded is not None else elements,
+                              time.perf_counter() - t0)
             self._since_anchor = 0
         self._base, self._base_name, self._last = part, name, stats
         self._written += 1
         return stats
+
+
+def _put_anchor(store: Store, key: str, state: dict, names: list[str], produce, sums: dict[str, str]) -> int:
+    """Write the anchor part `names` of `state` at `key`: each bf16 tensor `produce(name)` makes (the cast, and
+    its checksum into `sums`) while the one before is written; the checksums go into the header last."""
+    from miles_core.storage.tensor_files import put_streamed
+
+    order = sorted(names)
+    layout = [(n, list(state[n].shape), "BF16", 2 * state[n].numel()) for n in order]
+    return put_streamed(store, key, layout, produce, lambda: {CHECKSUMS: json.dumps(sums, sort_keys=True)},
+                        {CHECKSUMS: json.dumps({n: "0" * 16 for n in order}, sort_keys=True)})
 
 
 def in_version(key: str, name: str) -> str:
