@@ -77,8 +77,7 @@ from typing import Any, Callable
 
 from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
-from miles_core.storage.node_local import MARKER as NODE_MARKER
-from miles_core.storage.node_local import is_cache_entry, localize, require_uri
+from miles_core.storage.node_local import discard, is_cache_entry, localize, require_uri
 from miles_core.storage.weight_versions import READS, localize_weights, staged_read, sum_reads
 
 log = logging.getLogger(__name__)
@@ -251,7 +250,8 @@ class EngineServer:
         self.log_path = os.path.join(log_dir, f"{name}.log")
         self.restarts = 0
         self.proc: subprocess.Popen | None = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the process: start, restart, stop (held while a launch waits for health)
+        self._noted = threading.Lock()  # the weights a restart loads: never waits for a launch (see note_weights)
         self._stop = threading.Event()
         self._monitor: threading.Thread | None = None
 
@@ -280,8 +280,10 @@ class EngineServer:
         return self.url
 
     def note_weights(self, model_path: str, weight_version: int) -> None:
-        """Weights the engine has been given since; a restart loads these instead of the initial ones."""
-        with self._lock:
+        """Weights the engine has been given since; a restart loads these instead of the initial ones. Not under
+        the process lock: a load that lands on an engine restarted meanwhile (the delivery paused it, so its
+        /health fails until the delivery resumes it) must not wait for that restart to see /health."""
+        with self._noted:
             self.model_path, self.weight_version, self.model_kind = model_path, weight_version, "weights"
 
     def load_weights(self, uri: str, weight_version: int, *, flush_cache: bool = False) -> None:
@@ -296,17 +298,19 @@ class EngineServer:
         self.note_weights(uri, weight_version)
 
     def _with_local_copy(self, uri: str, use: Callable[[str], Any]) -> Any:
-        """`use(path)` of this node's copy of the weight version at `uri`; made once more when the engine
-        failed to read a copy that is gone by then (the node cache cleaned between the copy and the read)."""
+        """`use(path)` of this node's copy of the weight version at `uri`; when the engine fails to read a
+        node-cache copy (removed or damaged between the copy and the read: a clean-up, an evicted host path)
+        the copy is discarded and made once more."""
         path = localize_weights(uri)
         try:
             return use(path)
-        except EngineControlError:
-            if not is_cache_entry(path) or os.path.exists(os.path.join(path, NODE_MARKER)):
-                raise  # the run root's own files, or a copy still in place: the engine's own failure
-            log.warning("%s: this node's copy of %s was removed while the engine read it; copying it again",
-                        self.name, uri)
-        return use(localize_weights(uri))
+        except EngineControlError as e:
+            if not is_cache_entry(path):
+                raise  # the run root's own files, read in place: the engine's own failure
+            log.warning("%s: the engine could not read this node's copy of %s (%s); copying it again once",
+                        self.name, uri, e)
+            discard(uri, "weights")  # removed or damaged under the read: a fresh copy (a failure of the
+        return use(localize_weights(uri))  # engine's own fails again, and is raised)
 
     def stage_weights(self, uri: str) -> dict:
         """Before a pause: copy (or rebuild) the weight version at `uri` on this node and have the server read
@@ -350,13 +354,15 @@ class EngineServer:
     def _launch(self) -> None:
         # A URI (the Ray roles hand engines URIs only) is copied to this node first; a local path
         # (an EngineServer made directly, on this node) is used as is.
-        if "://" not in self.model_path:
-            path = self.model_path
-        elif self.model_kind == "weights":
-            path = localize_weights(self.model_path)
+        with self._noted:
+            model_path, weight_version, kind = self.model_path, self.weight_version, self.model_kind
+        if "://" not in model_path:
+            path = model_path
+        elif kind == "weights":
+            path = localize_weights(model_path)
         else:
-            path = localize(self.model_path, self.model_kind)
-        cmd = server_command(self.spec, path, self.weight_version, self.port)
+            path = localize(model_path, kind)
+        cmd = server_command(self.spec, path, weight_version, self.port)
         log.info("%s: starting %s", self.name, shlex.join(redact_command(cmd)))
         with open(self.log_path, "ab") as logf:
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=server_env(self.spec),

@@ -108,10 +108,11 @@ def test_a_build_that_fails_with_its_cache_in_place_is_not_retried(cache):
 
 
 def test_an_engine_whose_copy_vanished_while_it_read_it_copies_again(cache, monkeypatch):
-    """Pins: the launcher's load and stage make this node's copy of a weight version again when the engine
-    failed to read it and the copy is gone (the node cache cleaned between the copy and the read: CI's
-    node-cache test, an operator's clean-up); an engine failure on a copy still in place is raised at once.
-    Guards: a run failing because a cache directory was removed under a load."""
+    """Pins: the launcher's load and stage discard this node's copy of a weight version and make it again
+    once when the engine failed to read it (the node cache cleaned between the copy and the read, even
+    half-way: CI's node-cache test, an operator's clean-up); an engine that fails on the fresh copy too
+    fails the load; a run root read in place is never copied. Guards: a run failing because a cache
+    directory was removed under a load, and a retry loop."""
     import shutil
 
     from miles_core.engines import launcher
@@ -146,5 +147,41 @@ def test_an_engine_whose_copy_vanished_while_it_read_it_copies_again(cache, monk
 
     with pytest.raises(EngineControlError, match="out of memory"):
         server._with_local_copy("s3://b/run/weights/step_00000003", engine_fails)
-    assert len(made) == 3
-    assert not launcher.is_cache_entry("/elsewhere/run/weights/step_1") and launcher.is_cache_entry(made[0])
+    assert len(made) == 4  # copied, failed, copied again, failed: raised
+    monkeypatch.setattr(launcher, "localize_weights", lambda uri: "/elsewhere/run/weights/step_00000004")
+    with pytest.raises(EngineControlError, match="out of memory"):
+        server._with_local_copy("file:///elsewhere/run/weights/step_00000004", engine_fails)
+    assert len(made) == 4 and launcher.is_cache_entry(made[0])
+
+
+def test_weights_noted_during_a_restart_do_not_wait_for_it(cache):
+    """Pins: `note_weights` (the last step of a load) does not take the process lock a restart holds while
+    it waits for the new engine's /health. Guards the deadlock CI's engine-kill chaos test met: a delivery
+    paused the restarted engine and loaded it, then waited on the lock, while the restart waited for a
+    /health that fails until that delivery resumes the engine (the run stalled until the startup timeout)."""
+    import threading
+
+    from miles_core.engines import launcher
+
+    server = launcher.EngineServer.__new__(launcher.EngineServer)
+    server._lock, server._noted = threading.RLock(), threading.Lock()
+    launching, noted = threading.Event(), threading.Event()
+
+    def restart_waiting_for_health():
+        with server._lock:
+            launching.set()
+            noted.wait(timeout=60)  # released once the test has seen whether the note waited
+
+    t = threading.Thread(target=restart_waiting_for_health)
+    t.start()
+    launching.wait(timeout=30)
+    note = threading.Thread(target=server.note_weights, args=("s3://b/run/weights/step_00000007", 9))
+    note.start()
+    note.join(timeout=10)
+    waited = note.is_alive()
+    noted.set()
+    t.join()
+    note.join()
+    assert not waited, "note_weights waited for the restart's process lock"
+    assert (server.model_path, server.weight_version, server.model_kind) == (
+        "s3://b/run/weights/step_00000007", 9, "weights")
