@@ -14,7 +14,11 @@ template's format, then opens the next assistant turn (all masked out of the los
 
     <|im_end|>\n<|im_start|>tool\n{"result": 74}<|im_end|>\n<|im_start|>assistant\n
 
-At most `MAX_TOOL_CALLS` calls per episode. The reward is set from the final assistant turn only
+At most `MAX_TOOL_CALLS` calls per episode. The tool runs off the event loop under
+`TOOL_TIMEOUT_SECONDS`: a tool that raises or does not answer in time answers the model with an
+`{"error": ...}` message like any bad call, the episode goes on, and the sample's metadata counts it
+(`"tool": {"calls", "errors", "timeouts"}`): a failing tool is an outcome of the episode, never a
+failed group. The reward is set from the final assistant turn only
 (`arith_reward` for `task = arith` rows), so the tool's own output can never be what gets scored;
 other tasks leave it to the configured reward. SmolLM2-135M rarely calls the tool unprompted: the
 example shows the mechanics (tests/integration/test_calculator_tool.py runs it on the CPU engine);
@@ -33,6 +37,7 @@ from miles_core.rollout.episodes import append_environment, append_generated
 from miles_core.samples import Sample, SampleStatus
 
 MAX_TOOL_CALLS = 2
+TOOL_TIMEOUT_SECONDS = 5.0
 TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*(?:</tool_call>|$)", re.S)
 END_OF_TURN = "<|im_end|>"
 ASSISTANT = "<|im_start|>assistant\n"
@@ -77,11 +82,27 @@ def tool_message(result: dict, turn_closed: bool) -> str:
     return f"{close}<|im_start|>tool\n{json.dumps(result)}{END_OF_TURN}\n{ASSISTANT}"
 
 
+async def run_tool(call_text: str, timeout: float | None = None) -> tuple[dict, str]:
+    """The tool's answer to one call and how it went ("ok", "error": a bad call or a tool that raised,
+    "timeout"), the tool run in a thread so a slow one never holds the event loop."""
+    import asyncio
+
+    limit = TOOL_TIMEOUT_SECONDS if timeout is None else timeout
+    try:
+        result = await asyncio.wait_for(asyncio.to_thread(tool_result, call_text), limit)
+    except asyncio.TimeoutError:
+        return {"error": f"the calculator did not answer within {limit:g} s"}, "timeout"
+    except Exception as e:  # noqa: BLE001 - a tool's own failure is the episode's outcome, not a crash
+        return {"error": f"the calculator failed: {type(e).__name__}: {e}"}, "error"
+    return result, "error" if "error" in result else "ok"
+
+
 async def calculator_episode(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
     """Model turns with calculator calls answered in between (module docstring)."""
     tok = args.tokenizer()
     params = {**sampling_params, "stop": ["</tool_call>"]}
     turn = ""
+    counts = {"calls": 0, "errors": 0, "timeouts": 0}
     for call_index in range(MAX_TOOL_CALLS + 1):
         result = await args.engine.generate(list(sample.prompt_ids) + sample.response_ids, params)
         append_generated(sample, result)
@@ -89,11 +110,27 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict, evalua
         call = TOOL_CALL.search(turn)
         if sample.status != SampleStatus.COMPLETED or call is None or call_index == MAX_TOOL_CALLS:
             break
-        env = tool_message(tool_result(call.group(1)), turn_closed=turn.rstrip().endswith(END_OF_TURN))
+        answer, outcome = await run_tool(call.group(1))
+        counts["calls"] += 1
+        if outcome != "ok":
+            counts["errors" if outcome == "error" else "timeouts"] += 1
+        env = tool_message(answer, turn_closed=turn.rstrip().endswith(END_OF_TURN))
         append_environment(sample, tok.encode(env, add_special_tokens=False))
+    sample.metadata = _with_tool_counts(sample.metadata, counts)
     if sample.status != SampleStatus.ABORTED and _task(sample) == "arith":
         sample.reward = arith_reward(sample, turn.replace(END_OF_TURN, ""))
     return sample
+
+
+def _with_tool_counts(metadata: str | None, counts: dict) -> str:
+    """The sample's metadata (a JSON object, kept as it is otherwise) with the episode's tool counts."""
+    try:
+        meta = json.loads(metadata or "{}")
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        meta = {"metadata": metadata}
+    return json.dumps({**meta, "tool": counts})
 
 
 def _assistant_turn(tok, sample: Sample) -> str:

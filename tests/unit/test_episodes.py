@@ -459,3 +459,43 @@ def test_calculator_tool_answers_a_call_in_the_chat_template_format():
     assert calculate("(2 + 3) * 4 / 8") == 2.5
     with pytest.raises(ValueError):
         calculate("__import__('os')")
+
+
+@pytest.mark.parametrize("fault", ["raises", "hangs", "bad call"])
+def test_a_calculator_that_fails_or_hangs_is_an_outcome_counted_in_the_sample(monkeypatch, fault):
+    """Pins: a tool that raises, does not answer within its timeout, or gets a call it cannot run answers
+    the model with an `{"error": ...}` tool message, the episode goes on to its final turn and its reward,
+    and the sample's metadata counts calls, errors and timeouts (the dataset's own metadata kept).
+    Guards: a failing tool crashing the episode (a failed group), or a hung one holding it for ever."""
+    import threading
+
+    from miles_core.rollout import calculator_tool
+
+    release = threading.Event()
+
+    def broken(call_text):
+        if fault == "raises":
+            raise RuntimeError("calculator backend down")
+        release.wait(30)  # hangs until the test is over
+        return {"result": 74}
+
+    if fault != "bad call":
+        monkeypatch.setattr(calculator_tool, "tool_result", broken)
+    monkeypatch.setattr(calculator_tool, "TOOL_TIMEOUT_SECONDS", 0.2)
+    expression = "63 + 11" if fault != "bad call" else "__import__('os')"
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
+    tok = CharTokenizer()
+    eng = AnswerEngine([tok.encode(call), tok.encode("63 + 11 = 74<|im_end|>")])
+    s = Sample("g", 0, 0, tok.encode("What is 63 + 11?"), label="74", metadata=json.dumps({"task": "arith", "a": 63}))
+    try:
+        out = asyncio.run(GenerateFunction(calculator_tool.calculator_episode, "m:f")(
+            GenerateArgs(engine=eng, text_tokenizer=tok), s, {}))[0]
+    finally:
+        release.set()
+    text = tok.decode(out.response_ids)
+    tool_turn = text.split("<|im_start|>tool\n", 1)[1].split("<|im_end|>", 1)[0]
+    assert "error" in json.loads(tool_turn) and text.endswith("63 + 11 = 74<|im_end|>")
+    assert out.status == SampleStatus.COMPLETED and out.reward == 1.0
+    meta = json.loads(out.metadata)
+    assert meta["task"] == "arith" and meta["a"] == 63
+    assert meta["tool"] == {"calls": 1, "errors": int(fault != "hangs"), "timeouts": int(fault == "hangs")}
