@@ -476,7 +476,7 @@ def test_a_calculator_that_fails_or_hangs_is_an_outcome_counted_in_the_sample(mo
     def broken(call_text):
         if fault == "raises":
             raise RuntimeError("calculator backend down")
-        release.wait(30)  # hangs until the test is over
+        release.wait(30)  # hangs until the episode's next turn (ReleasingEngine)
         return {"result": 74}
 
     if fault != "bad call":
@@ -485,7 +485,14 @@ def test_a_calculator_that_fails_or_hangs_is_an_outcome_counted_in_the_sample(mo
     expression = "63 + 11" if fault != "bad call" else "__import__('os')"
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' % expression
     tok = CharTokenizer()
-    eng = AnswerEngine([tok.encode(call), tok.encode("63 + 11 = 74<|im_end|>")])
+
+    class ReleasingEngine(AnswerEngine):  # the turn after the tool's answer frees a hung tool's thread
+        async def generate(self, input_ids, sampling_params=None):
+            if self.params:
+                release.set()
+            return await super().generate(input_ids, sampling_params)
+
+    eng = ReleasingEngine([tok.encode(call), tok.encode("63 + 11 = 74<|im_end|>")])
     s = Sample("g", 0, 0, tok.encode("What is 63 + 11?"), label="74", metadata=json.dumps({"task": "arith", "a": 63}))
     try:
         out = asyncio.run(GenerateFunction(calculator_tool.calculator_episode, "m:f")(
@@ -499,3 +506,21 @@ def test_a_calculator_that_fails_or_hangs_is_an_outcome_counted_in_the_sample(mo
     meta = json.loads(out.metadata)
     assert meta["task"] == "arith" and meta["a"] == 63
     assert meta["tool"] == {"calls": 1, "errors": int(fault != "hangs"), "timeouts": int(fault == "hangs")}
+
+
+@pytest.mark.parametrize("turn, call", [
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 2"}}</tool_call>',
+     '{"name": "calculator", "arguments": {"expression": "1 + 2"}}'),
+    ('<tool_call> {"name": "calculator", "arguments": {"expression": "964 + 494"}}\n\nThe answer is 196.<|im_end|>',
+     '{"name": "calculator", "arguments": {"expression": "964 + 494"}}'),  # never closed: still a call
+    ('<tool_call>{"name": "calculator", "arguments": {"expression": "1 +', None),  # cut off mid-object
+    ("The answer is 3.", None),
+    ("<tool_call>[1, 2]</tool_call>", None),
+])
+def test_a_call_is_the_first_complete_json_object_after_the_tag(turn, call):
+    """Pins the calculator's call parser: the first complete JSON object after `<tool_call>`, closed by the
+    tag or not (SmolLM2-135M, the call's opening prefilled, wrote 16 of 16 right expressions and closed the
+    tag for none); guards against a regex that needs the closing tag, or one that takes a partial object."""
+    from miles_core.rollout.calculator_tool import find_call
+
+    assert find_call(turn) == call
