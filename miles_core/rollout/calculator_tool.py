@@ -97,12 +97,12 @@ def find_call(turn: str) -> str | None:
     return rest[:end] if isinstance(obj, dict) else None
 
 
-async def run_tool(call_text: str, timeout: float | None = None) -> tuple[dict, str]:
+async def run_tool(call_text: str) -> tuple[dict, str]:
     """The tool's answer to one call and how it went ("ok", "error": a bad call or a tool that raised,
     "timeout"), the tool run in a thread so a slow one never holds the event loop."""
     import asyncio
 
-    limit = TOOL_TIMEOUT_SECONDS if timeout is None else timeout
+    limit = TOOL_TIMEOUT_SECONDS
     try:
         result = await asyncio.wait_for(asyncio.to_thread(tool_result, call_text), limit)
     except asyncio.TimeoutError:

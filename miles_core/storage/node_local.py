@@ -134,7 +134,7 @@ def _download(src: Store, dest: str, required: str | None, build: Callable[[str]
         try:
             if build is not None:
                 build(tmp)
-            for key in keys if build is None else ():
+            for key in keys:  # none with a builder
                 out = _inside(tmp, key, src)
                 os.makedirs(os.path.dirname(out), exist_ok=True)
                 with open(out, "wb") as f:

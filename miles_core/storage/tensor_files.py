@@ -47,7 +47,6 @@ def _file_digest(path: str, chunk: int = 8 << 20) -> dict:
     return {"size": size, "sha256": h.hexdigest()}
 
 
-
 def put_streamed(store: Store, key: str, layout: list[tuple[str, list[int], str, int]],
                  produce: Callable[[str], torch.Tensor], metadata: Callable[[], dict[str, str]],
                  planned_metadata: dict[str, str]) -> int:
@@ -75,6 +74,8 @@ def put_streamed(store: Store, key: str, layout: list[tuple[str, list[int], str,
     planned = header(planned_metadata)
 
     def write(path: str) -> None:
+        import torch
+
         made: queue.Queue = queue.Queue(maxsize=2)
         failure: list[BaseException] = []
 
@@ -88,8 +89,6 @@ def put_streamed(store: Store, key: str, layout: list[tuple[str, list[int], str,
                 failure.append(e)
                 while made.get() is not None:  # drain: the producer never blocks on a dead writer
                     pass
-
-        import torch
 
         thread = threading.Thread(target=writer, name="put-streamed", daemon=True)
         thread.start()

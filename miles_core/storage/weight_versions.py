@@ -185,7 +185,6 @@ def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
     """The part after the delta: `base` (bf16) with the delta's positions overwritten, every tensor's checksum
     verified (WeightVersionError naming the first that differs). `base` is left unchanged, unless `in_place`
     (a part just read from a file: no copy of the model is made)."""
-    import numpy as np
     import torch
 
     out = {}
@@ -197,11 +196,19 @@ def apply(base: dict[str, torch.Tensor], checksums: dict[str, str],
         else:
             out[name] = base[name] if in_place else base[name].clone()
             if f"{name}:i" in encoded:
-                where = np.cumsum(_unplanes(encoded[f"{name}:i"], np.int32), dtype=np.int64)
-                bits(out[name])[torch.from_numpy(where)] = torch.from_numpy(_unplanes(encoded[f"{name}:v"], np.int16))
+                where, values = _changes(encoded, name)
+                bits(out[name])[torch.from_numpy(where)] = torch.from_numpy(values)
         if checksum(out[name]) != want:
             raise WeightVersionError(f"{name}: checksum mismatch after applying the delta")
     return out
+
+
+def _changes(encoded: dict[str, torch.Tensor], name: str):
+    """(positions, new bits as int16) of tensor `name`'s sparse change in a delta (its `:i` and `:v` planes)."""
+    import numpy as np
+
+    return (np.cumsum(_unplanes(encoded[f"{name}:i"], np.int32), dtype=np.int64),
+            _unplanes(encoded[f"{name}:v"], np.int16))
 
 
 def verify(state: dict[str, torch.Tensor], checksums: dict[str, str], what: str) -> None:
@@ -253,21 +260,26 @@ class PartWriter:
 
         def cast(n: str) -> torch.Tensor:  # never a view of a live parameter
             part[n] = state[n].to(torch.bfloat16, copy=True).contiguous()
-            sums[n] = checksum(part[n])
+            return part[n]
+
+        def cast_and_sum(n: str) -> torch.Tensor:
+            sums[n] = checksum(cast(n))
             return part[n]
 
         encoded = None
         if not wants_anchor:
             for n in names:
                 cast(n)
-            encoded = encode(self._base, part, self._base_name)
+            encoded = encode(self._base, part, self._base_name)  # takes the checksums itself
         if encoded is not None and encoded.blob is not None:
             store.put_bytes(in_version(key, delta_file(i, parts)), encoded.blob)
             stats = PartStats(False, len(encoded.blob), encoded.elements, encoded.changed, time.perf_counter() - t0)
             self._since_anchor += 1
         else:
+            if encoded is not None:  # a delta would not have been much smaller: cast and summed already
+                sums.update(encoded.checksums)
             size = _put_anchor(store, in_version(key, model_file(i, parts)), state, names,
-                               (lambda n: part[n]) if encoded is not None else cast, sums)
+                               part.__getitem__ if encoded is not None else cast_and_sum, sums)
             elements = sum(state[n].numel() for n in names)
             stats = PartStats(True, size, elements, encoded.changed if encoded is not None else elements,
                               time.perf_counter() - t0)
@@ -456,7 +468,7 @@ def patch_copy(base_file: str, out: str, checksums: dict[str, str], encoded: dic
     import shutil
 
     import numpy as np
-    import xxhash
+    import torch
 
     shutil.copyfile(base_file, out)  # copy_file_range / sendfile: in the kernel
     with open(out, "r+b") as f:
@@ -481,9 +493,9 @@ def patch_copy(base_file: str, out: str, checksums: dict[str, str], encoded: dic
                                                  f"its base {view.size}")
                     view[:] = dense
                 elif f"{name}:i" in encoded:
-                    where = np.cumsum(_unplanes(encoded[f"{name}:i"], np.int32), dtype=np.int64)
-                    view[where] = _unplanes(encoded[f"{name}:v"], np.int16)
-                if xxhash.xxh3_64_hexdigest(view) != checksums[name]:
+                    where, values = _changes(encoded, name)
+                    view[where] = values
+                if checksum(torch.from_numpy(view)) != checksums[name]:
                     raise WeightVersionError(f"{name}: checksum mismatch after applying the delta")
         finally:
             view = None  # the map closes only once no array points into it
