@@ -34,7 +34,8 @@ FULLY_ASYNC_EXCLUDES = {
 }
 
 BUILTIN_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4", "builtin:arith",
-                    "builtin:arith-heldout")
+                    "builtin:arith-heldout", "builtin:calc3", "builtin:calc3-heldout", "builtin:sum3",
+                    "builtin:sum3-heldout")
 BUILTIN_MODELS = ("builtin:tiny-gpt", "builtin:tiny-llama", "builtin:tiny-qwen2", "builtin:tiny-llama3", "builtin:tiny-qwen3",
                   "builtin:tiny-qwen3-moe", "builtin:tiny-glm4-moe")
 

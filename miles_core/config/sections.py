@@ -38,7 +38,7 @@ class RunSection:
     segment_steps: Optional[int] = opt(None, "Run at most this many steps in this segment, then checkpoint and exit (scheduled continuation).")
     deadline_seconds: Optional[float] = opt(None, "Stop this segment cleanly after this many seconds (checkpoint first).")
     seed: int = opt(1234, "Global seed (model init, data shuffling, sampling).")
-    preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): tiny-reverse4 = the embedded default, a 2-layer random model learning to reverse 4 digits on CPU in about two minutes (docs/quickstart.md); smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
+    preset: Optional[str] = opt(None, "Start from a named flag set (flags given explicitly override it): tiny-reverse4 = the embedded default, a 2-layer random model learning to reverse 4 digits on CPU in about two minutes (docs/quickstart.md); smollm2-arith = SmolLM2-135M-Instruct learning 2-digit addition on CPU (docs/real-model.md); smollm2-calculator = the same model learning to use a calculator tool in multi-turn episodes (docs/agentic.md). `miles validate --preset NAME` prints what it sets.", choices=tuple(PRESETS))
     fully_async: bool = opt(False, "Fully asynchronous driver: a continuous producer and a trainer draining the durable buffer (off: the synchronous driver, generate a batch then train on it; see --one-step-off).")
     one_step_off: bool = opt(False, "One-step-off driver: generate batch k+1 while training on batch k.")
     colocate: bool = opt(False, "Not supported (refused): place engines and trainer on the same devices (time-shared).")
@@ -77,7 +77,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    prompt_data: str = opt("", "Required (a preset sets it). Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits), builtin:copy4 (copy them) or builtin:arith (2-digit addition, text prompts).")
+    prompt_data: str = opt("", "Required (a preset sets it). Prompt dataset: JSONL/Parquet/Arrow URI, or builtin:reverse4 (reverse 4 digits), builtin:copy4 (copy them), builtin:arith (2-digit addition, text prompts), builtin:calc3 (3-digit sums with a calculator tool, chat messages: docs/agentic.md) or builtin:sum3 (the same sums without the tool).")
     input_key: str = opt("input", "Dataset column holding the prompt (text, or a list of token ids). The builtin datasets read their own columns.")
     label_key: str = opt("", "Dataset column holding the label the reward compares against ('': none, the reward gets an empty label). The builtin datasets read their own columns.")
     rollout_shuffle: bool = opt(False, "Shuffle prompts every epoch (seeded).")
@@ -251,6 +251,8 @@ class MetricsSection:
 DEFAULT_EVAL_PROMPT_DATA: dict[str, tuple[str, ...]] = {
     "builtin:reverse4": ("heldout=builtin:reverse4-heldout",),
     "builtin:arith": ("heldout=builtin:arith-heldout",),
+    "builtin:calc3": ("heldout=builtin:calc3-heldout",),
+    "builtin:sum3": ("heldout=builtin:sum3-heldout",),
 }
 
 

@@ -22,6 +22,7 @@ from typing import Any, Protocol, Sequence
 from miles_core.eval.datasets import EvalDataset, EvalSampling
 from miles_core.eval.pass_at_k import pass_at_k, pass_ks
 from miles_core.metrics import names as N
+from miles_core.rollout.batch_metrics import tool_counts
 from miles_core.samples import Sample, SampleStatus
 
 log = logging.getLogger(__name__)
@@ -187,6 +188,10 @@ def aggregate(ds: str, samples: list[Sample], n: int, pass_threshold: float = 1.
         N.eval_truncated_ratio_metric(ds): sum(s.finish_reason == "length" for s in samples) / len(samples),
         N.eval_response_len_metric(ds): sum(len(s.response_ids) for s in samples) / len(samples),
     }
+    tools = tool_counts(samples)
+    if tools:
+        metrics[N.eval_tool_metric(ds, N.EVAL_TOOL_EPISODE_SHARE)] = sum(t["calls"] > 0 for t in tools) / len(tools)
+        metrics[N.eval_tool_metric(ds, N.EVAL_TOOL_CALLS_PER_EPISODE)] = sum(t["calls"] for t in tools) / len(tools)
     for k in pass_ks(n):
         vals = []
         for group in by_prompt.values():

@@ -17,6 +17,7 @@ snapshot or eval includes it.
 from __future__ import annotations
 
 import difflib
+import json
 from collections import Counter
 
 from miles_core.buffer.manifests import ConsumptionRecord
@@ -106,7 +107,31 @@ def _describe(run: RecordedRun, key: str, stored) -> dict:
             "prompt": decode(first.prompt_ids), "prompt_tokens": len(first.prompt_ids), "label": first.label,
             "samples": [{"sample_index": s.sample_index, "status": str(getattr(s.status, "value", s.status)),
                          "reward": s.reward, "response": decode(s.response_ids), "response_tokens": len(s.response_ids),
-                         "versions": dict(sorted(Counter(s.token_versions).items()))} for s in group.samples]}
+                         "versions": dict(sorted(Counter(s.token_versions).items())),
+                         **_episode(decode, s)} for s in group.samples]}
+
+
+def _episode(decode, sample) -> dict:
+    """A multi-turn sample's turns (the response cut where its loss mask changes: the model's tokens and
+    the environment's, a tool's answers among them) and its tool counts when its metadata has them;
+    nothing for a single-turn sample."""
+    out: dict = {}
+    try:
+        tool = json.loads(sample.metadata or "{}").get("tool")
+    except (ValueError, AttributeError):
+        tool = None
+    if isinstance(tool, dict):
+        out["tool"] = tool
+    mask = list(sample.loss_mask)
+    if 0 in mask[:len(sample.response_ids)]:
+        turns, start = [], 0
+        for i in range(1, len(mask) + 1):
+            if i == len(mask) or mask[i] != mask[start]:
+                turns.append({"by": "model" if mask[start] else "environment",
+                              "text": decode(sample.response_ids[start:i])})
+                start = i
+        out["turns"] = turns
+    return out
 
 
 def _deleted_note(run: RecordedRun) -> str:
@@ -149,8 +174,17 @@ def render_lineage(t: dict) -> str:
     else:
         lines += [f"object       {t['object']}", f"prompt       #{t['prompt_index']} ({t['prompt_tokens']} tokens): "
                   f"{t['prompt']!r}", f"label        {t['label']!r}"]
-        lines += [f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} tokens "
-                  f"{s['response']!r}, versions {_versions(s['versions'])}" for s in t["samples"]]
+        for s in t["samples"]:
+            tool = s.get("tool")
+            tools = (f", tool calls {tool.get('calls', 0)} (errors {tool.get('errors', 0)}, timeouts "
+                     f"{tool.get('timeouts', 0)})") if tool else ""
+            if "turns" not in s:
+                lines.append(f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, "
+                             f"{s['response_tokens']} tokens {s['response']!r}, versions {_versions(s['versions'])}{tools}")
+                continue
+            lines.append(f"  sample {s['sample_index']}: {s['status']}, reward {_num(s['reward'])}, {s['response_tokens']} "
+                         f"tokens in {len(s['turns'])} turns, versions {_versions(s['versions'])}{tools}")
+            lines += [f"    {turn['by']:<12} {turn['text']!r}" for turn in s["turns"]]
     lines.append(_fate_line(t["fate"]))
     if t["fate"] is not None and t["fate"]["outcome"] in ("unknown", "consumed_or_rejected"):
         return "\n".join(lines)

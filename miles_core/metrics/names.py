@@ -111,6 +111,12 @@ GENERATE_FAILED = "rollout/generate_failed"  # episodes of --custom-generate-fun
 PRODUCER_GROUPS_PER_SECOND = "rollout/producer/groups_per_second"
 PRODUCER_IN_FLIGHT_GROUPS = "rollout/producer/in_flight_groups"
 PRODUCER_STARTED_GROUPS = "rollout/producer/started_groups"
+# tool use of the batch's episodes (logged only when an episode reports `"tool"` counts in its
+# metadata, as miles_core.rollout.calculator_tool does)
+TOOL_EPISODE_SHARE = "rollout/tool/episode_share"
+TOOL_CALLS_PER_EPISODE = "rollout/tool/calls_per_episode"
+TOOL_ERRORS = "rollout/tool/errors"
+TOOL_TIMEOUTS = "rollout/tool/timeouts"
 ROLLOUT_METRICS: dict[str, str] = {
     REWARD: "Mean reward of the scored samples of the consumed batch.",
     RESPONSE_LEN_MEAN: "Mean response length (tokens) of the consumed batch.",
@@ -129,6 +135,11 @@ ROLLOUT_METRICS: dict[str, str] = {
     PRODUCER_GROUPS_PER_SECOND: "Groups the producer finished per second.",
     PRODUCER_IN_FLIGHT_GROUPS: "Groups submitted to the engines and not finished.",
     PRODUCER_STARTED_GROUPS: "Groups admitted since the run began (drives --max-weight-staleness admission control).",
+    TOOL_EPISODE_SHARE: "Fraction of the batch's episodes that called a tool at least once (episodes reporting tool "
+                        "counts in their metadata: docs/agentic.md).",
+    TOOL_CALLS_PER_EPISODE: "Mean tool calls per episode of the batch (of those reporting tool counts).",
+    TOOL_ERRORS: "Tool calls of the batch answered with an error: a bad call or a tool that raised.",
+    TOOL_TIMEOUTS: "Tool calls of the batch that did not answer within the tool's timeout.",
 }
 ROLLOUT_METRIC_NAMES: tuple[str, ...] = tuple(ROLLOUT_METRICS)
 
@@ -238,6 +249,8 @@ EVAL_REWARD = "eval/{ds}"
 EVAL_PASS_AT_K = "eval/{ds}/pass@{k}"
 EVAL_TRUNCATED_RATIO = "eval/{ds}/truncated_ratio"
 EVAL_RESPONSE_LEN_MEAN = "eval/{ds}/response_len/mean"
+EVAL_TOOL_EPISODE_SHARE = "eval/{ds}/tool/episode_share"
+EVAL_TOOL_CALLS_PER_EPISODE = "eval/{ds}/tool/calls_per_episode"
 EVAL_LAG_STEPS = "eval/lag_steps"
 EVAL_DURATION_SECONDS = "eval/duration_seconds"
 EVAL_EXPORT_SECONDS = "eval/export_seconds"
@@ -262,6 +275,8 @@ EVAL_METRICS: dict[str, str] = {
     EVAL_PASS_AT_K: "Unbiased pass@k over the prompts of ds (a sample passes when its reward >= --eval-pass-threshold).",
     EVAL_TRUNCATED_RATIO: "Fraction of eval samples of ds cut at --eval-max-response-len (finish_reason length).",
     EVAL_RESPONSE_LEN_MEAN: "Mean response length in tokens of the eval samples of ds.",
+    EVAL_TOOL_EPISODE_SHARE: "Fraction of the eval episodes of ds that called a tool (only for episodes reporting tool counts).",
+    EVAL_TOOL_CALLS_PER_EPISODE: "Mean tool calls per eval episode of ds (only for episodes reporting tool counts).",
     EVAL_LAG_STEPS: "How late the eval point landed: the latest trained step when the result was written, minus the snapshot's step.",
     EVAL_DURATION_SECONDS: "Seconds one snapshot's eval took (all datasets, including pinning or starting the engine).",
     EVAL_EXPORT_SECONDS: "Seconds the trainer spent exporting the snapshot for this eval step.",
@@ -284,6 +299,11 @@ def eval_truncated_ratio_metric(ds: str) -> str:
 
 def eval_response_len_metric(ds: str) -> str:
     return EVAL_RESPONSE_LEN_MEAN.format(ds=ds)
+
+
+def eval_tool_metric(ds: str, pattern: str) -> str:
+    """EVAL_TOOL_EPISODE_SHARE or EVAL_TOOL_CALLS_PER_EPISODE of dataset ds."""
+    return pattern.format(ds=ds)
 
 
 def eval_skipped_metric(reason: str) -> str:

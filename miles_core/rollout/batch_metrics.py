@@ -5,12 +5,13 @@ generated it (`writer_metrics`). Their names, and the producer's, are in miles_c
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections import Counter
 
 from miles_core.buffer.objects import TRAINER_HOLDER, holder_of_id
 from miles_core.metrics import names as N
-from miles_core.samples import Group, SampleStatus
+from miles_core.samples import Group, Sample, SampleStatus
 
 
 def batch_metrics(groups: list[Group]) -> dict[str, float]:
@@ -41,6 +42,26 @@ def batch_metrics(groups: list[Group]) -> dict[str, float]:
         out[N.WEIGHT_VERSION_MIN] = float(min(versions))
         out[N.WEIGHT_VERSION_MAX] = float(max(versions))
     out[N.MIXED_VERSION_RATIO] = sum(s.mixed_version for s in samples) / len(samples)
+    tools = tool_counts(samples)
+    if tools:
+        out[N.TOOL_EPISODE_SHARE] = sum(t["calls"] > 0 for t in tools) / len(tools)
+        out[N.TOOL_CALLS_PER_EPISODE] = sum(t["calls"] for t in tools) / len(tools)
+        out[N.TOOL_ERRORS] = float(sum(t["errors"] for t in tools))
+        out[N.TOOL_TIMEOUTS] = float(sum(t["timeouts"] for t in tools))
+    return out
+
+
+def tool_counts(samples: list[Sample]) -> list[dict[str, int]]:
+    """The `"tool": {calls, errors, timeouts}` counts of the samples whose metadata has them (an agentic
+    episode's, docs/agentic.md); samples without them are left out."""
+    out = []
+    for s in samples:
+        try:
+            tool = json.loads(s.metadata or "{}").get("tool")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(tool, dict):
+            out.append({k: int(tool.get(k) or 0) for k in ("calls", "errors", "timeouts")})
     return out
 
 

@@ -8,7 +8,8 @@ i.i.d. on purpose: a structured split (e.g. every value ending in 07, 27, ...) t
 generalization instead, which this tiny model passes only intermittently.
 
 These digit datasets carry token ids of the digit vocabulary. `builtin:arith` (and its held-out
-split) is for a real instruct model and carries text prompts (miles_core.rollout.arith).
+split) is for a real instruct model and carries text prompts (miles_core.rollout.arith); so do the
+3-digit sums with and without a calculator (`builtin:calc3`, `builtin:sum3`: miles_core.rollout.sums3).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import random
 
 from miles_core.models.builtin import DIGIT_VOCAB, EOS_ID, SEP_ID
-from miles_core.rollout import arith
+from miles_core.rollout import arith, sums3
 
 DIGIT_DATASETS = ("builtin:reverse4", "builtin:reverse4-heldout", "builtin:copy4")
-TEXT_BUILTIN_DATASETS = arith.DATASETS  # text prompts: tokenized at preparation, never by the digit tokenizer
+TEXT_BUILTIN_DATASETS = arith.DATASETS + sums3.DATASETS  # text prompts: tokenized at preparation, never by the digit tokenizer
 BUILTIN_TASKS = DIGIT_DATASETS + TEXT_BUILTIN_DATASETS
 
 
@@ -35,6 +36,8 @@ def builtin_rows(name: str) -> list[dict]:
     (arith: {prompt: text, label: the sum, task: "arith", metadata})."""
     if name not in BUILTIN_TASKS:
         raise ValueError(f"unknown builtin dataset {name!r}; known: {', '.join(BUILTIN_TASKS)}")
+    if name in sums3.DATASETS:
+        return sums3.sums3_rows(name)
     if name in TEXT_BUILTIN_DATASETS:
         return arith.arith_rows(name)
     heldout = name.endswith("-heldout")

@@ -114,6 +114,17 @@ async def run_tool(call_text: str) -> tuple[dict, str]:
 
 async def calculator_episode(args, sample: Sample, sampling_params: dict, evaluation: bool = False) -> Sample:
     """Model turns with calculator calls answered in between (module docstring)."""
+    return await _episode(args, sample, sampling_params, environment_in_loss=False)
+
+
+async def calculator_episode_unmasked(args, sample: Sample, sampling_params: dict,
+                                      evaluation: bool = False) -> Sample:
+    """The control with the masking bug: the tool's messages left in the loss, as if the model had
+    written them (run it with --no-use-rollout-logprobs: they have no rollout log-probs)."""
+    return await _episode(args, sample, sampling_params, environment_in_loss=True)
+
+
+async def _episode(args, sample: Sample, sampling_params: dict, environment_in_loss: bool) -> Sample:
     tok = args.tokenizer()
     params = {**sampling_params, "stop": ["</tool_call>"]}
     turn = ""
@@ -130,7 +141,10 @@ async def calculator_episode(args, sample: Sample, sampling_params: dict, evalua
         if outcome != "ok":
             counts["errors" if outcome == "error" else "timeouts"] += 1
         env = tool_message(answer, turn_closed=turn.rstrip().endswith(END_OF_TURN))
-        append_environment(sample, tok.encode(env, add_special_tokens=False))
+        env_ids = tok.encode(env, add_special_tokens=False)
+        append_environment(sample, env_ids)
+        if environment_in_loss:
+            sample.loss_mask[-len(env_ids):] = [1] * len(env_ids)
     sample.metadata = _with_tool_counts(sample.metadata, counts)
     if sample.status != SampleStatus.ABORTED and _task(sample) == "arith":
         sample.reward = arith_reward(sample, turn.replace(END_OF_TURN, ""))

@@ -461,6 +461,25 @@ def test_calculator_tool_answers_a_call_in_the_chat_template_format():
         calculate("__import__('os')")
 
 
+def test_the_unmasked_calculator_control_leaves_only_the_tool_messages_in_the_loss():
+    """The masking-bug control of the calculator preset's bench: the same episode as the real one, the
+    tool's message (and the headers around it) in the loss instead of out of it; rollout log-probs 0."""
+    from miles_core.rollout.calculator_tool import calculator_episode, calculator_episode_unmasked
+
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "63 + 11"}}</tool_call>'
+    tok = CharTokenizer()
+    outs = []
+    for fn in (calculator_episode, calculator_episode_unmasked):
+        eng = AnswerEngine([tok.encode(call), tok.encode("74<|im_end|>")])
+        s = Sample("g", 0, 0, tok.encode("What is 63 + 11?"), label="74", metadata=json.dumps({"task": "arith"}))
+        outs.append(asyncio.run(GenerateFunction(fn, "m:f")(GenerateArgs(engine=eng, text_tokenizer=tok), s, {}))[0])
+    masked, unmasked = outs
+    assert masked.response_ids == unmasked.response_ids and masked.reward == unmasked.reward == 1.0
+    env = [i for i, m in enumerate(masked.loss_mask) if m == 0]
+    assert env and unmasked.loss_mask == [1] * len(unmasked.response_ids)
+    assert all(unmasked.response_logprobs[i] == 0.0 for i in env)
+
+
 @pytest.mark.parametrize("fault", ["raises", "hangs", "bad call"])
 def test_a_calculator_that_fails_or_hangs_is_an_outcome_counted_in_the_sample(monkeypatch, fault):
     """Pins: a tool that raises, does not answer within its timeout, or gets a call it cannot run answers

@@ -65,11 +65,35 @@ def test_aggregate_metric_names_and_values():
     assert m["eval/held/response_len/mean"] == pytest.approx(3.5)
 
 
+def test_tool_use_of_agentic_episodes_is_aggregated_batches_and_evals_alike():
+    """Episodes that report `"tool"` counts (the calculator's) give the share that called a tool and the
+    calls per episode, in an eval and in a trained batch (with errors and timeouts); samples without
+    counts are left out of both, and a run without any logs no tool metric."""
+    from miles_core.rollout.batch_metrics import batch_metrics
+    from miles_core.samples import Group
+
+    def episode(p, j, calls, errors=0, timeouts=0):
+        s = _sample(p, j, 1.0, 4, "stop")
+        s.metadata = json.dumps({"task": "arith", "tool": {"calls": calls, "errors": errors, "timeouts": timeouts}})
+        return s
+
+    samples = [episode(0, 0, 0), episode(0, 1, 2, errors=1), episode(1, 0, 1, timeouts=1), _sample(1, 1, 0.0, 3, "stop")]
+    m = aggregate("held", samples, n=2)
+    assert m["eval/held/tool/episode_share"] == pytest.approx(2 / 3)
+    assert m["eval/held/tool/calls_per_episode"] == pytest.approx(1.0)
+    b = batch_metrics([Group("g0", 0, samples[:2]), Group("g1", 1, samples[2:])])
+    assert b["rollout/tool/episode_share"] == pytest.approx(2 / 3) and b["rollout/tool/calls_per_episode"] == 1.0
+    assert (b["rollout/tool/errors"], b["rollout/tool/timeouts"]) == (1.0, 1.0)
+    plain = [_sample(0, 0, 1.0, 4, "stop")]
+    assert not [k for k in aggregate("held", plain, n=1) if "/tool/" in k]
+    assert not [k for k in batch_metrics([Group("g0", 0, plain)]) if "/tool/" in k]
+
+
 def test_metric_patterns_are_the_interface():
     """The exported patterns (checked by the docs) cover every name the code emits."""
     assert set(EVAL_METRIC_PATTERNS) == {
         "eval/{ds}", "eval/{ds}/pass@{k}", "eval/{ds}/truncated_ratio", "eval/{ds}/response_len/mean",
-        "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds", "eval/skipped_{reason}"}
+        "eval/{ds}/tool/episode_share", "eval/{ds}/tool/calls_per_episode", "eval/lag_steps", "eval/duration_seconds", "eval/export_seconds", "eval/skipped_{reason}"}
     assert set(SKIP_REASONS) == {"busy", "export_failed", "ckpt_missing", "crashed", "unhealthy", "pin_violation"}
     with pytest.raises(ValueError):
         eval_skipped_metric("tired")
