@@ -427,6 +427,52 @@ def render_quickstart(results: dict[str, dict]) -> list[str]:
             f"{fig['heldout_pass_at_1']}."]
 
 
+# ----------------------------------------------------------------------------- tool_learning
+
+
+_TOOL_ARMS = {"no-tool": "no tool (single-turn RL)", "tool-untrained": "tool, untrained", "tool-rl": "tool + RL",
+              "unmasked": "tool + RL, tool messages in the loss (control)"}
+
+
+def _pct(x: float | None) -> str:
+    return "—" if x is None else f"{x:.1%}"
+
+
+def render_tool_learning(results: dict[str, dict]) -> list[str]:
+    rec = results["tool_learning"]
+    fig, cfg = rec["figures"], rec["config"]
+    base = {r["arm"]: r for r in rec["rows"] if r["step"] is None}
+    curves: dict[str, list[dict]] = {}
+    for r in rec["rows"]:
+        if r["step"] is not None:
+            curves.setdefault(r["arm"], []).append(r)
+    lines = [measured(rec), "",
+             f"Each trained arm {cfg['minutes']:g} minutes from its launch; held-out greedy accuracy on the first "
+             f"{cfg['eval_prompts']} held-out prompts, a snapshot every {cfg['eval_every']} steps, at the time its "
+             "step finished:", ""]
+    rows = []
+    for arm, label in _TOOL_ARMS.items():
+        start = base.get("tool-untrained" if arm in ("tool-rl", "unmasked", "tool-untrained") else "no-tool")
+        points = curves.get(arm, [])
+        if arm != "tool-untrained" and not points:
+            continue
+        path = " → ".join(f"{p['accuracy']:.0%} ({p['seconds'] / 60:.0f} min)" for p in points) or "(no training)"
+        end = points[-1] if points else start
+        rows.append([label, _pct(start["accuracy"] if start else None), path, f"**{_pct(end['accuracy'])}**",
+                     _pct(end.get("tool_share")), str(fig.get(f"{arm.replace('-', '_')}_steps", "—"))])
+    lines += _table(["arm", "start", "held-out accuracy over time", "at the end", "episodes calling the tool",
+                     "steps"], rows)
+    if fig.get("tool_rl_gain_over_better_baseline") is not None:
+        lines += ["", f"Tool + RL against the better baseline: **{fig['tool_rl_gain_over_better_baseline'] * 100:+.1f} "
+                      "points** (goal: >= 60% and >= +30 points within 30 minutes)."]
+    if fig.get("plain_check_accuracy") is not None:
+        lines += ["", f"The plain transformers loop (its own tool, parser and scoring) on step "
+                      f"{fig['plain_check_step']}'s snapshot: {_pct(fig['plain_check_accuracy'])}, the project's eval "
+                      f"{_pct(fig['project_eval_accuracy'])} (difference {fig['plain_check_difference'] * 100:+.1f} "
+                      "points; goal: within 3)."]
+    return lines
+
+
 RENDERERS = {
     "quickstart": render_quickstart,
     "async_speedup": render_async_speedup,
@@ -435,6 +481,7 @@ RENDERERS = {
     "weights": render_weights,
     "resume": render_resume,
     "real_model": render_real_model,
+    "tool_learning": render_tool_learning,
     "elastic": render_elastic,
     "trace": render_trace,
     "step_overhead": render_step_overhead,

@@ -44,6 +44,17 @@ WARMUP = 2  # steps left out of the medians (the first steps compile and warm ca
 
 def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
     """(mean reward = greedy accuracy on the eval prompts, seconds) of the model at `model_uri`."""
+    t0 = time.perf_counter()
+    dataset, metrics = _evaluate_model(cfg, model_uri)
+    return float(metrics[eval_reward_metric(dataset)]), time.perf_counter() - t0
+
+
+def held_out_accuracy_metrics(cfg, model_uri: str) -> dict[str, float]:
+    """Every eval metric of the model at `model_uri` on the run's first eval dataset."""
+    return _evaluate_model(cfg, model_uri)[1]
+
+
+def _evaluate_model(cfg, model_uri: str) -> tuple[str, dict[str, float]]:
     from miles_core.engines.client import EngineClient
     from miles_core.engines.launcher import EngineServer
     from miles_core.eval.datasets import load_eval_datasets, sampling_from_config
@@ -53,7 +64,6 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
 
     dataset = load_eval_datasets(cfg)[0]
     server = EngineServer(launch_spec(cfg.engine, localize(model_uri, "models"), 0), name="bench-baseline")
-    t0 = time.perf_counter()
     try:
         server.start()
 
@@ -64,7 +74,7 @@ def held_out_accuracy(cfg, model_uri: str) -> tuple[float, float]:
         result = asyncio.run(run())
     finally:
         server.stop()
-    return float(result.metrics[eval_reward_metric(dataset.name)]), time.perf_counter() - t0
+    return dataset.name, dict(result.metrics)
 
 
 def plain_loop(cfg, model_dir: str, steps: int, seed: int = 0) -> list[float]:

@@ -20,9 +20,8 @@ At most `MAX_TOOL_CALLS` calls per episode. The tool runs off the event loop und
 (`"tool": {"calls", "errors", "timeouts"}`): a failing tool is an outcome of the episode, never a
 failed group. The reward is set from the final assistant turn only
 (`arith_reward` for `task = arith` rows), so the tool's own output can never be what gets scored;
-other tasks leave it to the configured reward. SmolLM2-135M rarely calls the tool unprompted: the
-example shows the mechanics (tests/integration/test_calculator_tool.py runs it on the CPU engine);
-teaching the call is what the RL run would do.
+other tasks leave it to the configured reward. `--preset smollm2-calculator` trains SmolLM2-135M to use
+it (docs/agentic.md); `calculator_episode_unmasked` is the masking-bug control of its bench.
 """
 
 from __future__ import annotations

@@ -187,3 +187,20 @@ def test_length_buckets_keep_every_request_and_merge_equal_lengths():
 @pytest.mark.parametrize("path", sorted((ROOT / "bench" / "results").glob("*.json")), ids=lambda p: p.name)
 def test_committed_results_follow_the_schema(path):
     check_schema(load_strict(path), path.stem)
+
+
+@pytest.mark.parametrize("text", ["1458", "964 + 494 = 1458", "The answer is 1,458.", "Sam has 1458 apples.",
+                                  "= 1458 and 7", "none", "1458.5", "-12", "12 + 3 = ", "3.0"])
+def test_the_tool_bench_plain_check_reads_answers_as_the_project_does(text):
+    """bench/tool_learning.py's plain transformers check has its own answer reader and calculator (so a bug
+    in the project's cannot agree with itself); they must mean the same as the project's on every form."""
+    from bench import tool_learning
+    from miles_core.rollout.arith import extract_answer
+    from miles_core.rollout.calculator_tool import tool_result
+
+    assert tool_learning._final_number(text) == extract_answer(text)
+    for expression in ("964 + 494", "(2 + 3) * 4 / 8", "7 / 2", "1 / 0", "2 ** 3", "x + 1", ""):
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        mine, project = tool_learning._tool_answer(f"<tool_call>{call}</tool_call>"), tool_result(call)
+        assert mine.keys() == project.keys() and mine.get("result") == project.get("result"), expression
+    assert tool_learning._tool_answer("no call") is None
