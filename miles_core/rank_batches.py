@@ -19,7 +19,24 @@ from typing import Protocol
 from miles_core.samples import Group, Sample, SampleStatus
 
 EXCLUDED_STATUSES = (SampleStatus.FAILED, SampleStatus.ABORTED, SampleStatus.PENDING)
-Item = tuple[Sample, float]  # a sample and its advantage
+Item = tuple[Sample, "float | list[float]"]  # a sample and its advantage (one value, or one per response token)
+ESTIMATORS = ("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
+WHITEN_EPS = 1e-8  # miles' distributed_masked_whiten
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """How a rollout's rewards become advantages (docs/algorithms.md): --advantage-estimator,
+    --normalize-advantages-std (grpo, gspo), --normalize-advantages (whitening over the rollout's loss
+    tokens), --gamma (reinforce_plus_plus's discount)."""
+    estimator: str = "grpo"
+    normalize_std: bool = True
+    whiten: bool = False
+    gamma: float = 1.0
+
+    @classmethod
+    def from_section(cls, t) -> "AdvantageSettings":
+        return cls(t.advantage_estimator, t.normalize_advantages_std, t.normalize_advantages, t.gamma)
 
 
 class RankBatchError(ValueError):
@@ -88,18 +105,67 @@ def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6):
     return adv
 
 
-def trainable_samples(groups: list[Group], normalize_std: bool) -> list[Item]:
-    """(sample, advantage) for every sample that can be trained on, advantages per group."""
+def trainable_samples(groups: list[Group], normalize_std: bool = True,
+                      settings: AdvantageSettings | None = None) -> list[Item]:
+    """(sample, advantage) for every sample that can be trained on (`settings`, default GRPO with
+    `normalize_std`):
+    - grpo, gspo: r - mean(r) of the sample's group, divided by the group's std with normalize_std;
+    - reinforce_plus_plus_baseline: r - mean(r) of the group (never divided by its std);
+    - reinforce_plus_plus: the discounted return of the reward placed on the sample's last loss token,
+      G_t = gamma^(last - t) r for t <= last, 0 after it (one value per token unless gamma is 1);
+    then, with `whiten`, every value minus the rollout's mean over loss tokens, divided by its std
+    (unbiased) + 1e-8 under the root, as miles' --normalize-advantages."""
     import torch
 
-    out = []
+    settings = settings or AdvantageSettings(normalize_std=normalize_std)
+    if settings.estimator not in ESTIMATORS:
+        raise RankBatchError(f"--advantage-estimator={settings.estimator}: not one of {', '.join(ESTIMATORS)}")
+    out: list[Item] = []
     for g in groups:
         kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
         if not kept:
             continue
-        adv = grpo_advantages(torch.tensor([s.reward for s in kept], dtype=torch.float64), normalize_std)
-        out.extend(zip(kept, adv.tolist()))
-    return out
+        rewards = torch.tensor([s.reward for s in kept], dtype=torch.float64)
+        if settings.estimator in ("grpo", "gspo"):
+            adv: list = grpo_advantages(rewards, settings.normalize_std).tolist()
+        elif settings.estimator == "reinforce_plus_plus_baseline":
+            adv = (rewards - rewards.mean()).tolist()
+        else:
+            adv = [discounted_returns(float(r), loss_mask(s), settings.gamma) for r, s in zip(rewards.tolist(), kept)]
+        out.extend(zip(kept, adv))
+    return whiten(out) if settings.whiten else out
+
+
+def discounted_returns(reward: float, mask: list[int], gamma: float) -> "float | list[float]":
+    """REINFORCE++'s per-token return of a terminal reward on the last loss token (miles'
+    get_reinforce_plus_plus_returns with no KL in the reward): the reward itself when gamma is 1."""
+    if gamma == 1.0 or not any(mask):
+        return reward
+    last = max(i for i, m in enumerate(mask) if m)
+    return [reward * gamma ** (last - t) if t <= last else 0.0 for t in range(len(mask))]
+
+
+def whiten(items: list[Item]) -> list[Item]:
+    """Advantages shifted and scaled by the mean and unbiased std over every loss token of `items`."""
+    import math
+
+    total = total_sq = count = 0.0
+    for s, a in items:
+        for m, v in zip(loss_mask(s), _per_token(a, len(s.response_ids))):
+            total, total_sq, count = total + m * v, total_sq + m * v * v, count + m
+    if count == 0:
+        return items
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count >= 2:
+        var *= count / (count - 1)
+    scale = 1.0 / math.sqrt(max(var, 0.0) + WHITEN_EPS)
+    return [(s, (a - mean) * scale if isinstance(a, (int, float)) else [(v - mean) * scale for v in a])
+            for s, a in items]
+
+
+def _per_token(advantage: "float | list[float]", n: int) -> list[float]:
+    return [float(advantage)] * n if isinstance(advantage, (int, float)) else list(advantage)
 
 
 def optimizer_batches(items: list, steps: int) -> list[list]:
@@ -141,9 +207,9 @@ def shard(items: list, dp_size: int, dp_rank: int, balance: bool, tokens=len) ->
 
 
 def split_rollout(groups: list[Group], layout: DataLayout, *, optimizer_steps: int, balance: bool,
-                  normalize_std: bool) -> list[RankBatch]:
+                  normalize_std: bool = True, advantages: AdvantageSettings | None = None) -> list[RankBatch]:
     """The rollout's part for each DP rank (index = DP rank)."""
-    items = trainable_samples(groups, normalize_std)
+    items = trainable_samples(groups, normalize_std, advantages)
     parts = [RankBatch(r, samples=len(items)) for r in range(layout.dp_size)]
     for batch in optimizer_batches(items, optimizer_steps):
         tokens = float(sum(sum(loss_mask(s)) for s, _ in batch))
@@ -155,10 +221,10 @@ def split_rollout(groups: list[Group], layout: DataLayout, *, optimizer_steps: i
 
 def split_for_run(groups: list[Group], layout: DataLayout, cfg) -> list[RankBatch]:
     """`split_rollout` with the run's settings (`cfg`, a RunConfig): --global-batch-size's optimizer steps,
-    --balance-data and --normalize-advantages-std."""
+    --balance-data and the advantage settings (AdvantageSettings.from_section)."""
     t = cfg.train
     return split_rollout(groups, layout, optimizer_steps=cfg.optimizer_steps_per_rollout, balance=t.balance_data,
-                         normalize_std=t.normalize_advantages_std)
+                         advantages=AdvantageSettings.from_section(t))
 
 
 @dataclass

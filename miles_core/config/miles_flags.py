@@ -19,7 +19,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "--moe-input-jitter-eps": "the router adds no jitter (log-probs must match the engine's)",
     "--moe-use-legacy-grouped-gemm": "the trainer's routed experts are Megatron's SequentialMLP",
     "--moe-layer-recompute": "use --recompute-granularity (full or selective)",
-    "--kl-loss-type": "the KL term is the k3 (low_var_kl) estimator, always",
     "--optimizer": "the optimizer is Adam(W) always",
     "--lr-decay-style": "the learning rate is constant",
     "--adam-beta1": "Adam betas are fixed at (0.9, 0.999)",

@@ -529,6 +529,9 @@ def _unsupported(cfg: RunConfig) -> list[str]:
     if cfg.train.advantage_estimator == "ppo":
         p.append("--advantage-estimator=ppo is not supported: the trainer has no critic (value model); "
                  "use --advantage-estimator=grpo.")
+    if cfg.train.kl_coef != 0:
+        p.append(f"--kl-coef={cfg.train.kl_coef} (miles' KL penalty in the reward) is not supported: the KL "
+                 "enters the loss instead; use --use-kl-loss --kl-loss-coef (docs/algorithms.md).")
     return p
 
 
@@ -538,8 +541,14 @@ def _loss_rules(cfg: RunConfig) -> list[str]:
     if t.use_rollout_logprobs and t.use_tis:
         p.append("--use-rollout-logprobs excludes --use-tis (TIS reweights against the rollout log-probs "
                  "itself); pass --no-use-rollout-logprobs with --use-tis, or drop --use-tis.")
-    if t.advantage_estimator == "grpo" and cfg.rollout.n_samples_per_prompt < 2:
-        p.append("--advantage-estimator=grpo needs --n-samples-per-prompt >= 2 (a group of one has no baseline).")
+    if t.advantage_estimator in ("grpo", "gspo", "reinforce_plus_plus_baseline") and cfg.rollout.n_samples_per_prompt < 2:
+        p.append(f"--advantage-estimator={t.advantage_estimator} needs --n-samples-per-prompt >= 2 (a group of one "
+                 "has no baseline).")
+    if t.advantage_estimator.startswith("reinforce_plus_plus") and not t.normalize_advantages:
+        p.append(f"--advantage-estimator={t.advantage_estimator} needs --normalize-advantages (as in miles: its "
+                 "advantages are whitened over the batch).")
+    if not 0.0 < t.gamma <= 1.0:
+        p.append(f"--gamma={t.gamma} must be in (0, 1].")
     if t.kl_loss_coef < 0:
         p.append(f"--kl-loss-coef={t.kl_loss_coef} must be >= 0 (0 with --use-kl-loss: the KL is measured, not penalised).")
     return p

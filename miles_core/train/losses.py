@@ -37,15 +37,50 @@ class LossConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.0
     entropy_coef: float = 0.0
+    kl_loss_type: str = "k1"
+    sequence_ratio: bool = False  # gspo: one importance ratio per sequence
 
     @classmethod
     def from_section(cls, t) -> "LossConfig":
         return cls(t.eps_clip, t.eps_clip_high, t.use_tis, t.tis_clip, t.tis_clip_low, t.use_rollout_logprobs,
-                   t.use_decoupled_loss, t.use_kl_loss, t.kl_loss_coef, t.entropy_coef)
+                   t.use_decoupled_loss, t.use_kl_loss, t.kl_loss_coef, t.entropy_coef, t.kl_loss_type,
+                   t.advantage_estimator == "gspo")
 
     @property
     def needs_rollout_logprobs(self) -> bool:
         return self.use_decoupled_loss or self.use_rollout_logprobs or self.use_tis
+
+
+LOG_RATIO_CLAMP = 20.0  # low_var_kl's clamp of the log-ratio (miles' _safe_clamp_log_ratio)
+
+
+def approx_kl(logp: Tensor, ref_logp: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from sampled tokens, miles' --kl-loss-type (Schulman's k1/k2/k3):
+    with d = logp - ref_logp, k1 = d, k2 = d^2 / 2, k3 = exp(-d) - 1 + d; low_var_kl = k3 with -d clamped
+    to [-20, 20] and the value to [-10, 10]."""
+    d = logp.float() - ref_logp.float()
+    if kind == "k1":
+        return d
+    if kind == "k2":
+        return d * d / 2.0
+    if kind not in ("k3", "low_var_kl"):
+        raise ValueError(f"--kl-loss-type={kind!r}: not one of k1, k2, k3, low_var_kl")
+    neg = -d
+    if kind == "low_var_kl":
+        neg = torch.nan_to_num(neg, nan=0.0, posinf=LOG_RATIO_CLAMP, neginf=-LOG_RATIO_CLAMP).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    kl = neg.exp() - 1.0 - neg
+    return kl.clamp(-10.0, 10.0) if kind == "low_var_kl" else kl
+
+
+def sequence_mean(values: Tensor, mask: Tensor, segments: Tensor) -> Tensor:
+    """Each token's value replaced by the mean over the loss tokens of its sequence (`segments`: the
+    sequence's number on its tokens, 0 elsewhere); differentiable (gspo's sequence-level log-ratio)."""
+    seg = segments.long().flatten()
+    n = int(seg.max()) + 1 if seg.numel() else 1
+    total = values.new_zeros(n).index_add(0, seg, (values * mask).flatten())
+    count = mask.new_zeros(n).index_add(0, seg, mask.flatten()).clamp(min=1.0)
+    return (total / count)[seg].view_as(values)
 
 
 def token_entropy(logits: Tensor) -> Tensor:
@@ -55,7 +90,7 @@ def token_entropy(logits: Tensor) -> Tensor:
 
 def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor, *, total_tokens: float,
                 rollout_logp: Tensor | None = None, ref_logp: Tensor | None = None,
-                entropy: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
+                entropy: Tensor | None = None, segments: Tensor | None = None) -> tuple[Tensor, dict[str, float]]:
     """(loss to backprop, metric sums) for one micro-batch.
 
     `advantages` is per token (the sample's advantage broadcast over its response). The loss is
@@ -79,6 +114,10 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         old, weight_raw = current, None
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     log_ratio = logp - old
+    if cfg.sequence_ratio:  # gspo: exp of the sequence's mean log-ratio on each of its tokens
+        if segments is None:
+            raise ValueError("gspo needs each token's sequence (segments)")
+        log_ratio = sequence_mean(log_ratio, mask, segments)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
@@ -95,8 +134,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         per_token = per_token - cfg.entropy_coef * entropy
     kl_sum = 0.0
     if cfg.use_kl_loss and ref_logp is not None:
-        d = ref_logp - logp
-        kl = torch.exp(d) - d - 1.0  # k3 estimator: unbiased, non-negative
+        kl = approx_kl(logp, ref_logp, cfg.kl_loss_type)
         per_token = per_token + cfg.kl_loss_coef * kl
         kl_sum = float((kl.detach() * mask).sum())
     loss = (per_token * mask).sum() / max(total_tokens, 1.0)

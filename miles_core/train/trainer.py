@@ -38,7 +38,7 @@ from safetensors.torch import save_file
 from miles_core.config.rules import moe_aux_loss_coeff, moe_flag_problems
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.rank_batches import DataLayout, RankBatch, RankStep, split_rollout
+from miles_core.rank_batches import ESTIMATORS, AdvantageSettings, DataLayout, RankBatch, RankStep, split_rollout
 from miles_core.rank_batches import loss_mask as _loss_mask
 from miles_core.rank_batches import sequence_length as _length
 from miles_core.samples import Group, Sample
@@ -62,9 +62,9 @@ class TrainError(RuntimeError):
 
 class Trainer:
     def __init__(self, train, hf_dir: str, *, seed: int = 1, optimizer_steps: int = 1):
-        if train.advantage_estimator != "grpo":
-            raise TrainError(f"--advantage-estimator={train.advantage_estimator}: only grpo is implemented "
-                             "(a critic is not); use --advantage-estimator grpo.")
+        if train.advantage_estimator not in ESTIMATORS:
+            raise TrainError(f"--advantage-estimator={train.advantage_estimator}: not supported (a critic is not "
+                             f"implemented); use one of {', '.join(ESTIMATORS)}.")
         self.cfg = train
         self.optimizer_steps = optimizer_steps  # per rollout (--global-batch-size)
         self.loss_cfg = LossConfig.from_section(train)
@@ -137,7 +137,7 @@ class Trainer:
         part, miles_core.rank_batches); see `train_part`."""
         layout = DataLayout(self.dp_size, self.tp)
         parts = split_rollout(groups, layout, optimizer_steps=self.optimizer_steps, balance=self.cfg.balance_data,
-                              normalize_std=self.cfg.normalize_advantages_std)
+                              advantages=AdvantageSettings.from_section(self.cfg))
         return self.train_part(step, parts[self.dp_rank])
 
     def train_part(self, step: int, part: RankBatch) -> dict[str, float]:
@@ -232,7 +232,8 @@ class Trainer:
             with torch.no_grad(), self._replaying(self.ref_model, routes, **replay):
                 ref_logp, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"], **row)
         loss, sums = policy_loss(self.loss_cfg, logp, batch["advantages"], batch["mask"], total_tokens=total_tokens,
-                                 rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy)
+                                 rollout_logp=batch.get("rollout_logp"), ref_logp=ref_logp, entropy=entropy,
+                                 segments=batch["segments"])
         if routes is not None:
             sums.update(_routing_sums(seen))
         aux_tokens = self._weigh_moe_aux_loss(batch["mask"], total_tokens)
@@ -501,7 +502,9 @@ def _sample_tensors(items, need_rollout: bool, use_loss_mask: bool) -> tuple[lis
         p, r = len(s.prompt_ids), len(s.response_ids)
         tokens.append(torch.tensor(list(s.prompt_ids) + list(s.response_ids), dtype=torch.long))
         mask = _loss_mask(s) if use_loss_mask else [1] * r
-        row = {"mask": _on_targets(p, mask), "advantages": _on_targets(p, [a] * r)}
+        per_token = [float(a)] * r if isinstance(a, (int, float)) else list(a)
+        row = {"mask": _on_targets(p, mask), "advantages": _on_targets(p, per_token),
+               "segments": _on_targets(p, [float(len(tokens))] * r)}  # the sample's number (from 1), for gspo
         if need_rollout:
             row["rollout_logp"] = _on_targets(p, _rollout_logprobs(s))
         targets.append(row)

@@ -121,7 +121,7 @@ def test_kl_and_entropy_terms():
 
     logp = ln .5, rollout = ln .5, A = 0: loss = 0.5 * 0.19315 - 0.1 * ln 2.
     """
-    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1)
+    cfg = LossConfig(use_kl_loss=True, kl_loss_coef=0.5, entropy_coef=0.1, kl_loss_type="k3")
     loss, m, _ = _ppo(cfg, _t(ln(.5)), _t(ln(.5)), _t(0), _t(1), ref_logp=_t(ln(.25)), entropy=_t(ln(2)))
     kl = 0.5 - ln(0.5) - 1
     assert loss == pytest.approx(0.5 * kl - 0.1 * ln(2))

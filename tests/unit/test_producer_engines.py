@@ -12,7 +12,7 @@ import asyncio
 
 from miles_core.config import parse_flags
 from miles_core.rollout.manager import RolloutManager
-from tests.unit.test_producer import MemoryBuffer, ScriptedEngine, rig, rows, run, settle
+from tests.unit.test_producer import MemoryBuffer, ScriptedEngine, rig, rows, run, settle, until
 
 
 def test_no_engine_no_group_until_one_joins():
@@ -28,7 +28,8 @@ def test_no_engine_no_group_until_one_joins():
         r.producer.set_engines_available(False)  # the last engine leaves
         for c in list(eng.calls):
             eng.finish(c)
-        await settle(0.1)
+        await until(lambda: r.producer.in_flight_groups == 0 and len(r.buffer.queue) == 2)  # rewards run on threads
+        await settle(0.1)  # a group started after the fleet emptied would have called by now
         assert len(eng.calls) == 4 and r.producer.in_flight_groups == 0 and len(r.buffer.queue) == 2
         await r.producer.stop(grace_seconds=1)
 

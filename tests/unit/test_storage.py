@@ -159,11 +159,14 @@ def test_concurrent_writer_reader_never_see_partial(store):
     Guards: non-atomic commits (write in place) that expose a partial object to the trainer (§14)."""
     store.put_bytes("hot", _payload(0))
     stop, errors, reads = threading.Event(), [], [0]
+    read_once = threading.Event()
 
     def writer():
         for i in range(1, 60):
             store.put_bytes("hot", _payload(i))
             store.put_bytes(f"seq/{i:012d}", _payload(i))
+            if i == 30:  # half-way, until a reader has read: the reads overlap the writes, however loaded
+                read_once.wait(60)
         stop.set()
 
     def reader():
@@ -175,6 +178,7 @@ def test_concurrent_writer_reader_never_see_partial(store):
                 if TMP_MARK in key or not _complete(store.get_bytes(key)):
                     errors.append(f"partial or temporary object listed: {key}")
             reads[0] += 1
+            read_once.set()
 
     threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader) for _ in range(2)]
     for t in threads:

@@ -33,6 +33,7 @@ from miles_core.config.sections import TrainSection
 from miles_core.metrics import names as N
 from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.samples import Group, Sample, SampleStatus
+from miles_core.train.losses import LossConfig
 from miles_core.train.megatron_model import masked_token_logprobs, unwrap
 from miles_core.train.packing import block_causal_mask, pack_rows, plan_micro_batches
 from miles_core.rank_batches import trainable_samples
@@ -131,7 +132,7 @@ def test_packed_rows_have_no_padding_and_padded_ones_do():
 @pytest.fixture(scope="module", params=["builtin:tiny-gpt", "builtin:tiny-llama"])
 def trainer(request, tmp_path_factory):
     hf_dir = materialize_checkpoint(request.param, 1, str(tmp_path_factory.mktemp(request.param.replace(":", "-"))))
-    cfg = dataclasses.replace(PADDED, use_kl_loss=True, kl_loss_coef=0.1)
+    cfg = dataclasses.replace(PADDED, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
     with Trainer(cfg, hf_dir) as tr:
         torch.manual_seed(0)
         with torch.no_grad():  # a reference that differs from the policy: the KL term has gradients
@@ -224,3 +225,27 @@ def _launch(tmp: str) -> None:
     os.environ.update(strict.ENV)
     fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(DP)])
     exit_launcher(0)
+
+
+@pytest.mark.parametrize("estimator, extra", [("gspo", {}),
+                                              ("reinforce_plus_plus", {"normalize_advantages": True, "gamma": 0.9})])
+def test_sequence_ratios_and_per_token_advantages_pack_like_the_padded_step(trainer, estimator, extra):
+    """gspo's per-sequence ratio finds its sequence in a packed row as in a padded one, and
+    reinforce_plus_plus's per-token discounted advantages travel with their tokens (lr=0)."""
+    saved_cfg, saved_loss = trainer.cfg, trainer.loss_cfg
+    base = dataclasses.replace(saved_cfg, advantage_estimator=estimator, **extra)
+    trainer.loss_cfg = LossConfig.from_section(base)
+    try:
+        trainer.cfg = base
+        m_pad = trainer.train_step(0, _groups())
+        g_pad = _grads(trainer)
+        trainer.cfg = dataclasses.replace(base, use_dynamic_batch_size=True, max_tokens_per_gpu=BUDGET)
+        m_pack = trainer.train_step(0, _groups())
+        g_pack = _grads(trainer)
+    finally:
+        trainer.cfg, trainer.loss_cfg = saved_cfg, saved_loss
+    assert m_pad["train/grad_norm"] > 0
+    for key in LOSS_KEYS:
+        assert m_pack[key] == pytest.approx(m_pad[key], rel=RTOL, abs=1e-7), key
+    for name, g in g_pad.items():
+        torch.testing.assert_close(g_pack[name], g, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")

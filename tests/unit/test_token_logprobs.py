@@ -29,7 +29,7 @@ torch.set_num_threads(1)
 
 ATOL = 1e-5
 CHUNK = 3
-CFG = dataclasses.replace(TrainSection(), entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+CFG = dataclasses.replace(TrainSection(), entropy_coef=0.01, use_kl_loss=True, kl_loss_coef=0.1, kl_loss_type="k3")
 
 
 @pytest.fixture(scope="module", params=["builtin:tiny-gpt", "builtin:tiny-llama", "untied-llama"])
