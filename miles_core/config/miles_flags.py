@@ -19,6 +19,9 @@ NOT_SUPPORTED: dict[str, str] = {
     "--moe-input-jitter-eps": "the router adds no jitter (log-probs must match the engine's)",
     "--moe-use-legacy-grouped-gemm": "the trainer's routed experts are Megatron's SequentialMLP",
     "--moe-layer-recompute": "use --recompute-granularity (full or selective)",
+    "--disable-grpo-std-normalization": "spell it --no-normalize-advantages-std",
+    "--disable-rewards-normalization": "the group mean is always subtracted (grpo, gspo, "
+                                       "reinforce_plus_plus_baseline); use reinforce_plus_plus for raw rewards",
     "--optimizer": "the optimizer is Adam(W) always",
     "--lr-decay-style": "the learning rate is constant",
     "--adam-beta1": "Adam betas are fixed at (0.9, 0.999)",
