@@ -16,6 +16,7 @@ import os
 
 import fsspec
 
+from miles_core.config.miles_flags import RM_TYPES, rm_type_supported
 from miles_core.config.sections import MetricsSection, TrainSection
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.storage import InvalidName, validate_name
@@ -529,6 +530,9 @@ def _unsupported(cfg: RunConfig) -> list[str]:
     if cfg.train.advantage_estimator == "ppo":
         p.append("--advantage-estimator=ppo is not supported: the trainer has no critic (value model); "
                  "use --advantage-estimator=grpo.")
+    if cfg.rollout.rm_type and not rm_type_supported(cfg.rollout.rm_type):
+        p.append(f"--rm-type={cfg.rollout.rm_type} is not supported: supported are {', '.join(RM_TYPES)} "
+                 f"(each also as boxed_NAME), or your own --custom-rm-path module:function.")
     if cfg.train.kl_coef != 0:
         p.append(f"--kl-coef={cfg.train.kl_coef} (miles' KL penalty in the reward) is not supported: the KL "
                  "enters the loss instead; use --use-kl-loss --kl-loss-coef (docs/algorithms.md).")

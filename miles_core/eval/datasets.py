@@ -168,10 +168,10 @@ def _label(value) -> str:
 
 
 def _custom_reward(cfg) -> RewardFn | None:
-    if not cfg.rollout.custom_rm_path:
+    if not cfg.rollout.custom_rm_path and not cfg.rollout.rm_type:
         return None
 
-    return reward_from_function(load_reward(cfg.rollout.custom_rm_path), _decoder(cfg))
+    return reward_from_function(load_reward(cfg.rollout.custom_rm_path, cfg.rollout.rm_type), _decoder(cfg))
 
 
 def _decoder(cfg):

@@ -62,7 +62,7 @@ def _is_local(source: str) -> bool:
 
 
 def _rows_problems(cfg: RunConfig, flag: str, source: str) -> list[str]:
-    builtin = not cfg.rollout.custom_rm_path and not cfg.rollout.custom_generate_function_path
+    builtin = not cfg.rollout.custom_rm_path and not cfg.rollout.rm_type and not cfg.rollout.custom_generate_function_path
     missing_prompt, missing_label, unscored = [], [], []
     try:
         for where, row in islice(source_rows(source), MAX_ROWS):

@@ -150,10 +150,16 @@ task_reward.needs_text = True
 # ----------------------------------------------------------------------------- scoring
 
 
-def load_reward(path: str) -> Callable:
-    """`--custom-rm-path` (empty: the built-in `task_reward`), resolved and checked."""
-    fn = load_plugin(path, "--custom-rm-path") if path else task_reward
-    return fn
+def load_reward(path: str, rm_type: str = "") -> Callable:
+    """The run's reward: `--custom-rm-path` resolved and checked, else `--rm-type`'s
+    (miles_core.rollout.rm_types), else the built-in `task_reward`."""
+    if path:
+        return load_plugin(path, "--custom-rm-path")
+    if rm_type:
+        from miles_core.rollout.rm_types import rm_type_reward
+
+        return rm_type_reward(rm_type)
+    return task_reward
 
 
 def signature_problem(fn: Callable, name: str | None = None) -> str | None:
