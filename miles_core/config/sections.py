@@ -166,6 +166,8 @@ class TrainSection:
     tis_clip: float = opt(2.0, "Upper clamp of the TIS weight.")
     tis_clip_low: float = opt(0.0, "Lower clamp of the TIS weight.")
     use_rollout_logprobs: bool = opt(False, "Use the engine's log-probs as the PPO ratio denominator (exclusive with --use-tis).")
+    use_opsm: bool = opt(False, "Off-policy sequence masking (miles' OPSM): a sequence with a negative advantage whose mean log-ratio old/current over its loss tokens exceeds --opsm-delta is left out of the policy loss (docs/algorithms.md).")
+    opsm_delta: float = opt(1e-4, "OPSM's threshold on a sequence's mean log(p_old / p) (miles' default).")
     use_decoupled_loss: bool = opt(False, "Decoupled PPO: proximal policy = trainer weights before the step, behaviour = rollout log-probs.")
     use_kl_loss: bool = opt(False, "KL penalty to the initial (reference) model.")
     kl_loss_type: str = opt("k1", "The KL estimator of --use-kl-loss, as miles names them (docs/algorithms.md): k1 = log(p/p_ref), k2 = log(p/p_ref)^2 / 2, k3 = p_ref/p - 1 - log(p_ref/p), low_var_kl = k3 with its log-ratio clamped to [-20, 20] and the value to [-10, 10].", choices=("k1", "k2", "k3", "low_var_kl"))

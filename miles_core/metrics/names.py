@@ -203,6 +203,7 @@ GRAD_NORM = "train/grad_norm"
 ENTROPY = "train/entropy"
 LOSS = "train/loss"
 KL_LOSS = "train/kl_loss"  # summed and logged only under --use-kl-loss; not in the reference
+OPSM_CLIPFRAC = "train/opsm_clipfrac"  # summed and logged only under --use-opsm; not in the reference
 LOSS_METRICS: dict[str, str] = {
     TIS_MEAN: "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
     TIS_CLIPFRAC: "Fraction of tokens whose importance weight was clamped.",

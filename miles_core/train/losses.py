@@ -39,12 +39,14 @@ class LossConfig:
     entropy_coef: float = 0.0
     kl_loss_type: str = "k1"
     sequence_ratio: bool = False  # gspo: one importance ratio per sequence
+    use_opsm: bool = False
+    opsm_delta: float = 1e-4
 
     @classmethod
     def from_section(cls, t) -> "LossConfig":
         return cls(t.eps_clip, t.eps_clip_high, t.use_tis, t.tis_clip, t.tis_clip_low, t.use_rollout_logprobs,
                    t.use_decoupled_loss, t.use_kl_loss, t.kl_loss_coef, t.entropy_coef, t.kl_loss_type,
-                   t.advantage_estimator == "gspo")
+                   t.advantage_estimator == "gspo", t.use_opsm, t.opsm_delta)
 
     @property
     def needs_rollout_logprobs(self) -> bool:
@@ -114,15 +116,21 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         old, weight_raw = current, None
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
     log_ratio = logp - old
+    if (cfg.sequence_ratio or cfg.use_opsm) and segments is None:
+        raise ValueError("gspo and --use-opsm need each token's sequence (segments)")
+    opsm_keep = None
+    if cfg.use_opsm:  # a sequence pushed down (A < 0) while far from the policy that generated it is left out
+        seq_kl = sequence_mean((old - current), mask, segments)
+        opsm_keep = 1.0 - ((advantages < 0) & (seq_kl > cfg.opsm_delta)).to(logp.dtype)
     if cfg.sequence_ratio:  # gspo: exp of the sequence's mean log-ratio on each of its tokens
-        if segments is None:
-            raise ValueError("gspo needs each token's sequence (segments)")
         log_ratio = sequence_mean(log_ratio, mask, segments)
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * ratio.clamp(1.0 - cfg.eps_clip, 1.0 + eps_high)
     pg = torch.maximum(pg1, pg2)
     clipped = (pg2 > pg1).to(logp.dtype)
+    if opsm_keep is not None:
+        pg = pg * opsm_keep
     if weight_raw is not None:
         weight = weight_raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
         tis_clipped = ((weight_raw < cfg.tis_clip_low) | (weight_raw > cfg.tis_clip)).to(logp.dtype)
@@ -153,6 +161,8 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
     }
     if cfg.use_kl_loss:
         sums[N.KL_LOSS] = kl_sum
+    if opsm_keep is not None:
+        sums[N.OPSM_CLIPFRAC] = s(1.0 - opsm_keep)
     return loss, sums
 
 
@@ -161,7 +171,7 @@ SUM_KEYS = (N.TIS_MEAN, N.TIS_CLIPFRAC, N.PPO_KL, N.PG_CLIPFRAC, N.TRAIN_ROLLOUT
 
 def sum_keys(cfg: LossConfig) -> tuple[str, ...]:
     """The keys of `policy_loss`'s sums under `cfg` (ranks without samples report zeros for them)."""
-    return SUM_KEYS + ((N.KL_LOSS,) if cfg.use_kl_loss else ())
+    return SUM_KEYS + ((N.KL_LOSS,) if cfg.use_kl_loss else ()) + ((N.OPSM_CLIPFRAC,) if cfg.use_opsm else ())
 
 
 def finalize_metrics(sums: dict[str, float], total_tokens: float) -> dict[str, float]:

@@ -154,3 +154,26 @@ def test_flags_refused_or_required_by_name():
     assert AdvantageSettings.from_section(cfg.train) == AdvantageSettings("reinforce_plus_plus_baseline", True, True, 1.0)
     assert LossConfig.from_section(cfg.train).kl_loss_type == "low_var_kl"
     assert LossConfig.from_section(parse_flags(["--preset", "tiny-reverse4", "--advantage-estimator", "gspo"]).train).sequence_ratio
+
+
+def test_opsm_masks_pushed_down_stale_sequences_by_hand():
+    """Three sequences, old = rollout log-probs, delta 0.1.
+    Sequence 1 (2 tokens, A = -1): old - logp = [ln 2, 0] -> seq_kl ln(2)/2 = 0.347 > 0.1: masked.
+    Sequence 2 (1 token, A = -1): old - logp = ln(1.05) = 0.049 < 0.1: kept, ratio 1/1.05 = 0.952 (inside
+    [0.8, 1.2]): loss +0.952. Sequence 3 (1 token, A = +1): old - logp = ln 2 > 0.1 but A > 0: kept;
+    ratio 0.5, and for A > 0 only the upper clip binds: loss -0.5.
+    Loss over 4 loss tokens: (0 + 0 + 0.952381 - 0.5) / 4 = 0.113095; opsm_clipfrac 2/4."""
+    logp = torch.log(torch.tensor([[0.25, 0.5, 0.5, 0.25]], dtype=torch.float64)).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.525, 0.5]], dtype=torch.float64))
+    adv = torch.tensor([[-1.0, -1.0, -1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    segments = torch.tensor([[1.0, 1.0, 2.0, 3.0]], dtype=torch.float64)
+    cfg = LossConfig(use_rollout_logprobs=True, use_opsm=True, opsm_delta=0.1)
+    loss, sums = policy_loss(cfg, logp, adv, mask, total_tokens=4.0, rollout_logp=old, segments=segments)
+    loss.backward()
+    assert loss.item() == pytest.approx((0.5 / 0.525 - 0.5) / 4)
+    assert finalize_metrics(sums, 4.0)["train/opsm_clipfrac"] == pytest.approx(0.5)
+    assert logp.grad.tolist()[0][:2] == [0.0, 0.0]  # the masked sequence gets no gradient
+    plain, _ = policy_loss(LossConfig(use_rollout_logprobs=True), logp.detach(), adv, mask, total_tokens=4.0,
+                           rollout_logp=old, segments=segments)
+    assert plain.item() == pytest.approx((0.8 + 1.0 + 0.5 / 0.525 - 0.5) / 4)  # ratio 0.5 clipped to 0.8 for A < 0
