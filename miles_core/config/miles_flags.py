@@ -3,7 +3,6 @@ instead (docs/real-model.md: never accepted and ignored). A miles recipe's comma
 one line per such flag instead of a bare "unknown flag"."""
 
 NOT_SUPPORTED: dict[str, str] = {
-    "--rm-url": "call the reward model from an async --custom-rm-path function (docs/bring-your-own.md)",
     "--reward-key": "return the reward value from --custom-rm-path",
     "--rollout-num-gpus": "use --rollout-num-engines x --rollout-num-gpus-per-engine",
     "--moe-grouped-gemm": "the trainer's routed experts are Megatron's SequentialMLP (one MLP per expert, the "
@@ -51,7 +50,8 @@ def not_supported_message(flag: str) -> str | None:
 # miles' --rm-type values implemented by miles_core.rollout.rm_types (each also as boxed_NAME)
 RM_TYPES = ("math", "deepscaler", "dapo", "f1")
 BOXED = "boxed_"
+REMOTE_RM = "remote_rm"  # the reward model at --rm-url (miles_core.rollout.remote_rm)
 
 
 def rm_type_supported(name: str) -> bool:
-    return name.removeprefix(BOXED) in RM_TYPES
+    return name == REMOTE_RM or name.removeprefix(BOXED) in RM_TYPES

@@ -16,7 +16,7 @@ import os
 
 import fsspec
 
-from miles_core.config.miles_flags import RM_TYPES, rm_type_supported
+from miles_core.config.miles_flags import REMOTE_RM, RM_TYPES, rm_type_supported
 from miles_core.config.sections import MetricsSection, TrainSection
 from miles_core.config.tree import ConfigError, RunConfig, flag_table
 from miles_core.storage import InvalidName, validate_name
@@ -532,7 +532,12 @@ def _unsupported(cfg: RunConfig) -> list[str]:
                  "use --advantage-estimator=grpo.")
     if cfg.rollout.rm_type and not rm_type_supported(cfg.rollout.rm_type):
         p.append(f"--rm-type={cfg.rollout.rm_type} is not supported: supported are {', '.join(RM_TYPES)} "
-                 f"(each also as boxed_NAME), or your own --custom-rm-path module:function.")
+                 f"(each also as boxed_NAME), remote_rm with --rm-url, or your own --custom-rm-path module:function.")
+    if (cfg.rollout.rm_type == REMOTE_RM) != bool(cfg.rollout.rm_url):
+        p.append("--rm-type remote_rm and --rm-url go together (as in miles): the reward model's URL, and the "
+                 "reward type that calls it.")
+    if cfg.rollout.rm_url and not cfg.rollout.rm_url.startswith(("http://", "https://")):
+        p.append(f"--rm-url={shown_url(cfg.rollout.rm_url)!r} must be an http:// or https:// URL.")
     if cfg.train.kl_coef != 0:
         p.append(f"--kl-coef={cfg.train.kl_coef} (miles' KL penalty in the reward) is not supported: the KL "
                  "enters the loss instead; use --use-kl-loss --kl-loss-coef (docs/algorithms.md).")
@@ -693,3 +698,11 @@ def recompute_layers_problem(num_layers: int, method: str | None, recompute_num_
         return (f"--recompute-num-layers={recompute_num_layers} must be at most the model's {num_layers} layers "
                 "under --recompute-method=block (layers recomputed)")
     return None
+
+
+def shown_url(url: str) -> str:
+    """A URL without its query string or credentials (an error message must not print a secret)."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    return f"{u.scheme}://{u.hostname or ''}{u.path}" if u.scheme else url.split("?", 1)[0].split("@")[-1]

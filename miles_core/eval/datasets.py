@@ -171,7 +171,8 @@ def _custom_reward(cfg) -> RewardFn | None:
     if not cfg.rollout.custom_rm_path and not cfg.rollout.rm_type:
         return None
 
-    return reward_from_function(load_reward(cfg.rollout.custom_rm_path, cfg.rollout.rm_type), _decoder(cfg))
+    r = cfg.rollout
+    return reward_from_function(load_reward(r.custom_rm_path, r.rm_type, r.rm_url, _decoder(cfg)), _decoder(cfg))
 
 
 def _decoder(cfg):

@@ -143,7 +143,8 @@ def make_producer(cfg, source: DataSource, engine, sink_for: Callable[[Producer]
     submission budget, staleness admission (`max_staleness=None`: none; True: the run's), sampling
     settings and the custom generate function, all from the run's config."""
     r = cfg.rollout
-    rewarder = Rewarder(load_reward(r.custom_rm_path, r.rm_type), decode or tokenizer_decode(cfg),
+    decode = decode or tokenizer_decode(cfg)
+    rewarder = Rewarder(load_reward(r.custom_rm_path, r.rm_type, r.rm_url, decode), decode,
                         timeout_seconds=r.reward_timeout_seconds)
     budget = SubmissionBudget(cfg.budget_groups, r.n_samples_per_prompt, cfg.submission_granularity)
     staleness = r.max_weight_staleness if max_staleness is True else max_staleness

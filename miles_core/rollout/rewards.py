@@ -6,7 +6,8 @@ A reward function is one of (checked when the `Rewarder` is built, before any ge
     fn(sample, text) -> float                per sample, with `fn.needs_text = True`: text is the
                                              decoded response (the producer's tokenizer)
     fn(samples) -> list[float]               per group (batched), with `fn.batched = True`;
-    fn(samples, texts) -> list[float]        ... and `needs_text = True`; either may be async
+    fn(samples, texts) -> list[float]        ... and `needs_text = True`; either may be async; an entry
+                                             that is an exception fails that sample only
 
 `signature_problem(fn)` is the check (validation runs it before a run starts): the function takes
 N = 2 positional arguments with `needs_text`, else 1: at least N positional parameters (or *args),
@@ -150,11 +151,16 @@ task_reward.needs_text = True
 # ----------------------------------------------------------------------------- scoring
 
 
-def load_reward(path: str, rm_type: str = "") -> Callable:
+def load_reward(path: str, rm_type: str = "", rm_url: str = "", decode: Decode | None = None) -> Callable:
     """The run's reward: `--custom-rm-path` resolved and checked, else `--rm-type`'s
-    (miles_core.rollout.rm_types), else the built-in `task_reward`."""
+    (miles_core.rollout.rm_types; remote_rm: the reward model at `rm_url`, miles_core.rollout.remote_rm,
+    its prompts decoded by `decode`), else the built-in `task_reward`."""
     if path:
         return load_plugin(path, "--custom-rm-path")
+    if rm_type == "remote_rm":
+        from miles_core.rollout.remote_rm import RemoteReward
+
+        return RemoteReward(rm_url, decode or (lambda ids: " ".join(map(str, ids))))
     if rm_type:
         from miles_core.rollout.rm_types import rm_type_reward
 
@@ -228,7 +234,10 @@ class Rewarder:
                     self._fail(s, e)
                 return
             for s, r in zip(samples, rewards):
-                self._set(s, r)
+                if isinstance(r, BaseException):  # a batched reward may fail some of its samples only
+                    self._fail(s, r)
+                else:
+                    self._set(s, r)
             return
         for s in samples:
             try:

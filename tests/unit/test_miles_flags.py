@@ -147,11 +147,11 @@ def test_a_miles_fully_async_recipe_parses_with_miles_meaning(tmp_path):
 
 def test_the_recipe_flags_not_implemented_are_refused_by_name(tmp_path):
     flags = recipe(tmp_path)
-    extra = ["--rm-url", "http://rm:8000/score", "--optimizer", "sgd", "--adam-beta2", "0.98"]
+    extra = ["--lr-decay-style", "cosine", "--optimizer", "sgd", "--adam-beta2", "0.98"]
     with pytest.raises(ConfigError) as e:
         parse_flags(["--preset", "tiny-reverse4", *flags + extra])
     msg = str(e.value)
-    for flag in ("--rm-url", "--optimizer", "--adam-beta2"):
+    for flag in ("--lr-decay-style", "--optimizer", "--adam-beta2"):
         assert f"{flag} (a miles flag) is not supported" in msg
     with pytest.raises(ConfigError, match="--rollout-function-path.*not supported"):
         parse_flags(["--preset", "tiny-reverse4", *flags + ["--rollout-function-path", "fully_async_rollout.generate_rollout_fully_async"]])
