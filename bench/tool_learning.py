@@ -39,7 +39,6 @@ import operator
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -72,35 +71,10 @@ def launch(flags: str, root: str, run_id: str, log_path: str) -> tuple[subproces
 
 
 def stop(proc: subprocess.Popen, ray_tmp: str) -> None:
-    """SIGTERM then SIGKILL the run's process tree and every process of its private Ray instance
-    (with their children: Ray's agents rename themselves and no longer name its directory)."""
-    import psutil
+    """SIGTERM, then SIGKILL after 15 s, the run's process tree and its private Ray instance."""
+    from tests.support.processes import kill_everything_under
 
-    def tree() -> list:
-        found = [p for p in psutil.process_iter(["cmdline"]) if ray_tmp in " ".join(p.info["cmdline"] or [])]
-        try:
-            found.append(psutil.Process(proc.pid))
-        except psutil.NoSuchProcess:
-            pass
-        for p in list(found):
-            try:
-                found += p.children(recursive=True)
-            except psutil.NoSuchProcess:
-                pass
-        return found
-
-    victims = tree()  # before any signal: a child whose parent died is no longer found under it
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in victims:
-            try:
-                p.send_signal(sig)
-            except psutil.NoSuchProcess:
-                pass
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            pass
-    proc.wait()
+    kill_everything_under(ray_tmp, proc, grace_seconds=15)
 
 
 def step_times(run_uri: str, started: float) -> dict[int, float]:
@@ -185,22 +159,27 @@ def _calc(expr: str):
             return _OPS[type(n.op)](ev(n.left), ev(n.right))
         raise ValueError(expr)
     value = ev(ast.parse(expr, mode="eval").body)
-    return int(value) if float(value).is_integer() else value
+    return int(value) if float(value).is_integer() else round(value, 6)
 
 
-def _tool_answer(turn: str) -> dict | None:
-    """The calculator's answer to the turn's call, or None without a call (an error dict for a bad one)."""
+def tool_answer(turn: str) -> dict | None:
+    """What a calculator answers the turn's call: {"result": n}, {"error": why} for a call it cannot
+    run (another tool's name, no expression, not arithmetic of + - * / and parentheses, over 200
+    characters), None without a call."""
     at = turn.find("<tool_call>")
     if at < 0:
         return None
     try:
         call, _ = json.JSONDecoder().raw_decode(turn[at + len("<tool_call>"):].lstrip())
-        return {"result": _calc(str(call["arguments"]["expression"]))}
-    except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError) as e:
+        expression = str(call["arguments"]["expression"])
+        if call.get("name") != "calculator" or len(expression) > 200:
+            raise ValueError(f"not a calculator call: {call}")
+        return {"result": _calc(expression)}
+    except (ValueError, KeyError, TypeError, SyntaxError, ZeroDivisionError, AttributeError) as e:
         return {"error": str(e)}
 
 
-def _final_number(text: str) -> int | None:
+def final_number(text: str) -> int | None:
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
     eq = text.find("=")
     nums = re.findall(r"-?\d+(?:\.\d+)?", text[eq + 1:] if eq >= 0 else text)
@@ -228,14 +207,14 @@ def plain_transformers_accuracy(model_dir: str, rows: list[dict], max_new_tokens
                 out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id,
                                      stop_strings=["</tool_call>", "<|im_end|>"], tokenizer=tok)
             turn = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=False)
-            answer = _tool_answer(turn)
+            answer = tool_answer(turn)
             if answer is None or call_index == max_calls:
                 break
             calls += call_index == 0
             closed = turn.rstrip().endswith("<|im_end|>")
             text += turn + ("" if closed else "<|im_end|>\n") + \
                 f"<|im_start|>tool\n{json.dumps(answer)}<|im_end|>\n<|im_start|>assistant\n"
-        right += _final_number(turn.split("<|im_end|>")[0]) == int(row["label"])
+        right += final_number(turn.split("<|im_end|>")[0]) == int(row["label"])
     return {"accuracy": right / len(rows), "tool_share": calls / len(rows), "prompts": len(rows)}
 
 

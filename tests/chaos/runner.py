@@ -19,7 +19,7 @@ from typing import Callable
 
 import psutil
 
-from tests.e2e.test_crash_resume import _kill_everything_under
+from tests.support.processes import kill_everything_under
 
 ROOT = Path(__file__).resolve().parents[2]
 # The segment as a Flyte task runs it, minus flytekit: an infrastructure failure exits 75 ("retry me").
@@ -77,7 +77,7 @@ class Segment:
         return out
 
     def kill(self) -> None:
-        _kill_everything_under(self.ray_tmp, self.proc)
+        kill_everything_under(self.ray_tmp, self.proc)
 
     def finish(self, timeout: float) -> int:
         try:

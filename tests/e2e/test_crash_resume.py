@@ -13,15 +13,15 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.support.processes import kill_everything_under
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -34,31 +34,6 @@ def _flags(storage: Path) -> list[str]:
     # The killed run's lease is taken over when it expires: a 10 s TTL keeps the resume from waiting a minute.
     return ["--storage-root", str(storage), "--run-id", "crash", "--num-rollout", "16", "--save-interval", "4",
             "--eval-prompt-data", "--eval-interval", "none", "--no-progress", "--lease-ttl-seconds", "10"]
-
-
-def _kill_everything_under(ray_tmp: str, proc: subprocess.Popen) -> None:
-    """SIGKILL the driver's session plus every process that belongs to its private Ray instance."""
-    victims = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(p.info["cmdline"] or [])
-        if ray_tmp in cmd:
-            victims.append(p)
-    try:
-        root = psutil.Process(proc.pid)
-        victims += [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        pass
-    for v in list(victims):
-        try:
-            victims += v.children(recursive=True)
-        except psutil.NoSuchProcess:
-            pass
-    for v in victims:
-        try:
-            v.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(30)
 
 
 def _latest_step(run: Path) -> int:
@@ -84,7 +59,7 @@ def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path
         assert _latest_step(run) >= 3, "no checkpoint at step 3 within 10 minutes"
         time.sleep(1.0)  # let it train past the checkpoint, so there are manifests to discard
     finally:
-        _kill_everything_under(ray_tmp, first)
+        kill_everything_under(ray_tmp, first)
     killed_at = _latest_step(run)
     status = json.loads((run / "STATUS.json").read_text())
     assert status["state"] == "running", status  # nobody got to write anything after the kill

@@ -45,7 +45,7 @@ from miles_core.buffer.inspect import inspect_buffer
 from miles_core.cli import main
 from miles_core.storage import Store
 from tests.chaos import checker
-from tests.e2e.test_crash_resume import _kill_everything_under
+from tests.support.processes import kill_everything_under
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -76,7 +76,7 @@ def pyflyte(storage_root: str, run_id: str, num_rollout: int) -> tuple[int, str,
     try:
         console, _ = proc.communicate(timeout=RUN_TIMEOUT)
     except subprocess.TimeoutExpired:
-        _kill_everything_under(ray_tmp, proc)  # its own processes only: its session and its private Ray
+        kill_everything_under(ray_tmp, proc)  # its own processes only: its session and its private Ray
         console, _ = proc.communicate()
         console += f"\n[killed after {RUN_TIMEOUT} s]"
     finally:

