@@ -92,24 +92,31 @@ def spread(steps: list[int], at_most: int) -> list[int]:
     return sorted({steps[round(i * (len(steps) - 1) / (at_most - 1))] for i in range(at_most)}) if at_most > 1 else steps[-1:]
 
 
-def run_arm(name: str, flags: str, root: str, budget_s: float, max_evals: int) -> dict:
+def run_arm(name: str, flags: str, root: str, budget_s: float, max_evals: int, reuse: str = "") -> dict:
     """Train one arm for `budget_s` from its launch; returns its run URI, steps and held-out curve
-    (at most `max_evals` of its snapshots evaluated, evenly spaced, the last one in budget among them)."""
+    (at most `max_evals` of its snapshots evaluated, evenly spaced, the last one in budget among them).
+    `reuse`: the run root of this arm from an earlier bench run (its id ends with its launch time),
+    evaluated instead of trained again."""
     from miles_core.eval.backfill import backfill, run_config_of
     from miles_core.eval.results import all_results
     from miles_core.eval.snapshots import SnapshotLayout
     from miles_core.metrics.names import eval_reward_metric, eval_tool_metric, EVAL_TOOL_EPISODE_SHARE
     from miles_core.storage import Store
 
-    run_id = f"{name}-{int(time.time())}"
-    run_uri = f"file://{root}/runs/{run_id}"
-    started = time.time()
-    proc, ray_tmp = launch(flags, root, run_id, os.path.join(root, f"{run_id}.log"))
-    print(f"[{name}] {flags} -> {run_uri}", flush=True)
-    while proc.poll() is None and time.time() - started < budget_s:
-        time.sleep(5)
-    finished_itself = proc.poll() is not None
-    stop(proc, ray_tmp)
+    if reuse:
+        run_uri, finished_itself = reuse, False
+        started = float(reuse.rstrip("/").rsplit("-", 1)[1])
+        print(f"[{name}] reusing {run_uri}", flush=True)
+    else:
+        run_id = f"{name}-{int(time.time())}"
+        run_uri = f"file://{root}/runs/{run_id}"
+        started = float(run_id.rsplit("-", 1)[1])
+        proc, ray_tmp = launch(flags, root, run_id, os.path.join(root, f"{run_id}.log"))
+        print(f"[{name}] {flags} -> {run_uri}", flush=True)
+        while proc.poll() is None and time.time() - started < budget_s:
+            time.sleep(5)
+        finished_itself = proc.poll() is not None
+        stop(proc, ray_tmp)
     times = step_times(run_uri, started)
     in_budget = sorted(s for s, t in times.items() if t <= budget_s)
     snapshots = spread([s for s in SnapshotLayout.from_config(run_config_of(run_uri), run_uri).complete_steps()
@@ -235,6 +242,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-evals", type=int, default=5,
                    help="snapshots evaluated per arm at most (evenly spaced, the last one in budget always)")
     p.add_argument("--root", default="", help="storage root (default: a fresh temp dir)")
+    p.add_argument("--reuse", default="", help="NAME=RUN_URI,...: arms an earlier bench run trained, evaluated again "
+                                               "instead of trained (the same --minutes)")
     add_results_flag(p, "tool_learning")
     a = p.parse_args(argv)
     arms = [x for x in a.arms.split(",") if x]
@@ -252,9 +261,10 @@ def main(argv=None) -> dict:
     for name, b in base.items():
         print(f"[{name}] starting model: held-out accuracy {b['accuracy']:.1%}, tool share {b['tool_share']}", flush=True)
         rows.append({"arm": name, "step": None, "seconds": 0.0, **b})
+    reuse = dict(item.split("=", 1) for item in a.reuse.split(",") if item)
     runs = {}
     for name in arms:
-        runs[name] = run_arm(name, f"{ARMS[name]} {common}", root, budget, a.max_evals)
+        runs[name] = run_arm(name, f"{ARMS[name]} {common}", root, budget, a.max_evals, reuse.get(name, ""))
         rows += runs[name]["curve"]
         for point in runs[name]["curve"]:
             print(f"[{name}] step {point['step']:3d} at {point['seconds'] / 60:5.1f} min: held-out accuracy "
