@@ -462,6 +462,7 @@ def render_tool_learning(results: dict[str, dict]) -> list[str]:
                      _pct(end.get("tool_share")), str(fig.get(f"{arm.replace('-', '_')}_steps", "—"))])
     lines += _table(["arm", "start", "held-out accuracy over time", "at the end", "episodes calling the tool",
                      "steps"], rows)
+    lines += ["", *_tool_curve(rec, base, curves)]
     if fig.get("tool_rl_gain_over_better_baseline") is not None:
         lines += ["", f"Tool + RL against the better baseline: **{fig['tool_rl_gain_over_better_baseline'] * 100:+.1f} "
                       "points** (goal: >= 60% and >= +30 points within 30 minutes)."]
@@ -471,6 +472,30 @@ def render_tool_learning(results: dict[str, dict]) -> list[str]:
                       f"{_pct(fig['project_eval_accuracy'])} (difference {fig['plain_check_difference'] * 100:+.1f} "
                       "points; goal: within 3)."]
     return lines
+
+
+def _tool_curve(rec: dict, base: dict, curves: dict[str, list[dict]]) -> list[str]:
+    """Each arm's held-out accuracy at every 5 minutes of its budget (the last snapshot evaluated by then;
+    the starting model's before the first), as a table and a chart (the lines in the table's order)."""
+    minutes = rec["config"]["minutes"]
+    marks = [m for m in range(0, int(minutes) + 1, 5)]
+    arms = [a for a in _TOOL_ARMS if a == "tool-untrained" or curves.get(a)]
+
+    def at(arm: str, m: float) -> float | None:
+        start = base.get("tool-untrained" if arm != "no-tool" else "no-tool")
+        value = start["accuracy"] if start else None
+        for p in curves.get(arm, []):
+            if p["seconds"] <= m * 60:
+                value = p["accuracy"]
+        return value
+
+    table = _table(["minutes", *(_TOOL_ARMS[a] for a in arms)],
+                   [[str(m), *(_pct(at(a, m)) for a in arms)] for m in marks])
+    chart = ["```mermaid", "xychart-beta", '    title "Held-out greedy accuracy (%) over each arm\'s minutes"',
+             f"    x-axis \"minutes\" [{', '.join(map(str, marks))}]", '    y-axis "accuracy %" 0 --> 100']
+    chart += [f"    line [{', '.join(f'{100 * (at(a, m) or 0):.0f}' for m in marks)}]" for a in arms]
+    chart += ["```", f"(lines, in order: {'; '.join(_TOOL_ARMS[a] for a in arms)})"]
+    return [*table, "", *chart]
 
 
 RENDERERS = {

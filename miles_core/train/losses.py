@@ -1,4 +1,5 @@
-"""GRPO advantages and the PPO-clip policy loss with the off-policy corrections of docs/fully-async.md.
+"""The PPO-clip policy loss with the off-policy corrections of docs/training.md and the algorithms of
+docs/algorithms.md (the advantages it is given are computed in miles_core.rank_batches).
 
 All token tensors are [batch, tokens] with a 0/1 `mask` (response tokens whose `loss_mask` is 1).
 The ratio denominator ("old" log-probs) is chosen once per config:
@@ -10,6 +11,10 @@ The ratio denominator ("old" log-probs) is chosen once per config:
   tis_clip_low, tis_clip) multiplies the clipped loss;
 - none: old = the trainer's log-probs before the step (on-policy PPO).
 One optimizer step per batch means "before the step" is the same forward, detached.
+gspo (`sequence_ratio`) replaces each token's log-ratio by its sequence's mean over loss tokens;
+`use_opsm` leaves out tokens with a negative advantage whose sequence's mean log(old / current)
+exceeds `opsm_delta`; the KL term is `approx_kl` of `kl_loss_type`. Both sequence-level terms read
+each token's sequence from `segments` (its sample's number in the micro-batch, 0 elsewhere).
 Sums are returned (not means) so micro-batches add up; `finalize_metrics` divides by the
 batch's token count. Token-mean aggregation over the whole batch, as in slime.
 """
