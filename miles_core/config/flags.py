@@ -105,6 +105,10 @@ def read_flags(argv: list[str], base: RunConfig | None = None) -> tuple[RunConfi
     problems = [unknown_flag_message(w) for w in words if w not in known]
     values, bad = _parse_values(argv)
     problems += bad
+    if values.get("custom_config_path"):  # miles: the file's keys override the command line
+        from_file, bad = config_file_values(values["custom_config_path"])
+        values.update(from_file)
+        problems += bad
     base = base or RunConfig()
     if values.get("preset"):  # the preset first, then every flag given explicitly on top
         try:
@@ -186,6 +190,55 @@ def _parse_values(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
         except ValueError as e:
             problems.append(str(e))
     return values, problems
+
+
+def config_file_values(path: str) -> tuple[dict[str, Any], list[str]]:
+    """(the fields `--custom-config-path` sets, a problem per key that is not a flag or has a bad value)."""
+    import fsspec
+    import yaml
+
+    where = f"--custom-config-path={path!r}"
+    try:
+        with fsspec.open(path, "r") as f:
+            data = yaml.safe_load(f.read())
+    except (OSError, ValueError) as e:
+        return {}, [f"{where}: cannot read it ({type(e).__name__}: {e})"]
+    except yaml.YAMLError as e:
+        return {}, [f"{where}: not YAML ({e})"]
+    if data is None:
+        return {}, []
+    if not isinstance(data, dict):
+        return {}, [f"{where}: expected a mapping of setting: value, got {type(data).__name__}"]
+    values, problems = {}, []
+    for key, value in data.items():
+        spec = SPECS_BY_NAME.get(str(key))
+        if spec is None or spec.name in ("custom_config_path", "preset"):
+            flag = "--" + str(key).replace("_", "-")
+            reason = "cannot be set from the file" if spec is not None else unknown_flag_message(flag)
+            problems.append(f"{where}: key {key!r}: {reason}")
+            continue
+        try:
+            values[spec.name] = _from_yaml(spec, value)
+        except ValueError as e:
+            problems.append(f"{where}: key {key!r}: {e}")
+    return values, problems
+
+
+def _from_yaml(s: FlagSpec, value: Any) -> Any:
+    """A YAML value of flag `s` (typed by YAML, checked as the flag's text would be)."""
+    if s.kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
+    if s.kind == "list":
+        return _convert(s, [str(v) for v in (value if isinstance(value, list) else [value])])
+    if value is None:
+        if s.optional:
+            return None
+        raise ValueError(f"{s.flag} needs a value")
+    if isinstance(value, (list, dict, bool)):
+        raise ValueError(f"expected one {s.kind}, got {value!r}")
+    return _convert(s, str(value))
 
 
 def _strays(extras: list[str]) -> list[str]:

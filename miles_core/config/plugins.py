@@ -24,6 +24,8 @@ PLUGIN_SLOTS: dict[str, str] = {
     "--rollout-sample-filter-path": "a function (groups) -> None that sets sample.loss_mask entries to 0 (mark only)",
     "--custom-generate-function-path": "async def fn(args, sample, sampling_params[, evaluation=False]) -> Sample | list[Sample]",
     "--custom-async-data-buffer-path": "a class built as Class(config, unused_samples_handler) with put/get/get_metrics",
+    "--custom-tis-function-path": "a function (args, *, pg_loss, train_log_probs, rollout_log_probs, loss_masks, "
+                                  "**kwargs) -> (pg_loss, loss_masks, metrics)",
 }
 # (--rollout-function-path and --rollout-all-samples-process-path are miles flags this project does
 # not implement: validation refuses them as "not supported" and nothing loads them.)

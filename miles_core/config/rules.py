@@ -560,6 +560,40 @@ def _loss_rules(cfg: RunConfig) -> list[str]:
         p.append(f"--gamma={t.gamma} must be in (0, 1].")
     if t.kl_loss_coef < 0:
         p.append(f"--kl-loss-coef={t.kl_loss_coef} must be >= 0 (0 with --use-kl-loss: the KL is measured, not penalised).")
+    return p + _correction_rules(t)
+
+
+# the MIS settings (miles' mis.yaml keys), read only by a --custom-tis-function-path correction
+MIS_FIELDS = ("tis_level", "tis_mode", "tis_lower_bound", "tis_upper_bound", "use_rs", "rs_level", "rs_lower_bound",
+              "rs_upper_bound", "rs_veto_threshold", "tis_batch_normalize")
+
+
+def _correction_rules(t) -> list[str]:
+    p = []
+    if t.custom_tis_function_path and not (t.use_tis or t.get_mismatch_metrics):
+        p.append("--custom-tis-function-path is called only with --use-tis (or --get-mismatch-metrics); add one.")
+    if t.get_mismatch_metrics and not t.custom_tis_function_path:
+        p.append("--get-mismatch-metrics needs --custom-tis-function-path (the function whose metrics it logs), "
+                 "as in miles.")
+    default = type(t)()
+    changed = [f for f in MIS_FIELDS if getattr(t, f) != getattr(default, f)]
+    if changed and not t.custom_tis_function_path:
+        names = ", ".join("--" + f.replace("_", "-") for f in changed)
+        p.append(f"{names}: read only by a --custom-tis-function-path correction (miles' MIS: "
+                 "miles_core.train.corrections.compute_mis_weights_with_cp); set one, or drop them.")
+    if t.tis_upper_bound <= 0:
+        p.append(f"--tis-upper-bound={t.tis_upper_bound} must be > 0.")
+    low = t.tis_lower_bound if t.tis_lower_bound is not None else 1.0 / t.tis_upper_bound if t.tis_upper_bound > 0 else 0
+    if t.tis_mode in ("clip", "mask") and not 0 <= low < t.tis_upper_bound:
+        p.append(f"--tis-lower-bound={low:g} and --tis-upper-bound={t.tis_upper_bound:g} need 0 <= lower < upper.")
+    rs_low = t.rs_lower_bound if t.rs_lower_bound is not None else low
+    rs_high = t.rs_upper_bound if t.rs_upper_bound is not None else t.tis_upper_bound
+    if t.use_rs and not 0 <= rs_low < rs_high:
+        p.append(f"--rs-lower-bound={rs_low:g} and --rs-upper-bound={rs_high:g} need 0 <= lower < upper.")
+    if t.rs_veto_threshold is not None and not t.rs_veto_threshold > 0:
+        p.append(f"--rs-veto-threshold={t.rs_veto_threshold} must be > 0.")
+    if t.tis_batch_normalize and t.tis_level == "geometric":
+        p.append("--tis-batch-normalize needs --tis-level token or sequence (as miles' MIS).")
     return p
 
 

@@ -204,6 +204,9 @@ ENTROPY = "train/entropy"
 LOSS = "train/loss"
 KL_LOSS = "train/kl_loss"  # summed and logged only under --use-kl-loss; not in the reference
 OPSM_CLIPFRAC = "train/opsm_clipfrac"  # summed and logged only under --use-opsm; not in the reference
+# a --custom-tis-function-path correction's metrics are logged as TRAIN_PREFIX + the name it returns
+# (miles_core.train.corrections; docs/algorithms.md lists the built-ins'); not in the reference
+TRAIN_PREFIX = "train/"
 LOSS_METRICS: dict[str, str] = {
     TIS_MEAN: "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
     TIS_CLIPFRAC: "Fraction of tokens whose importance weight was clamped.",

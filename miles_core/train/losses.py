@@ -21,7 +21,9 @@ batch's token count. Token-mean aggregation over the whole batch, as in slime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from types import SimpleNamespace
+from typing import Any, Callable
 
 import torch
 
@@ -46,16 +48,34 @@ class LossConfig:
     sequence_ratio: bool = False  # gspo: one importance ratio per sequence
     use_opsm: bool = False
     opsm_delta: float = 1e-4
+    # --custom-tis-function-path (miles_core.train.corrections' contract), called with `correction_args`
+    correction: Callable | None = None
+    correction_args: Any = None
+    get_mismatch_metrics: bool = False  # call `correction` for its metrics only, the loss unchanged
 
     @classmethod
     def from_section(cls, t) -> "LossConfig":
+        correction = None
+        if t.custom_tis_function_path:
+            from miles_core.config.plugins import load_plugin
+            from miles_core.train.corrections import builtin_path
+
+            correction = load_plugin(builtin_path(t.custom_tis_function_path), "--custom-tis-function-path")
+        args = SimpleNamespace(**{"qkv_format": "thd", "calculate_per_token_loss": True,
+                                  **{f.name: getattr(t, f.name) for f in fields(t)}})
         return cls(t.eps_clip, t.eps_clip_high, t.use_tis, t.tis_clip, t.tis_clip_low, t.use_rollout_logprobs,
                    t.use_decoupled_loss, t.use_kl_loss, t.kl_loss_coef, t.entropy_coef, t.kl_loss_type,
-                   t.advantage_estimator == "gspo", t.use_opsm, t.opsm_delta)
+                   t.advantage_estimator == "gspo", t.use_opsm, t.opsm_delta, correction, args,
+                   t.get_mismatch_metrics)
 
     @property
     def needs_rollout_logprobs(self) -> bool:
-        return self.use_decoupled_loss or self.use_rollout_logprobs or self.use_tis
+        return self.use_decoupled_loss or self.use_rollout_logprobs or self.use_tis or self.get_mismatch_metrics
+
+    @property
+    def corrects(self) -> bool:
+        """The correction function runs (on every micro-batch)."""
+        return self.correction is not None and (self.use_tis or self.get_mismatch_metrics)
 
 
 LOG_RATIO_CLAMP = 20.0  # low_var_kl's clamp of the log-ratio (miles' _safe_clamp_log_ratio)
@@ -116,7 +136,7 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         old, weight_raw = rollout_logp, None
     elif cfg.use_tis:
         old = current
-        weight_raw = torch.exp(current - rollout_logp)
+        weight_raw = None if cfg.correction is not None else torch.exp(current - rollout_logp)
     else:
         old, weight_raw = current, None
     eps_high = cfg.eps_clip if cfg.eps_clip_high is None else cfg.eps_clip_high
@@ -136,6 +156,13 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
     clipped = (pg2 > pg1).to(logp.dtype)
     if opsm_keep is not None:
         pg = pg * opsm_keep
+    corrected: dict[str, Tensor] = {}
+    if cfg.corrects:
+        if segments is None:
+            raise ValueError("--custom-tis-function-path needs each token's sequence (segments)")
+        new_pg, keep, corrected = apply_correction(cfg, pg, current, rollout_logp, mask, segments)
+        if cfg.use_tis:  # --get-mismatch-metrics alone: the metrics, the loss unchanged
+            pg = new_pg * keep
     if weight_raw is not None:
         weight = weight_raw.clamp(cfg.tis_clip_low, cfg.tis_clip)
         tis_clipped = ((weight_raw < cfg.tis_clip_low) | (weight_raw > cfg.tis_clip)).to(logp.dtype)
@@ -168,7 +195,47 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
         sums[N.KL_LOSS] = kl_sum
     if opsm_keep is not None:
         sums[N.OPSM_CLIPFRAC] = s(1.0 - opsm_keep)
+    for name, value in corrected.items():
+        sums[N.TRAIN_PREFIX + name] = s(value)
     return loss, sums
+
+
+def apply_correction(cfg: LossConfig, pg: Tensor, current: Tensor, rollout_logp: Tensor, mask: Tensor,
+                     segments: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """`cfg.correction` called as miles calls it (miles_core.train.corrections): per sample, its response
+    tokens (`segments` > 0, in order); returns the corrected pg, the kept tokens (0/1) and the metrics,
+    each laid back out as `pg`'s shape (0 off the responses)."""
+    flat_seg = segments.flatten().long()
+    resp = flat_seg > 0
+    numbers, counts = torch.unique_consecutive(flat_seg[resp], return_counts=True)
+    if len(set(numbers.tolist())) != len(numbers):
+        raise ValueError("a sample's response tokens are not contiguous in the micro-batch")
+    sizes = counts.tolist()
+
+    def per_sample(x: Tensor) -> list[Tensor]:
+        return list(torch.split(x.flatten()[resp], sizes))
+
+    pg_flat = pg.flatten()[resp]
+    out, masks, metrics = cfg.correction(
+        cfg.correction_args, pg_loss=pg_flat, train_log_probs=per_sample(current),
+        rollout_log_probs=per_sample(rollout_logp), loss_masks=per_sample(mask), total_lengths=None,
+        response_lengths=sizes, max_seq_lens=None, parallel_state=None)
+    where = f"{getattr(cfg.correction, '__qualname__', cfg.correction)} (--custom-tis-function-path)"
+    if out.shape != pg_flat.shape or len(masks) != len(sizes) or any(m.numel() != n for m, n in zip(masks, sizes)):
+        raise ValueError(f"{where} returned pg_loss of shape {tuple(out.shape)} and {len(masks)} masks "
+                         f"for {len(sizes)} samples of {sizes} tokens")
+
+    def laid_out(values: Tensor, like: Tensor) -> Tensor:
+        return torch.zeros_like(like).flatten().masked_scatter(resp, values.to(like.dtype)).view_as(like)
+
+    kept = laid_out(torch.cat([m.flatten() for m in masks]).detach(), mask)
+    named = {}
+    for name, value in metrics.items():
+        value = torch.cat([v.flatten() for v in value]) if isinstance(value, (list, tuple)) else value.flatten()
+        if value.numel() != pg_flat.numel():
+            raise ValueError(f"{where} returned metric {name!r} with {value.numel()} values for {pg_flat.numel()} tokens")
+        named[name] = laid_out(value.detach().float(), mask)
+    return pg.flatten().masked_scatter(resp, out.to(pg.dtype)).view_as(pg), kept, named
 
 
 SUM_KEYS = (N.TIS_MEAN, N.TIS_CLIPFRAC, N.PPO_KL, N.PG_CLIPFRAC, N.TRAIN_ROLLOUT_LOGPROB_ABS_DIFF, N.ENTROPY, N.LOSS)
@@ -176,7 +243,18 @@ SUM_KEYS = (N.TIS_MEAN, N.TIS_CLIPFRAC, N.PPO_KL, N.PG_CLIPFRAC, N.TRAIN_ROLLOUT
 
 def sum_keys(cfg: LossConfig) -> tuple[str, ...]:
     """The keys of `policy_loss`'s sums under `cfg` (ranks without samples report zeros for them)."""
-    return SUM_KEYS + ((N.KL_LOSS,) if cfg.use_kl_loss else ()) + ((N.OPSM_CLIPFRAC,) if cfg.use_opsm else ())
+    return (SUM_KEYS + ((N.KL_LOSS,) if cfg.use_kl_loss else ()) + ((N.OPSM_CLIPFRAC,) if cfg.use_opsm else ())
+            + correction_keys(cfg))
+
+
+def correction_keys(cfg: LossConfig) -> tuple[str, ...]:
+    """The metric names `cfg.correction` returns, read from one call on a two-token sample (a
+    correction's metric names depend on its settings, not on the data)."""
+    if not cfg.corrects:
+        return ()
+    one = torch.zeros(1, 2)
+    _, _, metrics = apply_correction(cfg, one, one, one, torch.ones(1, 2), torch.ones(1, 2))
+    return tuple(N.TRAIN_PREFIX + name for name in metrics)
 
 
 def finalize_metrics(sums: dict[str, float], total_tokens: float) -> dict[str, float]:

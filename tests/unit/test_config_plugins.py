@@ -23,12 +23,17 @@ SLOTS = [
     ("rollout_sample_filter_path", "--rollout-sample-filter-path"),
     ("custom_async_data_buffer_path", "--custom-async-data-buffer-path"),
     ("custom_generate_function_path", "--custom-generate-function-path"),
+    ("custom_tis_function_path", "--custom-tis-function-path"),
 ]
 # the object each slot's good plugin names in GOOD_MODULE
 GOOD_ATTR = {"custom_async_data_buffer_path": "Buffer", "custom_generate_function_path": "episode"}
 # `*_path` flags of miles that this project refuses as "not supported" (tests/unit/test_flags_read.py):
 # nothing loads them, so they are no plugin slots.
 REFUSED_PATHS = {"--rollout-function-path", "--rollout-all-samples-process-path"}
+# `*_path` flags that name no code: --custom-config-path is a YAML file read at parse (test_corrections.py)
+FILE_PATHS = {"--custom-config-path"}
+# what a slot's plugin needs beside it to be called (a correction runs only with --use-tis)
+COMPANIONS = {"custom_tis_function_path": {"use_tis": True, "use_rollout_logprobs": False}}
 
 GOOD_MODULE = """
 def fn(*args, **kwargs):
@@ -64,7 +69,7 @@ def plugin_module(tmp_path, monkeypatch):
 
 
 def _config_with(field: str, path: str) -> RunConfig:
-    return replace_fields(embedded_default(), **{field: path})
+    return replace_fields(embedded_default(), **{field: path, **COMPANIONS.get(field, {})})
 
 
 def _error(field: str, path: str) -> str:
@@ -175,6 +180,6 @@ def test_every_path_flag_is_a_known_slot():
     Guards: a new `--*-path` flag that is imported lazily in a worker instead (STYLE c)."""
     from miles_core.config import flag_table
 
-    path_flags = {s.flag for s in flag_table() if s.name.endswith("_path")} - REFUSED_PATHS
+    path_flags = {s.flag for s in flag_table() if s.name.endswith("_path")} - REFUSED_PATHS - FILE_PATHS
     assert path_flags == set(PLUGIN_SLOTS)
     assert path_flags == {flag for _, flag in SLOTS}
