@@ -33,10 +33,17 @@ class AdvantageSettings:
     normalize_std: bool = True
     whiten: bool = False
     gamma: float = 1.0
+    kl_coef: float = 0.0  # --kl-coef: the KL to the reference in the reward (reinforce_plus_plus estimators)
 
     @classmethod
     def from_section(cls, t) -> "AdvantageSettings":
-        return cls(t.advantage_estimator, t.normalize_advantages_std, t.normalize_advantages, t.gamma)
+        return cls(t.advantage_estimator, t.normalize_advantages_std, t.normalize_advantages, t.gamma, t.kl_coef)
+
+    @property
+    def kl_in_reward(self) -> bool:
+        """The trainer finishes the advantages: each token's KL enters the reward, then the whitening
+        (`kl_reward_advantages`), so the rollout's split leaves both to it."""
+        return self.kl_coef != 0.0
 
 
 class RankBatchError(ValueError):
@@ -133,7 +140,57 @@ def trainable_samples(groups: list[Group], normalize_std: bool = True,
         else:
             adv = [discounted_returns(float(r), loss_mask(s), settings.gamma) for r, s in zip(rewards.tolist(), kept)]
         out.extend(zip(kept, adv))
-    return whiten(out) if settings.whiten else out
+    return whiten(out) if settings.whiten and not settings.kl_in_reward else out
+
+
+def kl_reward_advantages(items: list[Item], kls: list[list[float]], settings: AdvantageSettings) -> list[Item]:
+    """`items`' advantages (as `trainable_samples` gives them with the KL in the reward: not whitened)
+    with each token's KL to the reference (`kls`, one per response token, 0 off the loss) in the
+    reward, as miles' --kl-coef: reinforce_plus_plus, the token rewards -kl_coef x kl_t plus the reward
+    on the last loss token, returned as G_t = r_t + gamma G_(t+1); reinforce_plus_plus_baseline,
+    (r - group mean) - kl_coef x kl_t. Not whitened (the caller whitens over every DP rank)."""
+    out: list[Item] = []
+    for (s, a), kl in zip(items, kls):
+        c = settings.kl_coef
+        if settings.estimator == "reinforce_plus_plus_baseline":
+            out.append((s, [float(a) - c * k for k in kl]))
+            continue
+        mask = loss_mask(s)
+        token_rewards = [-c * k for k in kl]
+        if any(mask):
+            token_rewards[max(i for i, m in enumerate(mask) if m)] += float(s.reward)
+        returns, running = [0.0] * len(kl), 0.0
+        for t in reversed(range(len(kl))):
+            running = token_rewards[t] + settings.gamma * running
+            returns[t] = running
+        out.append((s, returns))
+    return out
+
+
+def whitening_sums(items: list[Item]) -> tuple[float, float, float]:
+    """(sum, sum of squares, count) of the advantages over the loss tokens of `items` (summed over DP
+    ranks before `whiten_with`)."""
+    total = total_sq = count = 0.0
+    for s, a in items:
+        for m, v in zip(loss_mask(s), _per_token(a, len(s.response_ids))):
+            total, total_sq, count = total + m * v, total_sq + m * v * v, count + m
+    return total, total_sq, count
+
+
+def whiten_with(items: list[Item], total: float, total_sq: float, count: float) -> list[Item]:
+    """`items`' advantages minus the mean, divided by the unbiased std (+ 1e-8 under the root), of the
+    loss-token values whose `whitening_sums` are given."""
+    import math
+
+    if count == 0:
+        return items
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if count >= 2:
+        var *= count / (count - 1)
+    scale = 1.0 / math.sqrt(max(var, 0.0) + WHITEN_EPS)
+    return [(s, (a - mean) * scale if isinstance(a, (int, float)) else [(v - mean) * scale for v in a])
+            for s, a in items]
 
 
 def discounted_returns(reward: float, mask: list[int], gamma: float) -> "float | list[float]":
@@ -147,21 +204,7 @@ def discounted_returns(reward: float, mask: list[int], gamma: float) -> "float |
 
 def whiten(items: list[Item]) -> list[Item]:
     """Advantages shifted and scaled by the mean and unbiased std over every loss token of `items`."""
-    import math
-
-    total = total_sq = count = 0.0
-    for s, a in items:
-        for m, v in zip(loss_mask(s), _per_token(a, len(s.response_ids))):
-            total, total_sq, count = total + m * v, total_sq + m * v * v, count + m
-    if count == 0:
-        return items
-    mean = total / count
-    var = total_sq / count - mean * mean
-    if count >= 2:
-        var *= count / (count - 1)
-    scale = 1.0 / math.sqrt(max(var, 0.0) + WHITEN_EPS)
-    return [(s, (a - mean) * scale if isinstance(a, (int, float)) else [(v - mean) * scale for v in a])
-            for s, a in items]
+    return whiten_with(items, *whitening_sums(items))
 
 
 def _per_token(advantage: "float | list[float]", n: int) -> list[float]:

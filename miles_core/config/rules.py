@@ -538,9 +538,13 @@ def _unsupported(cfg: RunConfig) -> list[str]:
                  "reward type that calls it.")
     if cfg.rollout.rm_url and not cfg.rollout.rm_url.startswith(("http://", "https://")):
         p.append(f"--rm-url={shown_url(cfg.rollout.rm_url)!r} must be an http:// or https:// URL.")
-    if cfg.train.kl_coef != 0:
-        p.append(f"--kl-coef={cfg.train.kl_coef} (miles' KL penalty in the reward) is not supported: the KL "
-                 "enters the loss instead; use --use-kl-loss --kl-loss-coef (docs/algorithms.md).")
+    t = cfg.train
+    if t.kl_coef < 0:
+        p.append(f"--kl-coef={t.kl_coef} must be >= 0.")
+    elif t.kl_coef != 0 and not t.advantage_estimator.startswith("reinforce_plus_plus"):
+        p.append(f"--kl-coef={t.kl_coef} (the KL in the reward) is read by the reinforce_plus_plus estimators only "
+                 f"(miles' {t.advantage_estimator} ignores it): with --advantage-estimator={t.advantage_estimator} "
+                 "use --use-kl-loss --kl-loss-coef (docs/algorithms.md).")
     return p
 
 

@@ -160,7 +160,7 @@ class TrainSection:
     advantage_estimator: str = opt("grpo", "How rewards become advantages (docs/algorithms.md): grpo (group-normalized), gspo (grpo's advantages, a sequence-level importance ratio and clip), reinforce_plus_plus (the reward as a return on the last token, --gamma; needs --normalize-advantages), reinforce_plus_plus_baseline (reward minus the group mean; needs --normalize-advantages); ppo (a critic) is not supported (refused).", choices=("grpo", "gspo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "ppo"))
     normalize_advantages: bool = opt(False, "Whiten the advantages over the rollout's loss tokens (minus their mean, divided by their unbiased std), as miles' --normalize-advantages; required by the reinforce_plus_plus estimators.")
     gamma: float = opt(1.0, "Discount of reinforce_plus_plus's per-token return (miles' --gamma); 1 = the reward on every token.")
-    kl_coef: float = opt(0.0, "miles' KL penalty in the reward (before the advantages): not supported, only 0 (use --use-kl-loss with --kl-loss-coef).")
+    kl_coef: float = opt(0.0, "miles' KL penalty in the reward, before the advantages (reinforce_plus_plus estimators): each token's reward gets -kl_coef x its KL (--kl-loss-type) between the ratio's denominator policy and the initial model (docs/algorithms.md). The KL in the loss is --use-kl-loss.")
     normalize_advantages_std: bool = opt(True, "Divide GRPO advantages by the group reward std.")
     eps_clip: float = opt(0.2, "PPO clip epsilon (low side).")
     eps_clip_high: Optional[float] = opt(None, "PPO clip epsilon (high side); default: --eps-clip.")

@@ -207,6 +207,7 @@ OPSM_CLIPFRAC = "train/opsm_clipfrac"  # summed and logged only under --use-opsm
 # a --custom-tis-function-path correction's metrics are logged as TRAIN_PREFIX + the name it returns
 # (miles_core.train.corrections; docs/algorithms.md lists the built-ins'); not in the reference
 TRAIN_PREFIX = "train/"
+REWARD_KL = "train/kl_in_reward"  # summed and logged only under --kl-coef; not in the reference
 LOSS_METRICS: dict[str, str] = {
     TIS_MEAN: "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
     TIS_CLIPFRAC: "Fraction of tokens whose importance weight was clamped.",

@@ -148,7 +148,7 @@ def estimate(hf_config: dict, cfg: RunConfig, *, gpu: bool = True) -> MemoryEsti
     b, s = micro_batch_layout(spec, cfg)
     return MemoryEstimate(
         weights=width * params, grads=4 * params, optimizer=optimizer,
-        reference=width * params if t.use_kl_loss else 0.0,
+        reference=width * params if t.use_kl_loss or t.kl_coef != 0 else 0.0,
         activations=_activations(spec, cfg.train, b, s, width),
         logits=_logits(spec, b * s, _sizes(cfg.train)[0]), overhead=CUDA_OVERHEAD_BYTES if gpu else 0.0)
 

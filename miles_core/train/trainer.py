@@ -38,14 +38,15 @@ from safetensors.torch import save_file
 from miles_core.config.rules import moe_aux_loss_coeff, moe_flag_problems
 from miles_core.metrics import names as N
 from miles_core.metrics import trace
-from miles_core.rank_batches import ESTIMATORS, AdvantageSettings, DataLayout, RankBatch, RankStep, split_rollout
+from miles_core.rank_batches import (ESTIMATORS, AdvantageSettings, DataLayout, RankBatch, RankStep, kl_reward_advantages,
+                                    split_rollout, whiten_with, whitening_sums)
 from miles_core.rank_batches import loss_mask as _loss_mask
 from miles_core.rank_batches import sequence_length as _length
 from miles_core.samples import Group, Sample
 from miles_core.train import data_parallel as DP
 from miles_core.train import collectives, hf_convert, hf_shards, packing
 from miles_core.train.cpu_shim import megatron_on_cpu
-from miles_core.train.losses import LossConfig, finalize_metrics, policy_loss, sum_keys
+from miles_core.train.losses import LossConfig, approx_kl, finalize_metrics, policy_loss, sum_keys
 from miles_core.train.megatron_model import (ModelSpec, build_model, build_training, has_moe_aux_loss,
                                             masked_token_logprobs, moe_aux_loss_value, scale_moe_aux_loss,
                                             unwrap)
@@ -68,6 +69,7 @@ class Trainer:
         self.cfg = train
         self.optimizer_steps = optimizer_steps  # per rollout (--global-batch-size)
         self.loss_cfg = LossConfig.from_section(train)
+        self.advantages = AdvantageSettings.from_section(train)
         self.hf_dir = hf_dir
         # config.json, tokenizer files...: read once, so exports never need the local copy again
         # (a node cache may be cleaned under a running trainer)
@@ -89,7 +91,7 @@ class Trainer:
                      expert_model_parallel_size=self.ep, moe_aux_loss_coeff=moe_aux_loss_coeff(train))
         model = build_model(self.spec, **build)
         self.ref_model = None
-        if train.use_kl_loss:  # the reference is the initial checkpoint, frozen
+        if train.use_kl_loss or self.advantages.kl_in_reward:  # the reference is the initial checkpoint, frozen
             self.ref_model = build_model(self.spec, **build)
             self.ref_model.eval().requires_grad_(False)
         hf_shards.load_hf_checkpoint([model, self.ref_model], self.spec, hf_dir)  # this TP/EP rank's part, read once
@@ -137,7 +139,7 @@ class Trainer:
         part, miles_core.rank_batches); see `train_part`."""
         layout = DataLayout(self.dp_size, self.tp)
         parts = split_rollout(groups, layout, optimizer_steps=self.optimizer_steps, balance=self.cfg.balance_data,
-                              advantages=AdvantageSettings.from_section(self.cfg))
+                              advantages=self.advantages)
         return self.train_part(step, parts[self.dp_rank])
 
     def train_part(self, step: int, part: RankBatch) -> dict[str, float]:
@@ -149,6 +151,9 @@ class Trainer:
         t0 = time.perf_counter()
         self.model.train()
         sums: dict[str, float] = {}
+        if self.advantages.kl_in_reward:
+            with trace.span("kl-in-reward", lane="train"):
+                part, sums[N.REWARD_KL] = self._kl_in_reward(part)
         total_tokens, grad_norms, layout = 0.0, [], packing.LayoutCounts()
         for optimizer_step in part.steps:
             step_sums, grad_norm = self._optimizer_step_on(optimizer_step, layout)
@@ -170,6 +175,53 @@ class Trainer:
         metrics[N.PADDING_FRACTION] = layout.padding_fraction
         metrics[N.TRAIN_STEP_SECONDS] = time.perf_counter() - t0
         return metrics
+
+    def _kl_in_reward(self, part: RankBatch) -> tuple[RankBatch, float]:
+        """--kl-coef: this rank's part with each token's KL to the reference in its reward, the
+        advantages finished (rank_batches.kl_reward_advantages, then whitened over every DP rank with
+        --normalize-advantages); and the KL's sum over this rank's loss tokens. The KL is `approx_kl`
+        of --kl-loss-type between the ratio's denominator policy (the trainer before the step, or the
+        engine with --use-rollout-logprobs) and the reference; 0 on tokens outside the loss."""
+        items = [item for step in part.steps for item in step.items]
+        kls, kl_sum = self._token_kls(items, part.steps[0].first if part.steps else None)
+        done = kl_reward_advantages(items, kls, self.advantages)
+        if self.advantages.whiten:
+            total, total_sq, count = whitening_sums(done)
+            reduced = DP.all_reduce_sums({"count": count, "sq": total_sq, "sum": total}, self.dp_group)
+            done = whiten_with(done, reduced["sum"], reduced["sq"], reduced["count"])
+        left = iter(done)
+        steps = [RankStep([next(left) for _ in step.items], step.tokens, step.first) for step in part.steps]
+        return dataclasses.replace(part, steps=steps), kl_sum
+
+    def _token_kls(self, items: list[tuple[Sample, float]], first) -> tuple[list[list[float]], float]:
+        """Per sample, the KL to the reference of each response token (0 off the loss), and their sum."""
+        use_rollout = self.loss_cfg.use_rollout_logprobs
+        kls: list[list[float]] = []
+        kl_sum = 0.0
+        micros = self._micro_batches(items)
+        idle = self._idle_micro_batches(len(micros))  # a forward is a collective under expert parallelism
+        pack = _pack_row if self.cfg.use_dynamic_batch_size else _pack
+        for micro in micros + ([[_idle(first)]] * idle if idle else []):
+            batch = pack(micro, use_rollout, self.device)
+            row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
+            routes, sequence = self._routes(micro, batch["tokens"])
+            replay = dict(replay=self.cfg.use_rollout_routing_replay, sequence_slice=sequence)
+            with torch.no_grad():
+                with self._replaying(self.model, routes, **replay):
+                    old = (batch["rollout_logp"] if use_rollout
+                           else masked_token_logprobs(self.model, batch["tokens"], batch["mask"], **row)[0])
+                with self._replaying(self.ref_model, routes, **replay):
+                    ref, _ = masked_token_logprobs(self.ref_model, batch["tokens"], batch["mask"], **row)
+            if len(kls) >= len(items):
+                continue  # an idle micro-batch
+            mask = batch["mask"].to(old.dtype)
+            kl = approx_kl(old, ref, self.cfg.kl_loss_type) * mask
+            kl_sum += float(kl.sum())
+            seg = batch["segments"].flatten().long()
+            resp = seg > 0
+            _, counts = torch.unique_consecutive(seg[resp], return_counts=True)
+            kls.extend(chunk.tolist() for chunk in torch.split(kl.flatten()[resp].float().cpu(), counts.tolist()))
+        return kls, kl_sum
 
     def _optimizer_step_on(self, part: RankStep, layout: packing.LayoutCounts | None = None,
                            ) -> tuple[dict[str, float], float]:
@@ -299,7 +351,8 @@ class Trainer:
     def _sum_keys(self) -> tuple[str, ...]:
         """The metric sums every DP rank reduces (the loss's, and the aux loss of a MoE model that has one)."""
         routing = (N.ROUTING_DIFFER, N.ROUTING_DIFFER_OWN, N.ROUTING_COMPARED) if self.spec.moe else ()
-        return sum_keys(self.loss_cfg) + ((N.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ()) + routing
+        return (sum_keys(self.loss_cfg) + ((N.MOE_AUX_LOSS,) if has_moe_aux_loss(self.model) else ()) + routing
+                + ((N.REWARD_KL,) if self.advantages.kl_in_reward else ()))
 
     def _zero_grad(self) -> None:
         if self.megatron_optimizer:

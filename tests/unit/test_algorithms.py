@@ -143,15 +143,18 @@ def test_gspo_gradient_is_spread_over_the_sequence():
 
 
 def test_flags_refused_or_required_by_name():
-    with pytest.raises(ConfigError, match=r"--kl-coef=0.1 .*not supported"):
+    with pytest.raises(ConfigError, match=r"--kl-coef=0.1 .*reinforce_plus_plus estimators only .*miles' grpo ignores it"):
         parse_flags(["--preset", "tiny-reverse4", "--kl-coef", "0.1"])
+    with pytest.raises(ConfigError, match=r"--kl-coef=-0.1 must be >= 0"):
+        parse_flags(["--preset", "tiny-reverse4", "--advantage-estimator", "reinforce_plus_plus",
+                     "--normalize-advantages", "--kl-coef", "-0.1"])
     with pytest.raises(ConfigError, match=r"reinforce_plus_plus needs --normalize-advantages"):
         parse_flags(["--preset", "tiny-reverse4", "--advantage-estimator", "reinforce_plus_plus"])
     with pytest.raises(ConfigError, match=r"--gamma=0.0 must be in"):
         parse_flags(["--preset", "tiny-reverse4", "--gamma", "0"])
     cfg = parse_flags(["--preset", "tiny-reverse4", "--advantage-estimator", "reinforce_plus_plus_baseline",
                        "--normalize-advantages", "--kl-loss-type", "low_var_kl"])
-    assert AdvantageSettings.from_section(cfg.train) == AdvantageSettings("reinforce_plus_plus_baseline", True, True, 1.0)
+    assert AdvantageSettings.from_section(cfg.train) == AdvantageSettings("reinforce_plus_plus_baseline", True, True, 1.0, 0.0)
     assert LossConfig.from_section(cfg.train).kl_loss_type == "low_var_kl"
     assert LossConfig.from_section(parse_flags(["--preset", "tiny-reverse4", "--advantage-estimator", "gspo"]).train).sequence_ratio
 
