@@ -208,6 +208,11 @@ OPSM_CLIPFRAC = "train/opsm_clipfrac"  # summed and logged only under --use-opsm
 # (miles_core.train.corrections; docs/algorithms.md lists the built-ins'); not in the reference
 TRAIN_PREFIX = "train/"
 REWARD_KL = "train/kl_in_reward"  # summed and logged only under --kl-coef; not in the reference
+# shares of loss tokens the built-in corrections mask, pop or truncate (the report's corrections panel)
+CORRECTION_SHARES = (PG_CLIPFRAC, TIS_CLIPFRAC, OPSM_CLIPFRAC, "train/mis_tis_truncate_fraction",
+                     "train/mis_tis_mask_fraction_low", "train/mis_tis_mask_fraction_high",
+                     "train/mis_rs_mask_fraction_low", "train/mis_rs_mask_fraction_high",
+                     "train/mis_rs_catastrophic_seq_fraction")
 LOSS_METRICS: dict[str, str] = {
     TIS_MEAN: "Mean truncated importance weight clamp(exp(logp_old - logp_rollout), tis_clip_low, tis_clip).",
     TIS_CLIPFRAC: "Fraction of tokens whose importance weight was clamped.",

@@ -101,6 +101,7 @@ PANELS = [
     ("Step time", [N.STEP_SECONDS], "seconds"),
     ("Wait times", [N.TRAIN_WAIT_SECONDS, N.PRODUCER_BLOCKED_SECONDS, N.WEIGHT_UPDATE_SECONDS], "seconds"),
     ("Tool use", [N.TOOL_EPISODE_SHARE, N.TOOL_CALLS_PER_EPISODE, N.TOOL_ERRORS, N.TOOL_TIMEOUTS], "share / calls"),
+    ("Clipped and masked tokens", list(N.CORRECTION_SHARES), "share of loss tokens"),
 ]
 
 
