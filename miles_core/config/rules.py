@@ -576,6 +576,9 @@ def _correction_rules(t) -> list[str]:
     p = []
     if t.custom_tis_function_path and not (t.use_tis or t.get_mismatch_metrics):
         p.append("--custom-tis-function-path is called only with --use-tis (or --get-mismatch-metrics); add one.")
+    if t.custom_tis_function_path and t.use_decoupled_loss:
+        p.append("--custom-tis-function-path replaces --use-tis's weight; --use-decoupled-loss has its own behaviour "
+                 "weight (exp(prox - rollout), truncated): use one of them.")
     if t.get_mismatch_metrics and not t.custom_tis_function_path:
         p.append("--get-mismatch-metrics needs --custom-tis-function-path (the function whose metrics it logs), "
                  "as in miles.")

@@ -10,6 +10,9 @@ The ratio denominator ("old" log-probs) is chosen once per config:
 - `use_tis`: old = the trainer's log-probs before the step; w = clamp(exp(old - rollout),
   tis_clip_low, tis_clip) multiplies the clipped loss;
 - none: old = the trainer's log-probs before the step (on-policy PPO).
+With `correction` (--custom-tis-function-path, miles_core.train.corrections) `use_tis`'s weight is the
+function's: it reweights the clipped terms and may narrow the loss mask; its metrics are logged as
+train/<name>. With `get_mismatch_metrics` alone it is called for its metrics, the loss unchanged.
 One optimizer step per batch means "before the step" is the same forward, detached.
 gspo (`sequence_ratio`) replaces each token's log-ratio by its sequence's mean over loss tokens;
 `use_opsm` leaves out tokens with a negative advantage whose sequence's mean log(old / current)

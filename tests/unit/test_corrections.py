@@ -190,6 +190,8 @@ def test_bad_corrections_are_refused_by_name(tmp_path):
         parse_flags(["--preset", "tiny-reverse4", "--use-rs"])
     with pytest.raises(ConfigError, match="called only with --use-tis"):
         parse_flags(["--preset", "tiny-reverse4", "--custom-tis-function-path", MIS_PATH])
+    with pytest.raises(ConfigError, match="--use-decoupled-loss has its own behaviour weight"):
+        _train("--custom-tis-function-path", MIS_PATH, "--use-decoupled-loss")
     with pytest.raises(ConfigError, match="--tis-batch-normalize needs --tis-level token or sequence"):
         _train("--custom-tis-function-path", MIS_PATH, "--tis-level", "geometric", "--tis-batch-normalize")
     with pytest.raises(PluginError, match="--custom-tis-function-path='nowhere:fn'"):
