@@ -60,6 +60,7 @@ do it themselves.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import logging
 import os
 import shlex
@@ -215,10 +216,13 @@ def _url_host(bind_host: str) -> str:
 
 
 def _answers(url: str, path: str, timeout: float) -> bool:
+    """`path` answers 200. False for anything else, also a listener on the port that does not speak HTTP
+    (another process took the port picked free before the engine bound it: the engine then exits, and
+    its start picks another port)."""
     try:
         with urllib.request.urlopen(urllib.request.Request(url + path, headers=auth_headers()), timeout=timeout) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 

@@ -25,6 +25,36 @@ from miles_core.storage import COMPLETE_MARKER
 PROMPT = [1, 2, 3, 4, 10]
 
 
+def test_a_port_answering_something_else_is_not_healthy():
+    """Pins: a listener on the engine's port that answers with no HTTP status line (another process took
+    the port) reads as not healthy, so the start goes on waiting or picks another port. Guards: the
+    start failing with http.client.BadStatusLine, as CI saw once when a port collided."""
+    import socket
+    import threading
+
+    from miles_core.engines.launcher import _alive, _healthy
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    served = threading.Event()
+
+    def garbage():
+        while not served.is_set():
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"\x00\x01 not http at all\r\n\r\n")
+
+    threading.Thread(target=garbage, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert _healthy(url, timeout=5.0) is False and _alive(url, timeout=5.0) is False
+    finally:
+        served.set()
+        listener.close()
+
+
 def test_sglang_command_from_config():
     """--engine-backend sglang launches `python -m sglang.launch_server` with model path, host, port,
     tp size, memory fraction, max running requests, the weight version, --disable-radix-cache and
