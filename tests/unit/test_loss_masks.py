@@ -37,6 +37,10 @@ LOSSES = {
     "rollout-logprobs": dict(use_rollout_logprobs=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
     "tis": dict(use_rollout_logprobs=False, use_tis=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
     "decoupled": dict(use_rollout_logprobs=True, use_decoupled_loss=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01),
+    # miles' MIS at sequence level with rejection and its veto (a masked token's ratio must not reach either)
+    "mis": dict(use_rollout_logprobs=False, use_tis=True, use_kl_loss=True, kl_loss_coef=0.1, entropy_coef=0.01,
+                custom_tis_function_path="miles_core.train.corrections.compute_mis_weights_with_cp",
+                tis_level="sequence", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
 }
 
 
@@ -98,7 +102,7 @@ def test_environment_tokens_change_nothing_in_the_loss_or_gradients(tiny_gpt, lo
         assert_same(base, loss_and_grads(tr, episode_group(env_logprob=-9.0)))
         assert_same(base, loss_and_grads(tr, episode_group(tail=(9, 0))))
         assert_same(base, loss_and_grads(tr, episode_group(tail=())))  # normaliser: model tokens only
-        if loss != "tis":  # the bug, for contrast: log-probs of tokens in the loss do matter
+        if loss not in ("tis", "mis"):  # the bug, for contrast: log-probs of tokens in the loss do matter
             unmasked = loss_and_grads(tr, episode_group(env_mask=1))
             changed = loss_and_grads(tr, episode_group(env_mask=1, env_logprob=-9.0))
             assert unmasked[0] != pytest.approx(changed[0], rel=1e-4)
