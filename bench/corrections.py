@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.results_file import ResultsFile, add_results_flag  # noqa: E402
 from miles_core.metrics import names as N  # noqa: E402
 from miles_core.metrics.sink import read_metrics, series  # noqa: E402
 
@@ -84,14 +85,31 @@ def run_arm(root: Path, arm: str, staleness: int, steps: int) -> dict:
             "masked_or_clipped": round(sum(share) / len(share), 4) if share else None}
 
 
+def figures(rows: list[dict]) -> dict:
+    """Per arm, at the largest staleness: the last 10 % reward and its difference from the arm without
+    a correction (the tolerance a correction adds, or costs)."""
+    top = max(r["staleness"] for r in rows)
+    last = {r["arm"]: r for r in rows if r["staleness"] == top}
+    base = last.get("rollout-logprobs")
+    out: dict = {"largest_staleness": top}
+    for arm, r in last.items():
+        key = arm.replace("-", "_")
+        out[f"{key}_last10pct"] = r["reward_last10pct"]
+        out[f"{key}_mean_staleness"] = r["mean_staleness"]
+        if base is not None and arm != "rollout-logprobs":
+            out[f"{key}_minus_uncorrected"] = round(r["reward_last10pct"] - base["reward_last10pct"], 3)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     p.add_argument("--staleness", nargs="+", type=int, default=[2, 8])
     p.add_argument("--steps", type=int, default=80)
-    p.add_argument("--root", default="")
-    p.add_argument("--results", default=str(ROOT / "bench/results/corrections.json"))
+    p.add_argument("--root", default="", help="storage root of the runs (default: a new temporary directory)")
+    add_results_flag(p, "corrections")
     a = p.parse_args()
+    results = ResultsFile("corrections", vars(a))
     root = Path(a.root or tempfile.mkdtemp(prefix="corrections-"))
     rows = []
     for s in a.staleness:
@@ -104,9 +122,7 @@ def main() -> None:
         print(f"{r['arm']:18} {r['staleness']:>3} {r['mean_staleness']!s:>6} {r['reward_first5']:>7} "
               f"{r['reward_last10pct']:>8} {r['first_step_at_bar']!s:>5} {r['heldout_final']!s:>8} "
               f"{r['masked_or_clipped']!s:>7}")
-    record = {"bench": "corrections", "measured": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} cores",
-              "command": "bench/corrections.py " + " ".join(sys.argv[1:]), "steps": a.steps, "rows": rows}
-    Path(a.results).write_text(json.dumps(record, indent=1) + "\n")
+    results.write(a.results, figures(rows), rows)
     print(f"written to {a.results}")
 
 

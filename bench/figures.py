@@ -498,6 +498,20 @@ def _tool_curve(rec: dict, base: dict, curves: dict[str, list[dict]]) -> list[st
     return [*table, "", *chart]
 
 
+def render_corrections(results: dict[str, dict]) -> list[str]:
+    rec = results["corrections"]
+    lines = [measured(rec), "", f"{rec['config']['steps']} steps per run; reward = the batch mean reward "
+             "(the embedded default's bar: 0.9); staleness = the mean consumed staleness in weight versions; "
+             "masked = the mean share of loss tokens the correction clipped, popped or rejected.", ""]
+    rows = [[r["arm"], str(r["staleness"]), _f(r["mean_staleness"], 2) if r["mean_staleness"] is not None else "—",
+             _f(r["reward_first5"]), f"**{_f(r['reward_last10pct'])}**",
+             "—" if r["first_step_at_bar"] is None else str(r["first_step_at_bar"]),
+             "—" if r["heldout_final"] is None else _f(r["heldout_final"]),
+             "—" if r["masked_or_clipped"] is None else _pct(r["masked_or_clipped"])] for r in rec["rows"]]
+    return lines + _table(["correction", "--max-weight-staleness", "staleness", "reward, first 5 steps",
+                           "reward, last 10 %", "first step at the bar", "held-out at the end", "masked"], rows)
+
+
 RENDERERS = {
     "quickstart": render_quickstart,
     "async_speedup": render_async_speedup,
@@ -507,6 +521,7 @@ RENDERERS = {
     "resume": render_resume,
     "real_model": render_real_model,
     "tool_learning": render_tool_learning,
+    "corrections": render_corrections,
     "elastic": render_elastic,
     "trace": render_trace,
     "step_overhead": render_step_overhead,
