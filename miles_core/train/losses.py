@@ -30,7 +30,9 @@ from typing import Any, Callable
 
 import torch
 
+from miles_core.config.plugins import load_plugin
 from miles_core.metrics import names as N
+from miles_core.train.corrections import builtin_path
 
 Tensor = torch.Tensor
 
@@ -60,9 +62,6 @@ class LossConfig:
     def from_section(cls, t) -> "LossConfig":
         correction = None
         if t.custom_tis_function_path:
-            from miles_core.config.plugins import load_plugin
-            from miles_core.train.corrections import builtin_path
-
             correction = load_plugin(builtin_path(t.custom_tis_function_path), "--custom-tis-function-path")
         args = SimpleNamespace(**{"qkv_format": "thd", "calculate_per_token_loss": True,
                                   **{f.name: getattr(t, f.name) for f in fields(t)}})
