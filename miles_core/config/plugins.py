@@ -31,6 +31,29 @@ PLUGIN_SLOTS: dict[str, str] = {
 # not implement: validation refuses them as "not supported" and nothing loads them.)
 
 
+# miles' paths of the corrections miles_core.train.corrections builds in -> theirs there (a miles command
+# line is accepted as it is; resolved here so that validation never imports torch)
+MILES_CORRECTION_PATHS = {
+    "miles.backends.training_utils.loss_hub.corrections.vanilla_tis_function": "vanilla_tis_function",
+    "miles.backends.training_utils.loss_hub.corrections.icepop_function": "icepop_function",
+    "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp": "compute_mis_weights_with_cp",
+    "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_fsdp": "compute_mis_weights_fsdp",
+}
+CORRECTIONS_MODULE = "miles_core.train.corrections"
+
+
+def correction_path(path: str) -> str:
+    """--custom-tis-function-path in the loader's `module:attr` form: miles' paths of the built-in
+    corrections mapped to CORRECTIONS_MODULE, a dotted `module.attr` (miles' spelling) split at its
+    last dot."""
+    if path in MILES_CORRECTION_PATHS:
+        return f"{CORRECTIONS_MODULE}:{MILES_CORRECTION_PATHS[path]}"
+    if ":" not in path and "." in path:
+        module, _, attr = path.rpartition(".")
+        return f"{module}:{attr}"
+    return path
+
+
 def load_plugin(path: str, flag: str, required_methods: tuple[str, ...] = ()) -> Any:
     """Import `module:attr` for `flag`. Raises PluginError naming the flag and the expected shape."""
     contract = PLUGIN_SLOTS.get(flag, "a callable")

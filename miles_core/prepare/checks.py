@@ -21,8 +21,7 @@ import logging
 import os
 
 from miles_core.config import RunConfig, replace_fields
-from miles_core.config.plugins import PluginError, load_plugin
-from miles_core.train.corrections import builtin_path
+from miles_core.config.plugins import PluginError, correction_path, load_plugin
 from miles_core.config.sections import EngineSection, ModelSection
 from miles_core.config.rules import (moe_flag_problems, raise_problems, recompute_layers_problem, rule_problems,
                                      type_problems)
@@ -205,7 +204,7 @@ def _plugins(cfg: RunConfig) -> list[str]:
         (cfg.rollout.dynamic_sampling_filter_path, "--dynamic-sampling-filter-path", ()),
         (cfg.rollout.rollout_sample_filter_path, "--rollout-sample-filter-path", ()),
         (cfg.buffer.custom_async_data_buffer_path, "--custom-async-data-buffer-path", ("put", "get", "get_metrics")),
-        (builtin_path(cfg.train.custom_tis_function_path), "--custom-tis-function-path", ()),
+        (correction_path(cfg.train.custom_tis_function_path), "--custom-tis-function-path", ()),
     ]
     p = []
     for path, flag, methods in slots:

@@ -16,7 +16,8 @@ sampling:
   `metrics`: name -> a 1-D tensor over the same tokens (or a list, one per sample), logged as
   `train/<name>`, the mean over the original loss tokens.
 
-Built in, by the names miles' recipes use (miles' own paths of them are accepted as they are;
+Built in, by the names miles' recipes use (miles' own paths of them are accepted as they are:
+miles_core.config.plugins.MILES_CORRECTION_PATHS;
 docs/algorithms.md#off-policy-corrections---custom-tis-function-path):
 - `vanilla_tis_function`: truncated IS, clamp(exp(old - rollout), tis_clip_low, tis_clip);
 - `icepop_function`: tokens whose ratio is outside [tis_clip_low, tis_clip] get weight 0 (popped),
@@ -36,24 +37,6 @@ Tensor = torch.Tensor
 
 SAFETY_BOUND = 20.0  # |log-ratio| bound before exp (miles' value)
 
-# miles' paths of the functions above -> this module's (a miles command line is accepted as it is)
-MILES_PATHS = {
-    "miles.backends.training_utils.loss_hub.corrections.vanilla_tis_function": "vanilla_tis_function",
-    "miles.backends.training_utils.loss_hub.corrections.icepop_function": "icepop_function",
-    "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_with_cp": "compute_mis_weights_with_cp",
-    "examples.infra_features.train_infer_mismatch_helper.mis.compute_mis_weights_fsdp": "compute_mis_weights_fsdp",
-}
-
-
-def builtin_path(path: str) -> str:
-    """`path` in the plug-in loader's `module:attr` form: miles' paths of the built-ins mapped to this
-    module, a dotted `module.attr` (miles' spelling) split at its last dot."""
-    if path in MILES_PATHS:
-        return f"{__name__}:{MILES_PATHS[path]}"
-    if ":" not in path and "." in path:
-        module, _, attr = path.rpartition(".")
-        return f"{module}:{attr}"
-    return path
 
 
 def vanilla_tis_function(args, *, pg_loss: Tensor, train_log_probs: list[Tensor], rollout_log_probs: list[Tensor],

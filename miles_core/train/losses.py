@@ -30,9 +30,8 @@ from typing import Any, Callable
 
 import torch
 
-from miles_core.config.plugins import load_plugin
+from miles_core.config.plugins import correction_path, load_plugin
 from miles_core.metrics import names as N
-from miles_core.train.corrections import builtin_path
 
 Tensor = torch.Tensor
 
@@ -62,7 +61,7 @@ class LossConfig:
     def from_section(cls, t) -> "LossConfig":
         correction = None
         if t.custom_tis_function_path:
-            correction = load_plugin(builtin_path(t.custom_tis_function_path), "--custom-tis-function-path")
+            correction = load_plugin(correction_path(t.custom_tis_function_path), "--custom-tis-function-path")
         args = SimpleNamespace(**{"qkv_format": "thd", "calculate_per_token_loss": True,
                                   **{f.name: getattr(t, f.name) for f in fields(t)}})
         return cls(t.eps_clip, t.eps_clip_high, t.use_tis, t.tis_clip, t.tis_clip_low, t.use_rollout_logprobs,

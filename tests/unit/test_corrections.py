@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from miles_core.config import ConfigError, parse_flags
-from miles_core.config.plugins import PluginError, load_plugin
+from miles_core.config.plugins import PluginError, correction_path, load_plugin
 from miles_core.train import corrections as C
 from miles_core.train.losses import LossConfig, policy_loss, sum_keys
 
@@ -195,7 +195,7 @@ def test_bad_corrections_are_refused_by_name(tmp_path):
     with pytest.raises(ConfigError, match="--tis-batch-normalize needs --tis-level token or sequence"):
         _train("--custom-tis-function-path", MIS_PATH, "--tis-level", "geometric", "--tis-batch-normalize")
     with pytest.raises(PluginError, match="--custom-tis-function-path='nowhere:fn'"):
-        load_plugin(C.builtin_path("nowhere.fn"), "--custom-tis-function-path")
+        load_plugin(correction_path("nowhere.fn"), "--custom-tis-function-path")
 
 
 def test_a_correction_returning_the_wrong_shape_is_named():
