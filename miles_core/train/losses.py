@@ -201,17 +201,23 @@ def policy_loss(cfg: LossConfig, logp: Tensor, advantages: Tensor, mask: Tensor,
     return loss, sums
 
 
+def response_positions(segments: Tensor) -> tuple[Tensor, list[int]]:
+    """(where the flattened micro-batch holds response tokens, each sample's count of them in order):
+    `segments` is the sample's number on its response tokens, 0 elsewhere."""
+    flat = segments.flatten().long()
+    resp = flat > 0
+    numbers, counts = torch.unique_consecutive(flat[resp], return_counts=True)
+    if len(set(numbers.tolist())) != len(numbers):
+        raise ValueError("a sample's response tokens are not contiguous in the micro-batch")
+    return resp, counts.tolist()
+
+
 def apply_correction(cfg: LossConfig, pg: Tensor, current: Tensor, rollout_logp: Tensor, mask: Tensor,
                      segments: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
     """`cfg.correction` called as miles calls it (miles_core.train.corrections): per sample, its response
     tokens (`segments` > 0, in order); returns the corrected pg, the kept tokens (0/1) and the metrics,
     each laid back out as `pg`'s shape (0 off the responses)."""
-    flat_seg = segments.flatten().long()
-    resp = flat_seg > 0
-    numbers, counts = torch.unique_consecutive(flat_seg[resp], return_counts=True)
-    if len(set(numbers.tolist())) != len(numbers):
-        raise ValueError("a sample's response tokens are not contiguous in the micro-batch")
-    sizes = counts.tolist()
+    resp, sizes = response_positions(segments)
 
     def per_sample(x: Tensor) -> list[Tensor]:
         return list(torch.split(x.flatten()[resp], sizes))

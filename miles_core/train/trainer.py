@@ -46,7 +46,8 @@ from miles_core.samples import Group, Sample
 from miles_core.train import data_parallel as DP
 from miles_core.train import collectives, hf_convert, hf_shards, packing
 from miles_core.train.cpu_shim import megatron_on_cpu
-from miles_core.train.losses import LossConfig, approx_kl, finalize_metrics, policy_loss, sum_keys
+from miles_core.train.losses import (LossConfig, approx_kl, finalize_metrics, policy_loss, response_positions,
+                                     sum_keys)
 from miles_core.train.megatron_model import (ModelSpec, build_model, build_training, has_moe_aux_loss,
                                             masked_token_logprobs, moe_aux_loss_value, scale_moe_aux_loss,
                                             unwrap)
@@ -200,12 +201,8 @@ class Trainer:
         kl_sum = 0.0
         micros = self._micro_batches(items)
         idle = self._idle_micro_batches(len(micros))  # a forward is a collective under expert parallelism
-        pack = _pack_row if self.cfg.use_dynamic_batch_size else _pack
         for micro in micros + ([[_idle(first)]] * idle if idle else []):
-            batch = pack(micro, use_rollout, self.device)
-            row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
-            routes, sequence = self._routes(micro, batch["tokens"])
-            replay = dict(replay=self.cfg.use_rollout_routing_replay, sequence_slice=sequence)
+            batch, row, routes, replay = self._forward_inputs(micro, use_rollout)
             with torch.no_grad():
                 with self._replaying(self.model, routes, **replay):
                     old = (batch["rollout_logp"] if use_rollout
@@ -217,10 +214,8 @@ class Trainer:
             mask = batch["mask"].to(old.dtype)
             kl = approx_kl(old, ref, self.cfg.kl_loss_type) * mask
             kl_sum += float(kl.sum())
-            seg = batch["segments"].flatten().long()
-            resp = seg > 0
-            _, counts = torch.unique_consecutive(seg[resp], return_counts=True)
-            kls.extend(chunk.tolist() for chunk in torch.split(kl.flatten()[resp].float().cpu(), counts.tolist()))
+            resp, sizes = response_positions(batch["segments"])
+            kls.extend(chunk.tolist() for chunk in torch.split(kl.flatten()[resp].float().cpu(), sizes))
         return kls, kl_sum
 
     def _optimizer_step_on(self, part: RankStep, layout: packing.LayoutCounts | None = None,
@@ -267,14 +262,9 @@ class Trainer:
     def _micro_batch(self, items: list[tuple[Sample, float]], total_tokens: float,
                      layout: packing.LayoutCounts | None = None):
         # the output layer runs only where the loss mask is non-zero (0 elsewhere): no full-vocab logits
-        pack = _pack_row if self.cfg.use_dynamic_batch_size else _pack
-        batch = pack(items, self.loss_cfg.needs_rollout_logprobs, self.device)
+        batch, row, routes, replay = self._forward_inputs(items, self.loss_cfg.needs_rollout_logprobs)
         if layout is not None:
             layout.add(batch["tokens"].numel(), sum(_length(s) for s, _ in items))
-        row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
-        # --use-rollout-routing-replay: the routers take the engine's routes (without it: only compared)
-        routes, sequence = self._routes(items, batch["tokens"])
-        replay = dict(replay=self.cfg.use_rollout_routing_replay, sequence_slice=sequence)
         with self._replaying(self.model, routes, **replay) as seen:
             logp, entropy = masked_token_logprobs(self.model, batch["tokens"], batch["mask"], **row)
         if not self.loss_cfg.entropy_coef:
@@ -293,6 +283,16 @@ class Trainer:
         if aux_tokens is not None:  # read after the backward: under full recompute the routers run in it
             sums[N.MOE_AUX_LOSS] = moe_aux_loss_value(self.model) * aux_tokens
         return loss, sums
+
+    def _forward_inputs(self, items, need_rollout: bool) -> tuple[dict, dict, torch.Tensor | None, dict]:
+        """A micro-batch's packed tensors, the packed row's position ids and attention mask, the engine's
+        routes and how to replay them (--use-rollout-routing-replay: the routers take the engine's
+        routes; without it they are only compared)."""
+        pack = _pack_row if self.cfg.use_dynamic_batch_size else _pack
+        batch = pack(items, need_rollout, self.device)
+        row = {"position_ids": batch.get("position_ids"), "attention_mask": batch.get("attention_mask")}
+        routes, sequence = self._routes(items, batch["tokens"])
+        return batch, row, routes, dict(replay=self.cfg.use_rollout_routing_replay, sequence_slice=sequence)
 
     def _routes(self, items, tokens: torch.Tensor) -> tuple[torch.Tensor | None, slice | None]:
         """(the micro-batch's engine routes [b, s, MoE layers, k], this TP rank's slice of the sequence
