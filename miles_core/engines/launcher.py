@@ -78,7 +78,7 @@ from typing import Any, Callable
 
 from miles_core.engines.auth import AUTO, auth_headers, engine_token, redact_command
 from miles_core.engines.client import EngineClient, EngineControlError
-from miles_core.storage.node_local import discard, is_cache_entry, localize, require_uri
+from miles_core.storage.node_local import discard_entry, is_cache_entry, localize, require_uri
 from miles_core.storage.weight_versions import READS, localize_weights, staged_read, sum_reads
 
 log = logging.getLogger(__name__)
@@ -313,7 +313,7 @@ class EngineServer:
                 raise  # the run root's own files, read in place: the engine's own failure
             log.warning("%s: the engine could not read this node's copy of %s (%s); copying it again once",
                         self.name, uri, e)
-            discard(uri, "weights")  # removed or damaged under the read: a fresh copy (a failure of the
+            discard_entry(path)  # removed or damaged under the read: a fresh copy (a failure of the
         return use(localize_weights(uri))  # engine's own fails again, and is raised)
 
     def stage_weights(self, uri: str) -> dict:

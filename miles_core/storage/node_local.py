@@ -78,19 +78,20 @@ def is_cache_entry(path: str) -> bool:
 
 
 def localize(uri: str, kind: str = "models", *, required: str | None = None,
-             build: Callable[[str], None] | None = None) -> str:
+             build: Callable[[str], None] | None = None, identity: str = "") -> str:
     """A directory on this node holding the tree at `uri` (and, with `required`, that file in it).
 
     With `build`, the copy is not downloaded but made by `build(directory)` (into an empty directory,
     published as a download is; a file:// URI gets a cached copy too): how a weight version stored as a
-    delta is rebuilt on the node (miles_core.storage.weight_versions)."""
+    delta is rebuilt on the node (miles_core.storage.weight_versions). `identity` tells apart contents
+    written at the same `uri` at different times (each its own entry): a weight version's seal token."""
     uri = normalize_uri(require_uri(uri, "uri"))
     if uri.startswith("file://") and build is None:
         path = uri[len("file://"):]
         if not os.path.isdir(path) or (required and not os.path.exists(os.path.join(path, required))):
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
-    dest = _entry(uri, kind)
+    dest = _entry(uri, kind, identity)
     for _ in range(2):  # the node cache may be cleaned underneath a copy: copy again
         try:
             return _cached(uri, dest, kind, required, build)
@@ -249,22 +250,27 @@ def _unlink(path: str) -> None:
         pass
 
 
-def cached(uri: str, kind: str) -> str | None:
-    """This node's complete cached copy of `uri` (a `localize` of it made it), or None; not held for the
-    caller: a reader that finds it pruned underneath (FileNotFoundError) copies again."""
-    dest = _entry(normalize_uri(uri), kind)
+def cached(uri: str, kind: str, identity: str = "") -> str | None:
+    """This node's complete cached copy of `uri` (a `localize` of it with this `identity` made it), or None;
+    not held for the caller: a reader that finds it pruned underneath (FileNotFoundError) copies again."""
+    dest = _entry(normalize_uri(uri), kind, identity)
     return dest if _complete(dest) else None
 
 
-def _entry(uri: str, kind: str) -> str:
-    """The cache directory of (normalized) `uri`."""
-    return os.path.join(node_cache_dir(), kind, hashlib.sha256(uri.encode()).hexdigest()[:20])
+def _entry(uri: str, kind: str, identity: str = "") -> str:
+    """The cache directory of (normalized) `uri` with that `identity`."""
+    key = f"{uri}#{identity}" if identity else uri
+    return os.path.join(node_cache_dir(), kind, hashlib.sha256(key.encode()).hexdigest()[:20])
 
 
-def discard(uri: str, kind: str) -> None:
+def discard(uri: str, kind: str, identity: str = "") -> None:
     """Drop this node's cached copy of `uri` (a copy found damaged): moved aside, then deleted, so the next
     `localize` copies it again; a process still reading the old copy keeps its open files."""
-    dest = _entry(normalize_uri(uri), kind)
+    discard_entry(_entry(normalize_uri(uri), kind, identity))
+
+
+def discard_entry(dest: str) -> None:
+    """`discard` of the cache entry at `dest` (a path `localize` returned)."""
     aside = f"{os.path.dirname(dest)}/.{os.path.basename(dest)}.discarded-{os.getpid()}-{threading.get_ident()}"
     try:
         os.rename(dest, aside)

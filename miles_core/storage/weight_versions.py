@@ -266,6 +266,9 @@ class PartWriter:
             sums[n] = checksum(cast(n))
             return part[n]
 
+        # a version made again after a restart: unsealed until every part is new, and this part's file of
+        # the other kind (a publish killed midway) removed once this one is written
+        store.delete(in_version(key, COMPLETE_MARKER))
         encoded = None
         if not wants_anchor:
             for n in names:
@@ -273,6 +276,7 @@ class PartWriter:
             encoded = encode(self._base, part, self._base_name)  # takes the checksums itself
         if encoded is not None and encoded.blob is not None:
             store.put_bytes(in_version(key, delta_file(i, parts)), encoded.blob)
+            store.delete(in_version(key, model_file(i, parts)))
             stats = PartStats(False, len(encoded.blob), encoded.elements, encoded.changed, time.perf_counter() - t0)
             self._since_anchor += 1
         else:
@@ -280,6 +284,7 @@ class PartWriter:
                 sums.update(encoded.checksums)
             size = _put_anchor(store, in_version(key, model_file(i, parts)), state, names,
                                part.__getitem__ if encoded is not None else cast_and_sum, sums)
+            store.delete(in_version(key, delta_file(i, parts)))
             elements = sum(state[n].numel() for n in names)
             stats = PartStats(True, size, elements, encoded.changed if encoded is not None else elements,
                               time.perf_counter() - t0)
@@ -345,25 +350,35 @@ def localize_weights(uri: str) -> str:
     if COMPLETE_MARKER not in keys:
         raise FileNotFoundError(f"{uri} has no {COMPLETE_MARKER}; it is incomplete")
     t0 = time.perf_counter()
+    seal = seal_token(store)  # a version written again at this name (after a restart) is another copy
     if not is_delta_version(keys):
-        path = localize(uri, "weights", required=COMPLETE_MARKER)
+        path = localize(uri, "weights", required=COMPLETE_MARKER, identity=seal)
         try:
             _verify_anchor(path)
         except WeightVersionError as e:
             if uri.startswith("file://"):
                 raise  # the run root's own files: nothing to copy again
             log.warning("weights %s: this node's copy failed its checksums (%s); copying it again", uri, e)
-            discard(uri, "weights")
-            path = localize(uri, "weights", required=COMPLETE_MARKER)
+            discard(uri, "weights", seal)
+            path = localize(uri, "weights", required=COMPLETE_MARKER, identity=seal)
             _verify_anchor(path)
         READS.add(versions=1)
         return path
     used_anchor = []
-    path = localize(uri, "weights", required=COMPLETE_MARKER,
+    path = localize(uri, "weights", required=COMPLETE_MARKER, identity=seal,
                     build=lambda tmp: used_anchor.append(_build(store, keys, tmp)))
     READS.add(versions=1, apply_seconds=time.perf_counter() - t0)
     READS.last_used_anchor = any(used_anchor)
     return path
+
+
+def seal_token(store: Store) -> str:
+    """The token in the version's `.complete` (miles_core.weights.snapshot.seal; "" for markers written
+    without one, or when it is gone since the listing)."""
+    try:
+        return store.get_bytes(COMPLETE_MARKER).decode("ascii", "replace").strip()
+    except FileNotFoundError:
+        return ""
 
 
 def _verify_anchor(path: str) -> None:
@@ -450,8 +465,9 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
                 log.info("weights %s part %d: this node's copy of its base is unreadable (%s); rebuilding it "
                          "from its anchor", store.uri(), i, e)
         if part is None:
-            part = _from_anchor(store.uri(), i, parts)
-            used_anchor = True
+            # a node that missed versions applies the deltas it lacks; one whose base failed reads the anchor
+            part, anchored = _from_anchor(store.uri(), i, parts, local_bases=base_dir is None)
+            used_anchor = used_anchor or anchored
         save_file(part, out, metadata={"format": "pt", CHECKSUMS: json.dumps(sums, sort_keys=True)})
     open(os.path.join(tmp, COMPLETE_MARKER), "wb").close()
     return used_anchor
@@ -521,16 +537,44 @@ def _local_copy(uri: str) -> str | None:
         names = os.listdir(path) if os.path.isdir(path) else []
         if COMPLETE_MARKER in names and not is_delta_version(names):
             return path
-    return cached(uri, "weights")
+    return cached(uri, "weights", seal_token(Store(uri)))
 
 
-def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000) -> dict:
-    """Part i of the version at `uri` rebuilt from storage alone: back along the bases to the anchor, then
-    every delta applied in order, each checksum verified (WeightVersionError when one still fails)."""
+def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000, *,
+                 local_bases: bool = True) -> tuple[dict, bool]:
+    """Part i of the version at `uri` rebuilt from the deltas this node lacks: back along the bases to the
+    newest one this node holds (a reader that missed some versions) or else to the anchor, then every delta
+    applied in order, each checksum verified. A chain started from this node's copy that fails a checksum
+    (or cannot be read) is counted and built again from the anchor, all from storage
+    (WeightVersionError when that fails too). Returns the part and whether an anchor was read."""
+    try:
+        return _rebuild(uri, i, parts, max_chain, local_bases=local_bases)
+    except _LocalBaseFailed as e:
+        log.warning("weights %s part %d: %s; rebuilding it from its anchor", uri, i, e)
+        return _rebuild(uri, i, parts, max_chain, local_bases=False)
+
+
+class _LocalBaseFailed(Exception):
+    pass
+
+
+def _rebuild(uri: str, i: int, parts: int, max_chain: int, local_bases: bool) -> tuple[dict, bool]:
     from safetensors.torch import load
 
     chain = []
+    from_local = False
     for _ in range(max_chain):
+        base_dir = _local_copy(uri) if local_bases and chain else None  # the version asked for is never local
+        if base_dir is not None:
+            try:
+                part = _load(os.path.join(base_dir, model_file(i, parts)))
+                from_local = True
+                if uri.startswith("file://") and base_dir == uri[len("file://"):]:  # the run root's anchor, in place
+                    READS.add(anchors_read=1)
+                    return _apply_chain(part, chain, from_local), True
+                break
+            except Exception as e:  # noqa: BLE001 - pruned or damaged underneath: go on to storage
+                log.info("weights %s part %d: this node's copy is unreadable (%s); reading on", uri, i, e)
         store = Store(uri)
         names = store.list("")
         if delta_file(i, parts) in names:
@@ -551,11 +595,17 @@ def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000) -> dict:
         break
     else:
         raise WeightVersionError(f"no anchor within {max_chain} versions before {uri}")
+    return _apply_chain(part, chain, from_local), not from_local
+
+
+def _apply_chain(part: dict, chain: list, from_local: bool) -> dict:
     for at, sums, encoded in reversed(chain):
         try:
             part = apply(part, sums, encoded, in_place=True)
         except WeightVersionError as e:
             READS.add(checksum_failures=1)
+            if from_local:
+                raise _LocalBaseFailed(f"{at}: {e} on this node's copy of its base") from e
             raise WeightVersionError(f"{at}: rebuilt from its anchor, {e}: not served") from e
         READS.add(deltas_applied=1)
     return part

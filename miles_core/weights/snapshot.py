@@ -115,8 +115,13 @@ def export_version(state: dict, store: Store, key: str, writer: PartWriter, i: i
 
 
 def seal(store: Store, key: str = "") -> None:
-    """Mark the snapshot at `key` complete (its last write: every part and small file is there)."""
-    store.put_bytes(in_version(key, MARKER), b"")
+    """Mark the snapshot at `key` complete (its last write: every part and small file is there). The marker
+    holds a token of its own: a directory written again under the same name (a trainer restarted from a
+    checkpoint publishes its steps again) is another entry in every node cache, never the copy of the old
+    contents (miles_core.storage.weight_versions.localize_weights)."""
+    import uuid
+
+    store.put_bytes(in_version(key, MARKER), uuid.uuid4().hex.encode())
 
 
 def seal_uri(uri: str) -> None:

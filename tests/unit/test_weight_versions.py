@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from miles_core.storage import COMPLETE_MARKER, Store
 from miles_core.storage import weight_versions as wv
-from miles_core.weights.snapshot import partition
+from miles_core.weights.snapshot import partition, seal
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -84,7 +84,7 @@ def _publish(store: Store, writers: list[wv.PartWriter], step: int, state: dict)
     key = f"weights/step_{step:08d}"
     stats = [w.write(store, key, state, i, parts, names[i]) for i, w in enumerate(writers)]
     store.put_bytes(f"{key}/config.json", b"{}")
-    store.put_bytes(f"{key}/{COMPLETE_MARKER}", b"")
+    seal(store, key)
     return stats
 
 
@@ -199,7 +199,7 @@ def test_a_node_copy_of_an_anchor_that_fails_its_checksums_is_copied_again(node_
     store.put_bytes("weights/step_00000001/model.safetensors", open(os.path.join(again, "model.safetensors"), "rb")
                     .read()[:-8] + b"\0" * 8)  # the stored anchor itself damaged: never served
     from miles_core.storage.node_local import discard
-    discard(uri, "weights")
+    discard(uri, "weights", wv.seal_token(Store(uri)))
     with pytest.raises(wv.WeightVersionError):
         wv.localize_weights(uri)
 
@@ -245,3 +245,85 @@ def test_patching_a_copy_of_the_base_file_makes_the_file_apply_would(tmp_path):
     assert not wv.patch_copy(bare, str(tmp_path / "fallback.safetensors"), sums, encoded)
     with pytest.raises(wv.WeightVersionError, match="checksum mismatch"):
         wv.patch_copy(path, str(tmp_path / "wrong.safetensors"), {**sums, "norm.weight": "0" * 16}, encoded)
+
+
+def test_a_reader_that_missed_versions_applies_only_the_deltas_it_lacks(tmp_path, node_cache):
+    """Pins: a node holding version 2 that is next asked for version 6 reads the deltas of 3-6 and no
+    anchor, and rebuilds 6 bit for bit; when its copy of 6 has rotted and it is asked for 8, the chain
+    fails a checksum, is counted, and 8 is rebuilt from the anchor instead (never served corrupt). Guards: a reader that fell a
+    few versions behind reading the whole model again (what cross-zone bandwidth pays for)."""
+    store = Store(f"file://{tmp_path}/run")
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    state, truth = _state(), {}
+    for step in range(1, 9):
+        state = _step(state, 0.01, step)
+        _publish(store, writers, step, state)
+        truth[step] = _bf16(state)
+    wv.localize_weights(store.uri("weights/step_00000002"))
+    before = wv.READS.snapshot()
+    six = wv.localize_weights(store.uri("weights/step_00000006"))
+    got = _read(six, 1)
+    after = wv.READS.snapshot()
+    assert _same(got, truth[6])
+    assert after["anchors_read"] == before["anchors_read"] and after["deltas_applied"] - before["deltas_applied"] == 4
+    assert not wv.READS.last_used_anchor
+    anchor = os.path.getsize(f"{tmp_path}/run/weights/step_00000001/model.safetensors")
+    assert after["bytes_read"] - before["bytes_read"] < anchor / 2
+    damaged = load_file(os.path.join(six, "model.safetensors"))
+    damaged["embed.weight"][3, 3] += 1
+    from safetensors.torch import save_file
+    save_file(damaged, os.path.join(six, "model.safetensors"))  # rotted after it was verified
+    got = _read(wv.localize_weights(store.uri("weights/step_00000008")), 1)
+    assert _same(got, truth[8]) and wv.READS.checksum_failures == 1 and wv.READS.last_used_anchor
+
+
+def test_a_publish_killed_midway_and_made_again_after_a_restart_serves_the_new_weights(tmp_path, node_cache):
+    """Pins: a trainer killed inside the publish of version 4 (its rank 0 wrote its delta part, rank 1
+    nothing, no seal) and restarted from a checkpoint publishes version 4 again, as anchors (its writers
+    hold no part in memory): the stale delta part left in the directory is removed, so every reader rebuilds
+    the restarted trainer's version 4, and version 5 (a delta against it) bit for bit. Guards: a reader
+    applying the killed run's delta over its own base (checksums consistent with the stale delta, so no
+    check would catch the mix of two trainers' weights)."""
+    store = Store(f"file://{tmp_path}/run")
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1) for _ in range(2)]
+    state = _state()
+    for step in range(1, 4):
+        state = _step(state, 0.01, step)
+        _publish(store, writers, step, state)
+    wv.localize_weights(store.uri("weights/step_00000003"))  # this node follows the run
+    killed = _step(state, 0.01, 4)
+    names = partition({k: v.numel() * 2 for k, v in killed.items()}, 2)
+    writers[0].write(store, "weights/step_00000004", killed, 0, 2, names[0])  # then the kill
+    assert store.exists("weights/step_00000004/delta-00001-of-00002.safetensors.zst")
+    restarted = [wv.PartWriter(anchor_every=20, first_anchors=1) for _ in range(2)]
+    again = _step(state, 0.01, 40)  # the step trained again after the restart: other weights
+    assert all(s.anchor for s in _publish(store, restarted, 4, again))
+    fresh_node = str(tmp_path / "fresh-cache")
+    for cache in (None, fresh_node):  # the node that held version 3, and one that held nothing
+        if cache:
+            os.environ["MILES_CACHE_DIR"] = cache
+        assert _same(_read(wv.localize_weights(store.uri("weights/step_00000004")), 2), _bf16(again)), cache
+    five = _step(again, 0.01, 5)
+    assert not any(s.anchor for s in _publish(store, restarted, 5, five))
+    assert _same(_read(wv.localize_weights(store.uri("weights/step_00000005")), 2), _bf16(five))
+
+
+def test_a_version_published_again_under_its_name_is_never_served_from_the_old_copy(node_cache):
+    """Pins: a trainer restarted from a checkpoint publishes its next steps again under the names the dead
+    one sealed; a node that copied the dead trainer's version 2 (from object storage) serves the new
+    version 2, and rebuilds the delta version 3 on top of it, bit for bit. Guards: the node cache keyed by
+    the name alone, handing back the dead trainer's weights as the new version 2."""
+    store = Store("memory://weight-versions-again/run")
+    state = _step(_state(), 0.01, 1)
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    _publish(store, writers, 1, state)
+    _publish(store, writers, 2, _step(state, 0.01, 2))
+    wv.localize_weights(store.uri("weights/step_00000002"))  # the dead trainer's version 2, on this node
+    restarted = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    two = _step(state, 0.01, 20)
+    _publish(store, restarted, 2, two)
+    three = _step(two, 0.01, 3)
+    assert not _publish(store, restarted, 3, three)[0].anchor
+    assert _same(_read(wv.localize_weights(store.uri("weights/step_00000002")), 1), _bf16(two))
+    assert _same(_read(wv.localize_weights(store.uri("weights/step_00000003")), 1), _bf16(three))
+    assert wv.READS.checksum_failures == 0
