@@ -304,13 +304,14 @@ def _stop_rollout(rollout: RolloutClient, actor) -> None:
 
 def version_written(answers: list[dict]) -> dict:
     """Rank 0's push answer, its "part" and every other writer rank's replaced by the version's `weights/*`
-    metrics: bytes of all parts, the changed share of all elements, the slowest part's seconds, whether any
+    metrics: bytes of all parts (and their share of the dense bf16 model), the changed share of all elements, the slowest part's seconds, whether any
     part is an anchor."""
     out = {k: v for k, v in answers[0].items() if k != "part"}
     parts = [a["part"] for a in answers if "part" in a]
     if parts:
         elements = sum(p["elements"] for p in parts)
-        out |= {N.WEIGHTS_VERSION_BYTES: sum(p["bytes"] for p in parts),
+        written = sum(p["bytes"] for p in parts)
+        out |= {N.WEIGHTS_VERSION_BYTES: written, N.WEIGHTS_SHARE_OF_DENSE: written / max(1, 2 * elements),
                 N.WEIGHTS_CHANGED_SHARE: sum(p["changed"] for p in parts) / max(1, elements),
                 N.WEIGHTS_ENCODE_SECONDS: max(p["encode_seconds"] for p in parts),
                 N.WEIGHTS_ANCHOR: float(any(p["anchor"] for p in parts))}

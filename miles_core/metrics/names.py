@@ -50,6 +50,7 @@ PERF_METRICS: dict[str, str] = {
 # push; what the readers (the engines' nodes) read to rebuild it, logged with its delivery.
 WEIGHTS_VERSION_BYTES = "weights/version_bytes"
 WEIGHTS_CHANGED_SHARE = "weights/changed_share"
+WEIGHTS_SHARE_OF_DENSE = "weights/share_of_dense"
 WEIGHTS_ENCODE_SECONDS = "weights/encode_seconds"
 WEIGHTS_ANCHOR = "weights/anchor"
 WEIGHTS_READ_BYTES = "weights/read_bytes"
@@ -60,6 +61,8 @@ WEIGHTS_METRICS: dict[str, str] = {
     WEIGHTS_VERSION_BYTES: "Bytes the trainer wrote to the run root for the version's weights, all parts together "
                            "(an anchor: the bf16 model; a delta: its compressed changes).",
     WEIGHTS_CHANGED_SHARE: "Share of the model's bf16 elements that differ from the version before (1 at a first anchor).",
+    WEIGHTS_SHARE_OF_DENSE: "The version's bytes written over the dense bf16 model's (1 for an anchor, a few hundredths "
+                            "for a delta at a real learning rate).",
     WEIGHTS_ENCODE_SECONDS: "Seconds the slowest writer rank took to cast, diff, compress and write its part.",
     WEIGHTS_ANCHOR: "1 when the version was written as an anchor (the whole bf16 model), 0 as a delta.",
     WEIGHTS_READ_BYTES: "Bytes the engines' nodes read from the run root to rebuild the delivered version, all nodes together.",

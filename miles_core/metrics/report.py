@@ -102,6 +102,7 @@ PANELS = [
     ("Wait times", [N.TRAIN_WAIT_SECONDS, N.PRODUCER_BLOCKED_SECONDS, N.WEIGHT_UPDATE_SECONDS], "seconds"),
     ("Tool use", [N.TOOL_EPISODE_SHARE, N.TOOL_CALLS_PER_EPISODE, N.TOOL_ERRORS, N.TOOL_TIMEOUTS], "share / calls"),
     ("Clipped and masked tokens", list(N.CORRECTION_SHARES), "share of loss tokens"),
+    ("Weight versions (bf16 deltas)", [N.WEIGHTS_CHANGED_SHARE, N.WEIGHTS_SHARE_OF_DENSE], "share of the bf16 model"),
 ]
 
 

@@ -75,7 +75,7 @@ def assert_renders(page, want: list[tuple[str, int]]) -> None:
 
 def test_report_renders_offline(run_root, browser, tmp_path):
     want = promised(run_root)
-    assert len(want) == 9, want  # write_full_run gives every panel data
+    assert len(want) == 10, want  # write_full_run gives every panel data
     out = tmp_path / "report.html"
     assert main(["report", run_root, "-o", str(out)]) == 0
     page = browser.load(out, screenshot=tmp_path / "report.png")

@@ -179,6 +179,7 @@ def test_a_push_reports_what_every_writer_rank_wrote():
     out = version_written([{"snapshot": "s3://r/weights/step_00000001", "part": part},
                            {"part": part | {"anchor": True, "bytes": 300, "encode_seconds": 0.75}}, {}])
     assert out == {"snapshot": "s3://r/weights/step_00000001", N.WEIGHTS_VERSION_BYTES: 400,
+                   N.WEIGHTS_SHARE_OF_DENSE: 0.1,
                    N.WEIGHTS_CHANGED_SHARE: 0.02, N.WEIGHTS_ENCODE_SECONDS: 0.75, N.WEIGHTS_ANCHOR: 1.0}
     assert version_written([{"delivered": True}, {}]) == {"delivered": True}  # no version in the run root
 
