@@ -247,7 +247,9 @@ class EngineServer:
         self.spec = replace(spec, bind_host=bind_address(spec.bind_host))
         self.name = name
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
-        self.model_kind = "models"  # node-cache kind of model_path: the initial model, then pushed weights
+        # node-cache kind of model_path: the initial model (version 0), then pushed weights; an engine started
+        # on a pushed version (a producer job joining a run) rebuilds it as every reader of weights does
+        self.model_kind = "weights" if spec.weight_version > 0 else "models"
         self._pick_port()
         log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
         os.makedirs(log_dir, exist_ok=True)

@@ -266,3 +266,44 @@ def test_versions_written_as_deltas_reach_the_cpu_engine_bit_for_bit(tmp_path, m
     assert all(0 < w.changed < 0.2 * w.elements for w in written[3:]), [(w.changed, w.elements) for w in written]
     assert max(w.bytes for w in written[3:]) < 0.2 * written[0].bytes
     assert held == [True] * 6
+
+
+def test_a_producer_joining_after_version_30_serves_it_from_one_anchor_and_deltas(s3_bucket, tmp_path, monkeypatch):
+    """The trainer at an RL learning rate publishes 30 versions to S3 (anchors 1-3, a delta every version after
+    but an anchor at 23: the default interval of 20). A producer that joins now starts its engine on version 30
+    from an empty node cache, as `ProducerJob._start_fleet` does (an `EngineServer` on the version's URI): the
+    node reads one anchor and 7 deltas, never a whole model per version, rebuilds the trainer's bf16 weights bit
+    for bit, and the engine serves version 30 (docs/weight-versions.md)."""
+    from miles_core.engines.client import EngineClient
+    from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
+    from miles_core.storage import weight_versions as wv
+
+    monkeypatch.setattr(wv, "READS", wv.ReadStats())
+    path = materialize_checkpoint("builtin:tiny-gpt", 5, str(tmp_path / "tiny-gpt"))
+    store = Store(f"s3://{s3_bucket}/late-{os.getpid()}")
+    kinds = []
+    with Trainer(TrainSection(lr=1e-5), path) as tr:
+        transport = StoreWeightTransport(tr, store, prefix="weights")
+        for k in range(1, 31):
+            tr.train_step(k, make_groups(seed=k))
+            uri = transport.prepare(k)
+            kinds.append(transport.written.anchor)
+        want = {n: t.to(torch.bfloat16) for n, t in tr.hf_state_dict().items()}
+    assert [k for k, anchor in enumerate(kinds, 1) if anchor] == [1, 2, 3, 23]
+    monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "late-node"))
+    server = EngineServer(EngineLaunchSpec("cpu", uri, weight_version=30, startup_timeout_seconds=120))
+    server.start()
+    try:
+        async def served():
+            async with EngineClient([server.url]) as client:
+                return await client.get_weight_version()
+
+        assert asyncio.run(served()) == {server.url: 30}
+    finally:
+        server.stop()
+    assert wv.READS.anchors_read == 1 and wv.READS.deltas_applied == 7 and wv.READS.checksum_failures == 0
+    anchor_bytes = 2 * sum(t.numel() for t in want.values())
+    # one anchor and 7 deltas (each < 0.2 of it on this toy model): not a whole model per version
+    assert anchor_bytes < wv.READS.bytes_read < 2.5 * anchor_bytes
+    rebuilt = load_file(os.path.join(wv.localize_weights(uri), "model.safetensors"))
+    assert set(rebuilt) == set(want) and all(torch.equal(wv.bits(rebuilt[n]), wv.bits(want[n])) for n in want)
