@@ -8,7 +8,8 @@
 so the test can SIGKILL the whole run (driver, Ray, actors, engines) while it is inside that
 critical section. The points: `buffer.commit` (a group object encoded, not yet committed; puts
 waiting), `buffer.record` (groups got for a step, its consumption manifest not yet written),
-`checkpoint.write` (tensors written, no COMPLETE marker yet), `weights.push` (engines paused,
+`checkpoint.write` (tensors written, no COMPLETE marker yet), `weights.delta` (a weight version's
+delta part written, the version not sealed: docs/weight-versions.md), `weights.push` (engines paused,
 the new weights not yet loaded), `engine.generate` (a CPU engine streaming a response, its event
 loop held: every request on it is in flight).
 """
@@ -19,7 +20,7 @@ import collections
 import os
 import threading
 
-POINTS = ("buffer.commit", "buffer.record", "checkpoint.write", "weights.push", "engine.generate")
+POINTS = ("buffer.commit", "buffer.record", "checkpoint.write", "weights.delta", "weights.push", "engine.generate")
 ENV = "MILES_CHAOS_POINT"
 DIR_ENV = "MILES_CHAOS_DIR"
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from concurrent.futures import ThreadPoolExecutor
 
+from miles_core.failures import chaos
 from miles_core.storage import COMPLETE_MARKER, Store
 from miles_core.storage.tensor_files import put_tensors
 from miles_core.storage.weight_versions import PartStats, PartWriter, in_version, model_file
@@ -107,6 +108,8 @@ def export_version(state: dict, store: Store, key: str, writer: PartWriter, i: i
     with ThreadPoolExecutor(max_workers=4) as pool:
         small = [pool.submit(store.put_bytes, in_version(key, name), data) for name, data in (aux_files or {}).items()]
         stats = writer.write(store, key, state, i, parts, partition(sizes, parts)[i])
+        if not stats.anchor:
+            chaos.point("weights.delta")  # a delta part written, the version not sealed
         if aux_files is not None and parts > 1:
             store.put_json(in_version(key, INDEX), _index(sizes, parts))
         for f in small:

@@ -1,4 +1,5 @@
-"""An independent reader of a run root: pyarrow, json and safetensors only, no miles_core import.
+"""An independent reader of a run root: pyarrow, json, numpy, zstandard, xxhash and safetensors only, no
+miles_core import.
 
 It knows only the documented layout (docs/data-path.md, miles_core/buffer/objects.py's docstring):
 STATUS.json; buffer/groups/{writer}/{seq}.arrow (Arrow IPC streams, one row per sample, with
@@ -6,7 +7,11 @@ group_id and a JSON metadata column holding the data source's epoch and position
 buffer/consumed/{step:08d}.json (per-step manifests: consumed and rejected ids, objects done);
 buffer/compacted/upto_{step:08d}.json (the fold of every manifest through a checkpointed step:
 objects done as per-writer seq ranges, consumed ids of objects not done); checkpoints/LATEST naming
-a step directory with a COMPLETE marker and safetensors files; metrics/{component}/*.jsonl events.
+a step directory with a COMPLETE marker and safetensors files; metrics/{component}/*.jsonl events;
+weights/step_{k:08d}/ weight versions (docs/weight-versions.md): bf16 anchor parts whose metadata holds
+`miles.checksums` (xxh3-64 of each tensor's bytes) or zstd delta parts naming their base (`miles.base`)
+and holding, per changed tensor, byte planes of int32 position gaps (`:i`) and int16 bits (`:v`), or its
+whole bits (`:d`).
 `check` returns the problems it finds (an empty list: the run root is consistent). Each rule is
 one small function over the loaded `RunRoot`, so a layout change touches one reader.
 """
@@ -156,8 +161,101 @@ def final_checkpoint_loads(r: RunRoot, steps: int, batch: int) -> list[str]:
     return [] if tensors else [f"{step_dir}: no tensors in its safetensors files"]
 
 
+def _safetensors(data: bytes) -> tuple[dict, dict]:
+    """({name: flat little-endian array}, metadata) of a safetensors buffer, parsed by hand (numpy has no
+    bf16: BF16 comes back as int16 bits)."""
+    import numpy as np
+
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    dtypes = {"BF16": np.int16, "I16": np.int16, "I32": np.int32, "U8": np.uint8, "F32": np.float32}
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        lo, hi = info["data_offsets"]
+        a = np.frombuffer(data, dtype=dtypes[info["dtype"]], count=(hi - lo) // np.dtype(dtypes[info["dtype"]]).itemsize,
+                          offset=8 + n + lo)
+        out[name] = a.reshape(info["shape"]) if info["shape"] else a
+    return out, header.get("__metadata__") or {}
+
+
+def _unplanes(planes, dtype):
+    import numpy as np
+
+    return np.ascontiguousarray(planes.T).view(dtype).reshape(-1)
+
+
+def _rebuild_part(weights: Path, version: str, part: str, delta: str, depth: int = 0) -> dict:
+    """{tensor: int16 bits} of `part` (an anchor file name) of `version`, back along its deltas' bases."""
+    import numpy as np
+    import xxhash
+    import zstandard
+
+    if depth > 1000:
+        raise ValueError(f"{version}: no anchor within 1000 versions")
+    d = weights / version
+    if (d / delta).exists():
+        tensors, meta = _safetensors(zstandard.ZstdDecompressor().decompress((d / delta).read_bytes()))
+        state = {k: v.copy() for k, v in _rebuild_part(weights, meta["miles.base"], part, delta, depth + 1).items()}
+        for name in json.loads(meta["miles.checksums"]):
+            if f"{name}:d" in tensors:
+                state[name] = tensors[f"{name}:d"].reshape(-1).copy()
+            elif f"{name}:i" in tensors:
+                where = np.cumsum(_unplanes(tensors[f"{name}:i"], np.int32), dtype=np.int64)
+                try:
+                    state[name][where] = _unplanes(tensors[f"{name}:v"], np.int16)
+                except (IndexError, ValueError, KeyError) as e:
+                    raise ValueError(f"{version}: {name}: the delta's positions differ from its checksums' tensor ({e})") from e
+    elif (d / part).exists():
+        tensors, meta = _safetensors((d / part).read_bytes())
+        state = {k: v.reshape(-1) for k, v in tensors.items()}
+    else:
+        raise ValueError(f"{version} holds neither {part} nor {delta}: its chain is broken")
+    sums = json.loads(meta.get("miles.checksums", "{}"))
+    bad = [n for n, want in sums.items() if xxhash.xxh3_64_hexdigest(state[n].tobytes()) != want]
+    if bad or (sums and set(sums) != set(state)):
+        raise ValueError(f"{version}/{part}: tensors {bad or sorted(set(sums) ^ set(state))} differ from its checksums")
+    return state
+
+
+def weight_versions_rebuild(r: RunRoot, steps: int, batch: int) -> list[str]:
+    """Every sealed weight version whose chain is still stored rebuilds to its checksums; the newest one
+    does (a retained version is never broken). A superseded one being deleted may have lost its base."""
+    weights = r.path / "weights"
+    sealed = sorted(d.name for d in weights.glob("step_*") if (d / ".complete").exists()) if weights.exists() else []
+    p = []
+    for version in sealed:
+        d = weights / version
+        parts = set()
+        for f in d.iterdir():
+            if f.name == "model.safetensors":
+                parts.add((1, 1))
+            elif m := re.fullmatch(r"(?:model|delta)-(\d{5})-of-(\d{5})\.safetensors(?:\.zst)?", f.name):
+                parts.add((int(m.group(1)), int(m.group(2))))
+        for i, n in sorted(parts):
+            model = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
+            delta = f"delta-{i:05d}-of-{n:05d}.safetensors.zst"
+            if (d / model).exists() and (d / delta).exists():
+                p.append(f"weight version {version}: both an anchor and a delta of part {i} of {n} "
+                         "(one of them left by a publish killed midway)")
+            try:
+                _rebuild_part(weights, version, model, delta)
+            except ValueError as e:
+                if version == sealed[-1] or "checksums" in str(e):
+                    p.append(f"weight version {version}: {e}")
+    return p
+
+
+def weight_kinds(run: Path) -> dict[str, str]:
+    """version -> "anchor" or "delta" for every weight version directory left in the run root."""
+    weights = run / "weights"
+    return {d.name: ("delta" if any(d.glob("delta-*")) else "anchor")
+            for d in sorted(weights.glob("step_*"))} if weights.exists() else {}
+
+
 RULES = (finished, every_step_once, consumed_exactly_once, consumed_were_committed, compaction_agrees,
-         final_checkpoint_loads)
+         final_checkpoint_loads, weight_versions_rebuild)
 
 
 def check(run: Path, steps: int, batch_groups: int, committed_before: set[str]) -> list[str]:

@@ -5,12 +5,15 @@ started as `run_training` in a subprocess with MILES_CHAOS_POINT=name:n (miles_c
 it reaches that point it blocks there, the test sees the marker and SIGKILLs every process of the
 run. The points: a group object encoded but not committed (`buffer.commit`), a step's groups got
 but its manifest not written (`buffer.record`), a checkpoint's tensors written without COMPLETE
-(`checkpoint.write`), engines paused mid weight push (`weights.push`). After the kills a last
-segment runs to the end. Then `checker.py`, which reads the run root with pyarrow and json only,
-checks: every step consumed exactly its batch once, no group consumed twice, every consumed group
-committed, no group committed before a kill lost, the final checkpoint complete and loadable; and
-no process of the run is left. CI runs 3 kills at 3 of the 4 points (seeded; the seed and the points are printed);
-MILES_CHAOS_KILLS=20 runs 20.
+(`checkpoint.write`), a weight version's delta part written but the version not sealed
+(`weights.delta`: the run trains at an RL learning rate, 1e-6, so every push after a trainer's first
+three writes a delta), engines paused mid weight push (`weights.push`). After the kills a last
+segment runs to the end. Then `checker.py`, which reads the run root without miles_core, checks:
+every step consumed exactly its batch once, no group consumed twice, every consumed group committed,
+no group committed before a kill lost, the final checkpoint complete and loadable, every sealed
+weight version rebuilding (anchor plus deltas) to its checksums and no part left both as an anchor and
+a delta; and no process of the run is left. CI runs 3 kills: the delta publish first, then 2 of the
+other 4 points (seeded; the seed and the points are printed); MILES_CHAOS_KILLS=20 runs 20.
 """
 
 from __future__ import annotations
@@ -22,29 +25,31 @@ from pathlib import Path
 
 import pytest
 
-from tests.chaos.checker import check, committed_groups
+from tests.chaos.checker import check, committed_groups, weight_kinds
 from tests.chaos.runner import Segment, orphans
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # point -> the range of its n (MILES_CHAOS_POINT=name:n) a kill is drawn from.
-POINTS = {"buffer.commit": (3, 12), "buffer.record": (1, 6), "checkpoint.write": (1, 2), "weights.push": (1, 6)}
+POINTS = {"buffer.commit": (3, 12), "buffer.record": (1, 6), "checkpoint.write": (1, 2), "weights.push": (1, 6),
+          "weights.delta": (1, 3)}
+FIRST = "weights.delta"  # in every plan: a segment's first delta is its 4th push, so the first segment takes it
 BATCH = 8
 
 
 def _flags(storage: Path, steps: int) -> list[str]:
-    return ["--storage-root", str(storage), "--run-id", "chaos", "--num-rollout", str(steps),
+    return ["--storage-root", str(storage), "--run-id", "chaos", "--num-rollout", str(steps), "--lr", "1e-6",
             "--rollout-batch-size", str(BATCH), "--save-interval", "2", "--eval-prompt-data", "--eval-interval",
             "none", "--no-progress", "--lease-ttl-seconds", "5", "--lease-renew-seconds", "1"]
 
 
 def _plan(kills: int, rng: random.Random) -> list[str]:
-    """`kills` points, every point once before any repeats (shuffled), each at a drawn count."""
-    plan = []
+    """`kills` points: FIRST, then every other point once before any repeats (shuffled), each at a drawn count."""
+    plan = [f"{FIRST}:{rng.randint(*POINTS[FIRST])}"]
     while len(plan) < kills:
         names = list(POINTS)
         rng.shuffle(names)
-        plan += [f"{n}:{rng.randint(*POINTS[n])}" for n in names]
+        plan += [f"{n}:{rng.randint(*POINTS[n])}" for n in names if n != FIRST or len(plan) > 1]
     return plan[:kills]
 
 
@@ -95,4 +100,5 @@ def test_a_run_killed_in_its_critical_sections_resumes_exactly_once(tmp_path):
         outcome, seconds, left = _segment(tmp_path, tmp_path / "last.log", None, steps)
         assert outcome == "finished" and not left, left
     assert check(run, steps, BATCH, committed_before) == []
+    assert "delta" in weight_kinds(run).values(), weight_kinds(run)  # the versions it checked were deltas
     assert not orphans(str(tmp_path)), "a process of the run outlived it"

@@ -61,3 +61,53 @@ def test_a_compaction_that_calls_an_unconsumed_object_done_is_found(tmp_path):
     record = {"through_step": 1, "objects_done": {"w1": [[0, 0]]}, "consumed": []}
     (tmp_path / "buffer" / "compacted" / "upto_00000001.json").write_text(json.dumps(record))
     assert any("calls w1/000000000000 done" in p for p in check(tmp_path, 2, 2, set()))
+
+
+def _weights(run, steps: int = 6) -> dict:
+    """Weight versions 1..steps in `run` as the trainer writes them (2 parts, anchors 1-2, deltas after)."""
+    import torch
+
+    from miles_core.storage import Store
+    from miles_core.storage import weight_versions as wv
+    from miles_core.weights.snapshot import partition, seal
+
+    store = Store(f"file://{run}")
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=2) for _ in range(2)]
+    g = torch.Generator().manual_seed(0)
+    state = {"a": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "c": torch.randn(16, 16, generator=g)}
+    for step in range(1, steps + 1):
+        state = {k: torch.where(torch.rand(v.shape, generator=g) < 0.02, v * 1.1 + 0.01, v) for k, v in state.items()}
+        names = partition({k: v.numel() * 2 for k, v in state.items()}, 2)
+        for i, w in enumerate(writers):
+            w.write(store, f"weights/step_{step:08d}", state, i, 2, names[i])
+        seal(store, f"weights/step_{step:08d}")
+    return state
+
+
+def test_weight_versions_that_do_not_rebuild_to_their_checksums_are_found(tmp_path):
+    """The checker rebuilds every sealed weight version on its own (numpy, zstandard, xxhash): a clean chain
+    passes, and is read as deltas; a flipped value in a delta, a part held both as an anchor and as a delta (a
+    killed publish's leftover) and a newest version whose chain is broken are each found."""
+    import zstandard
+
+    from tests.chaos.checker import weight_kinds, weight_versions_rebuild, load
+
+    _fake_run(tmp_path, {0: ["a", "b"]}, ["a", "b"])
+    _weights(tmp_path)
+    assert list(weight_kinds(tmp_path).values()) == ["anchor"] * 2 + ["delta"] * 4
+    assert check(tmp_path, 1, 2, set()) == []
+    weights = tmp_path / "weights"
+    delta = weights / "step_00000004" / "delta-00001-of-00002.safetensors.zst"
+    raw = bytearray(zstandard.ZstdDecompressor().decompress(delta.read_bytes()))
+    raw[-1] ^= 0x40  # a bit of the last tensor's data
+    delta.write_bytes(zstandard.ZstdCompressor().compress(bytes(raw)))
+    problems = weight_versions_rebuild(load(tmp_path), 1, 2)
+    assert any("step_00000004" in p and "checksums" in p for p in problems), problems
+    (weights / "step_00000005" / "model-00002-of-00002.safetensors").write_bytes(b"")
+    problems = weight_versions_rebuild(load(tmp_path), 1, 2)
+    assert any("step_00000005" in p and "both an anchor and a delta" in p for p in problems), problems
+    for f in (weights / "step_00000005").iterdir():
+        f.unlink()
+    (weights / "step_00000005").rmdir()
+    problems = weight_versions_rebuild(load(tmp_path), 1, 2)
+    assert any("step_00000006" in p and "chain is broken" in p for p in problems), problems
