@@ -22,6 +22,7 @@ DOC = ROOT / "docs" / "errors.md"
 INTERNAL = {
     "_RowError": "private to prepare/dataset.py: every bad row is collected into one DatasetError",
     "_AttemptFailed": "private to weights/distributed.py: a failed push attempt is retried, then WeightPushError",
+    "_LocalBaseFailed": "private to storage/weight_versions.py: the part is rebuilt from its anchor instead",
     "PresetError": "parse_flags turns it into a ConfigError",
     "MissingWeights": "every caller converts it: ModelLoadError, ConversionError or ModelImportError",
     "EvalSkip": "an eval that did not happen is recorded as eval/skipped_{reason}, never raised out of a task",
