@@ -1041,25 +1041,11 @@ def _nbytes(metas: list) -> int:
 
 def _load_model(path: str, into: _Buffers | None = None) -> tuple[CausalLM, dict]:
     """The served model and the HF tensors it was built from (a distributed update merges into these).
-    The tensors stay views of the memory-mapped file, but those the model concatenates (q/k/v, gate/up)
-    are copied into `into`'s fused buffers, when it has them, so the model views them there."""
-    tensors = read_safetensors(path)
-    if into is not None and into.reusable:
-        targets = into.tensors()
-        fused = _fused_names(targets)
-        for name in fused & tensors.keys():
-            t, dst = tensors[name], targets[name]
-            if t.shape == dst.shape and t.dtype == dst.dtype:
-                tensors[name] = dst.copy_(t)
+    With reusable buffers (`into`), every tensor is converted straight into its buffer (those the model
+    concatenates, q/k/v and gate/up, lie in fused buffers, so the model views them there); else each is
+    a new float32 tensor."""
+    tensors = read_safetensors(path, into.tensors() if into is not None and into.reusable else None)
     return CausalLM(read_spec(path), tensors, path), tensors
-
-
-def _fused_names(tensors: dict) -> set[str]:
-    """The names whose tensors share a storage with another name's (the fused groups of `fused_layout`)."""
-    by_storage: dict[int, list[str]] = {}
-    for name, t in tensors.items():
-        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(name)
-    return {n for names in by_storage.values() if len(names) > 1 for n in names}
 
 
 def _storages(tensors: dict) -> set[int]:
