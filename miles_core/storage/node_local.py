@@ -236,6 +236,40 @@ def prune(kind: str) -> None:
             os.close(fd)
 
 
+def claim(entry: str) -> int | None:
+    """Take the complete cache entry `entry` (a path `localize` returned) for the caller to reuse its files
+    (a weight version rebuilt by patching its base's file in place instead of a copy of it): only when no
+    other process holds it. This process's own hold on it is given up first; on success the marker is
+    removed (nobody takes it for complete any more) and the fd of its exclusive `.use` lock is returned
+    (hand it to `drop_claimed` once done), else None and the entry is left as it was."""
+    kind = os.path.basename(os.path.dirname(entry))
+    with _HELD_LOCK:
+        mine = _HELD.get(kind, {}).pop(entry, None)
+    if mine is not None:
+        os.close(mine)
+    try:
+        fd = _flock(entry + ".use", fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except FileNotFoundError:
+        return None
+    if fd is None:
+        return None
+    if not _complete(entry):
+        os.close(fd)
+        return None
+    _unlink(os.path.join(entry, MARKER))
+    return fd
+
+
+def drop_claimed(entry: str, fd: int) -> None:
+    """Remove what is left of a claimed entry and its lock files, then release the claim."""
+    try:
+        shutil.rmtree(entry, ignore_errors=True)
+        _unlink(entry + ".lock")
+        _unlink(entry + ".use")  # last, still held: a waiter then locks a new file
+    finally:
+        os.close(fd)
+
+
 def _mtime(root: str, entry: str) -> float:
     try:
         return os.path.getmtime(os.path.join(root, entry))

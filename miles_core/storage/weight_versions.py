@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from miles_core.storage import COMPLETE_MARKER, Store
-from miles_core.storage.node_local import discard, localize
+from miles_core.storage.node_local import claim, discard, drop_claimed, is_cache_entry, localize
 
 if TYPE_CHECKING:
     import torch
@@ -420,12 +420,24 @@ def _sibling(uri: str, name: str) -> str:
 
 
 def _build(store: Store, keys: list[str], tmp: str) -> bool:
-    """Write the full version at `store` into `tmp` (the node cache's new entry); whether an anchor was read."""
+    """Write the full version at `store` into `tmp` (the node cache's new entry); whether an anchor was read.
+    A base version no other process on this node holds is taken over (`claim`): its file moved into `tmp`
+    and patched in place, no copy of the model made, and its entry removed."""
+    claimed: dict[str, int] = {}  # base entries this build took over (their files moved, then patched)
+    try:
+        return _build_parts(store, keys, tmp, claimed)
+    finally:
+        for entry, fd in claimed.items():
+            drop_claimed(entry, fd)
+
+
+def _build_parts(store: Store, keys: list[str], tmp: str, claimed: dict[str, int]) -> bool:
     from safetensors.torch import save_file
 
     from concurrent.futures import ThreadPoolExecutor
 
     used_anchor = False
+    bases: dict[str, str | None] = {}  # base version -> this node's copy of it
     wanted = [k for k in keys if k != COMPLETE_MARKER and "/" not in k]
     small = [k for k in wanted if not k.endswith(".safetensors")]  # deltas, the index, config, tokenizer
     with ThreadPoolExecutor(max_workers=8) as pool:  # one round trip for all of them
@@ -449,14 +461,24 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
         READS.add(bytes_read=len(blob))
         base_name, sums, encoded = read_delta(blob)
         part = None
-        base_dir = _local_copy(_sibling(store.uri(), base_name))
+        if base_name not in bases:  # once per build: a claimed base is no longer complete for `_local_copy`
+            bases[base_name] = _local_copy(_sibling(store.uri(), base_name))
+        base_dir = bases[base_name]
         out = os.path.join(tmp, model_file(i, parts))
+        if base_dir is not None and base_dir not in claimed and is_cache_entry(base_dir):
+            fd = claim(base_dir)  # no other process holds the base: its files are moved here, not copied
+            if fd is not None:
+                claimed[base_dir] = fd
         if base_dir is not None:
             try:
-                if patch_copy(os.path.join(base_dir, model_file(i, parts)), out, sums, encoded):
+                base_file = os.path.join(base_dir, model_file(i, parts))
+                if base_dir in claimed:
+                    os.replace(base_file, out)
+                    base_file = out
+                if patch_copy(base_file, out, sums, encoded):
                     READS.add(deltas_applied=1)
                     continue
-                part = apply(_load(os.path.join(base_dir, model_file(i, parts))), sums, encoded, in_place=True)
+                part = apply(_load(base_file), sums, encoded, in_place=True)
                 READS.add(deltas_applied=1)
             except WeightVersionError as e:
                 READS.add(checksum_failures=1)
@@ -474,8 +496,9 @@ def _build(store: Store, keys: list[str], tmp: str) -> bool:
 
 
 def patch_copy(base_file: str, out: str, checksums: dict[str, str], encoded: dict[str, torch.Tensor]) -> bool:
-    """Write the part after the delta to `out` as a copy of its base's file patched where the delta says:
-    the kernel copies the file (no tensor is loaded), the delta's positions are written through a map of
+    """Write the part after the delta to `out` as a copy of its base's file patched where the delta says
+    (`base_file` is `out`: the base's file moved there, patched in place): the kernel copies the file (no
+    tensor is loaded), the delta's positions are written through a map of
     the copy, every tensor's checksum is verified on it, and the header's checksums are replaced in place.
     WeightVersionError for a checksum that differs; False (nothing to trust in `out`) where the copy cannot
     be patched so (the base's tensors are not the delta's, not all bf16, or the new header would not fit
@@ -486,7 +509,8 @@ def patch_copy(base_file: str, out: str, checksums: dict[str, str], encoded: dic
     import numpy as np
     import torch
 
-    shutil.copyfile(base_file, out)  # copy_file_range / sendfile: in the kernel
+    if base_file != out:
+        shutil.copyfile(base_file, out)  # copy_file_range / sendfile: in the kernel
     with open(out, "r+b") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))

@@ -328,3 +328,35 @@ def test_a_version_published_again_under_its_name_is_never_served_from_the_old_c
     assert _same(_read(wv.localize_weights(store.uri("weights/step_00000002")), 1), _bf16(two))
     assert _same(_read(wv.localize_weights(store.uri("weights/step_00000003")), 1), _bf16(three))
     assert wv.READS.checksum_failures == 0
+
+
+def test_a_base_no_other_process_holds_is_patched_in_place_else_copied(node_cache):
+    """Pins: rebuilding a delta version on a node whose copy of the base no other process holds moves the
+    base's file into the new version and patches it there (the same inode: no copy of the model is made)
+    and removes the base's entry; while another process holds the base (its shared lock on the entry),
+    the base is left complete and a copy is patched instead. Both rebuild the new bits exactly. Guards: a
+    reader copying the whole model per update (the copy was a fifth of a SmolLM2 update), or patching a
+    file another process may still read."""
+    import fcntl
+
+    store = Store("memory://weight-versions-claim/run")
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    state, truth = _state(), {}
+    for step in range(1, 4):
+        state = _step(state, 0.01, step)
+        _publish(store, writers, step, state)
+        truth[step] = _bf16(state)
+    one = wv.localize_weights(store.uri("weights/step_00000001"))
+    inode = os.stat(os.path.join(one, "model.safetensors")).st_ino
+    two = wv.localize_weights(store.uri("weights/step_00000002"))
+    assert os.stat(os.path.join(two, "model.safetensors")).st_ino == inode and not os.path.exists(one)
+    assert _same(_read(two, 1), truth[2]) and wv.READS.anchors_read == 0
+    other = os.open(two + ".use", os.O_RDWR)  # another process's hold (flock: per open file)
+    fcntl.flock(other, fcntl.LOCK_SH)
+    try:
+        three = wv.localize_weights(store.uri("weights/step_00000003"))
+        assert os.path.exists(os.path.join(two, COMPLETE_MARKER)) and _same(_read(two, 1), truth[2])
+        assert os.stat(os.path.join(three, "model.safetensors")).st_ino != inode
+        assert _same(_read(three, 1), truth[3]) and wv.READS.anchors_read == 0
+    finally:
+        os.close(other)
