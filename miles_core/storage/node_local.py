@@ -28,6 +28,9 @@ Every process on a node (trainer ranks, engines, eval engines) shares that cache
   snapshot (`KEEP`: what it loads next replaces what it served), up to 8 models. So a node holds at
   most the version its engines serve and the one being fetched (miles_core/prepare/disk.py counts
   them), not a fixed number of old ones.
+- `claim` is the one way a complete entry changes: a weight version rebuilt from a delta takes its base's
+  entry over only when it gets the entry's `.use` lock exclusively (no live process holds it), removes
+  its marker first, moves its files into the new version and patches them there; the entry is gone after.
 Not covered: a process still reading an entry after it has localized `KEEP[kind]` newer ones of that
 kind, and a cache deleted by hand (the next `localize` downloads again).
 """
