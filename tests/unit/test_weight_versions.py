@@ -88,6 +88,18 @@ def _publish(store: Store, writers: list[wv.PartWriter], step: int, state: dict)
     return stats
 
 
+def _published(store: Store, steps: int) -> tuple[list[wv.PartWriter], dict, dict]:
+    """Versions 1..steps published by one writer (an anchor first, deltas after): (writers, the last
+    state, {step: its bf16 state})."""
+    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
+    state, truth = _state(), {}
+    for step in range(1, steps + 1):
+        state = _step(state, 0.01, step)
+        _publish(store, writers, step, state)
+        truth[step] = _bf16(state)
+    return writers, state, truth
+
+
 def _read(path: str, parts: int) -> dict:
     out = {}
     for i in range(parts):
@@ -125,12 +137,7 @@ def test_writers_publish_anchors_first_then_deltas_and_an_anchor_every_n(tmp_pat
 
 def test_a_corrupt_local_base_falls_back_to_the_anchor_and_a_corrupt_delta_is_never_served(tmp_path, node_cache):
     store = Store(f"file://{tmp_path}/run")
-    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
-    state, truth = _state(), {}
-    for step in range(1, 5):
-        state = _step(state, 0.01, step)
-        _publish(store, writers, step, state)
-        truth[step] = _bf16(state)
+    writers, state, truth = _published(store, 4)
     base = wv.localize_weights(store.uri("weights/step_00000003"))
     damaged = load_file(os.path.join(base, "model.safetensors"))
     damaged["layer.0.w"][0, 0] += 1
@@ -254,12 +261,7 @@ def test_a_reader_that_missed_versions_applies_only_the_deltas_it_lacks(tmp_path
     fails a checksum, is counted, and 8 is rebuilt from the anchor instead (never served corrupt). Guards: a reader that fell a
     few versions behind reading the whole model again (what cross-zone bandwidth pays for)."""
     store = Store(f"file://{tmp_path}/run")
-    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
-    state, truth = _state(), {}
-    for step in range(1, 9):
-        state = _step(state, 0.01, step)
-        _publish(store, writers, step, state)
-        truth[step] = _bf16(state)
+    _, _, truth = _published(store, 8)
     wv.localize_weights(store.uri("weights/step_00000002"))
     before = wv.READS.snapshot()
     six = wv.localize_weights(store.uri("weights/step_00000006"))
@@ -340,12 +342,7 @@ def test_a_base_no_other_process_holds_is_patched_in_place_else_copied(node_cach
     import fcntl
 
     store = Store("memory://weight-versions-claim/run")
-    writers = [wv.PartWriter(anchor_every=20, first_anchors=1)]
-    state, truth = _state(), {}
-    for step in range(1, 4):
-        state = _step(state, 0.01, step)
-        _publish(store, writers, step, state)
-        truth[step] = _bf16(state)
+    _, _, truth = _published(store, 3)
     one = wv.localize_weights(store.uri("weights/step_00000001"))
     inode = os.stat(os.path.join(one, "model.safetensors")).st_ino
     two = wv.localize_weights(store.uri("weights/step_00000002"))
