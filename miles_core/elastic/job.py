@@ -128,6 +128,13 @@ def joined_config(store: Store):
     return cfg
 
 
+def engine_spec(cfg, feed: Feed) -> EngineLaunchSpec:
+    """How a producer job's engines start: on the feed's version, a weight version the trainer published
+    (rebuilt on the node from its anchor and deltas, docs/weight-versions.md)."""
+    return EngineLaunchSpec.from_config(cfg.engine, feed.weights, feed.version,
+                                        routed_experts=cfg.train.use_rollout_routing_replay, model_kind="weights")
+
+
 def run_ended(store: Store) -> str:
     """Why a producer of this run should stop now ("" while it may go on)."""
     status = read_status(store)
@@ -332,9 +339,7 @@ class ProducerJob:
     def _start_fleet(self, feed: Feed) -> EngineFleet:
         cfg = self.cfg
         check_fits(cfg, producer_engines=self.num_engines)  # room and the API token rule, before any starts
-        spec = EngineLaunchSpec.from_config(cfg.engine, feed.weights, feed.version,
-                                            routed_experts=cfg.train.use_rollout_routing_replay)
-        return EngineFleet(spec, self.num_engines, num_cpus_per_engine=cfg.run.num_cpus_per_engine,
+        return EngineFleet(engine_spec(cfg, feed), self.num_engines, num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                            resources=custom_resource(cfg.engine.engine_custom_resource),
                            name_prefix=f"{self.producer_id}-engine").start()
 

@@ -127,13 +127,16 @@ class EngineLaunchSpec:
     # capture each token's routed experts (--use-rollout-routing-replay): both servers'
     # --enable-return-routed-experts, without which a request's return_routed_experts is refused
     return_routed_experts: bool = False
+    # what model_path is, for the node cache: "models" (the initial model) or "weights" (a published weight
+    # version, rebuilt from its anchor and deltas: a producer job's engines start on the feed's version)
+    model_kind: str = "models"
 
     @staticmethod
     def from_config(engine, model_path: str, weight_version: int = 0, *,
-                    routed_experts: bool = False) -> "EngineLaunchSpec":
+                    routed_experts: bool = False, model_kind: str = "models") -> "EngineLaunchSpec":
         """From the `EngineSection` of the run config (`routed_experts`: the train section's
         --use-rollout-routing-replay)."""
-        return EngineLaunchSpec(return_routed_experts=routed_experts,
+        return EngineLaunchSpec(return_routed_experts=routed_experts, model_kind=model_kind,
             backend=engine.engine_backend, model_path=model_path, weight_version=weight_version,
             bind_host=engine.engine_bind_host, tp_size=engine.rollout_num_gpus_per_engine,
             mem_fraction_static=engine.sglang_mem_fraction_static,
@@ -247,9 +250,7 @@ class EngineServer:
         self.spec = replace(spec, bind_host=bind_address(spec.bind_host))
         self.name = name
         self.model_path, self.weight_version = spec.model_path, spec.weight_version
-        # node-cache kind of model_path: the initial model (version 0), then pushed weights; an engine started
-        # on a pushed version (a producer job joining a run) rebuilds it as every reader of weights does
-        self.model_kind = "weights" if spec.weight_version > 0 else "models"
+        self.model_kind = spec.model_kind  # node-cache kind of model_path: the initial one, then pushed weights
         self._pick_port()
         log_dir = log_dir or tempfile.mkdtemp(prefix="miles-engine-")
         os.makedirs(log_dir, exist_ok=True)

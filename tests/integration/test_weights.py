@@ -271,11 +271,13 @@ def test_versions_written_as_deltas_reach_the_cpu_engine_bit_for_bit(tmp_path, m
 def test_a_producer_joining_after_version_30_serves_it_from_one_anchor_and_deltas(s3_bucket, tmp_path, monkeypatch):
     """The trainer at an RL learning rate publishes 30 versions to S3 (anchors 1-3, a delta every version after
     but an anchor at 23: the default interval of 20). A producer that joins now starts its engine on version 30
-    from an empty node cache, as `ProducerJob._start_fleet` does (an `EngineServer` on the version's URI): the
+    from an empty node cache with the producer job's own engine spec (`engine_spec` of a feed naming version 30): the
     node reads one anchor and 7 deltas, never a whole model per version, rebuilds the trainer's bf16 weights bit
     for bit, and the engine serves version 30 (docs/weight-versions.md)."""
     from miles_core.engines.client import EngineClient
-    from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
+    from dataclasses import replace
+
+    from miles_core.engines.launcher import EngineServer
     from miles_core.storage import weight_versions as wv
 
     monkeypatch.setattr(wv, "READS", wv.ReadStats())
@@ -291,7 +293,13 @@ def test_a_producer_joining_after_version_30_serves_it_from_one_anchor_and_delta
         want = {n: t.to(torch.bfloat16) for n, t in tr.hf_state_dict().items()}
     assert [k for k, anchor in enumerate(kinds, 1) if anchor] == [1, 2, 3, 23]
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "late-node"))
-    server = EngineServer(EngineLaunchSpec("cpu", uri, weight_version=30, startup_timeout_seconds=120))
+    from miles_core.config import embedded_default
+    from miles_core.elastic.job import engine_spec
+    from miles_core.rollout.feed_record import Feed
+
+    feed = Feed(version=30, weights=uri, step=29, segment=0, queue_size=0, capacity=8, consumed_groups=0,
+                groups_per_version=1, max_weight_staleness=None, first_version=1, written_at=0.0)
+    server = EngineServer(replace(engine_spec(embedded_default(), feed), startup_timeout_seconds=120))
     server.start()
     try:
         async def served():
