@@ -304,8 +304,8 @@ def _stop_rollout(rollout: RolloutClient, actor) -> None:
 
 def version_written(answers: list[dict]) -> dict:
     """Rank 0's push answer, its "part" and every other writer rank's replaced by the version's `weights/*`
-    metrics: bytes of all parts (and their share of the dense bf16 model), the changed share of all elements, the slowest part's seconds, whether any
-    part is an anchor."""
+    metrics: bytes of all parts (and their share of the dense bf16 model), the changed share of all elements,
+    the slowest part's seconds, whether any part is an anchor."""
     out = {k: v for k, v in answers[0].items() if k != "part"}
     parts = [a["part"] for a in answers if "part" in a]
     if parts:

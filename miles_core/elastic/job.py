@@ -339,7 +339,8 @@ class ProducerJob:
     def _start_fleet(self, feed: Feed) -> EngineFleet:
         cfg = self.cfg
         check_fits(cfg, producer_engines=self.num_engines)  # room and the API token rule, before any starts
-        return EngineFleet(engine_spec(cfg, feed), self.num_engines, num_cpus_per_engine=cfg.run.num_cpus_per_engine,
+        return EngineFleet(engine_spec(cfg, feed), self.num_engines,
+                           num_cpus_per_engine=cfg.run.num_cpus_per_engine,
                            resources=custom_resource(cfg.engine.engine_custom_resource),
                            name_prefix=f"{self.producer_id}-engine").start()
 

@@ -98,8 +98,8 @@ def read_eos_token_ids(model_dir: str) -> tuple[int, ...]:
 
 
 def read_safetensors(model_dir: str, into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The directory's tensors in float32. A tensor `into` holds a float32 buffer of the same shape for is
-    converted straight into it (one pass over the memory-mapped file, no new allocation: a staged load
+    """The directory's tensors in float32. A tensor for which `into` holds a float32 buffer of the same shape
+    is converted straight into it (one pass over the memory-mapped file, no new allocation: a staged load
     into buffers already in memory costs a sixth of one that allocates, measured on SmolLM2-135M)."""
     try:
         tensors = load_safetensors_dir(model_dir)

@@ -174,8 +174,8 @@ def _safetensors(data: bytes) -> tuple[dict, dict]:
         if name == "__metadata__":
             continue
         lo, hi = info["data_offsets"]
-        a = np.frombuffer(data, dtype=dtypes[info["dtype"]], count=(hi - lo) // np.dtype(dtypes[info["dtype"]]).itemsize,
-                          offset=8 + n + lo)
+        dtype = np.dtype(dtypes[info["dtype"]])
+        a = np.frombuffer(data, dtype=dtype, count=(hi - lo) // dtype.itemsize, offset=8 + n + lo)
         out[name] = a.reshape(info["shape"]) if info["shape"] else a
     return out, header.get("__metadata__") or {}
 
@@ -206,7 +206,8 @@ def _rebuild_part(weights: Path, version: str, part: str, delta: str, depth: int
                 try:
                     state[name][where] = _unplanes(tensors[f"{name}:v"], np.int16)
                 except (IndexError, ValueError, KeyError) as e:
-                    raise ValueError(f"{version}: {name}: the delta's positions differ from its checksums' tensor ({e})") from e
+                    raise ValueError(f"{version}: {name}: the delta's positions do not fit the tensor its checksums "
+                                     f"name ({e})") from e
     elif (d / part).exists():
         tensors, meta = _safetensors((d / part).read_bytes())
         state = {k: v.reshape(-1) for k, v in tensors.items()}

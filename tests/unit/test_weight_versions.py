@@ -258,8 +258,9 @@ def test_patching_a_copy_of_the_base_file_makes_the_file_apply_would(tmp_path):
 def test_a_reader_that_missed_versions_applies_only_the_deltas_it_lacks(tmp_path, node_cache):
     """Pins: a node holding version 2 that is next asked for version 6 reads the deltas of 3-6 and no
     anchor, and rebuilds 6 bit for bit; when its copy of 6 has rotted and it is asked for 8, the chain
-    fails a checksum, is counted, and 8 is rebuilt from the anchor instead (never served corrupt). Guards: a reader that fell a
-    few versions behind reading the whole model again (what cross-zone bandwidth pays for)."""
+    fails a checksum, is counted, and 8 is rebuilt from the anchor instead (never served corrupt). Guards:
+    a reader that fell a few versions behind reading the whole model again (what cross-zone bandwidth pays
+    for)."""
     store = Store(f"file://{tmp_path}/run")
     _, _, truth = _published(store, 8)
     wv.localize_weights(store.uri("weights/step_00000002"))
