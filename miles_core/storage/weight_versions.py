@@ -588,14 +588,13 @@ def _rebuild(uri: str, i: int, parts: int, max_chain: int, local_bases: bool) ->
     chain = []
     from_local = False
     for _ in range(max_chain):
-        base_dir = _local_copy(uri) if local_bases and chain else None  # the version asked for is never local
-        if base_dir is not None:
+        # this node's cache entry of a base (the version asked for is never local); the run root's own anchor,
+        # handed out in place, is read below as storage: its checksums verified, counted as an anchor read
+        base_dir = _local_copy(uri) if local_bases and chain else None
+        if base_dir is not None and is_cache_entry(base_dir):
             try:
                 part = _load(os.path.join(base_dir, model_file(i, parts)))
                 from_local = True
-                if uri.startswith("file://") and base_dir == uri[len("file://"):]:  # the run root's anchor, in place
-                    READS.add(anchors_read=1)
-                    return _apply_chain(part, chain, from_local), True
                 break
             except Exception as e:  # noqa: BLE001 - pruned or damaged underneath: go on to storage
                 log.info("weights %s part %d: this node's copy is unreadable (%s); reading on", uri, i, e)
