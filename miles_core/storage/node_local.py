@@ -43,6 +43,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import logging
 import threading
 from typing import Callable
 
@@ -51,6 +52,10 @@ from miles_core.storage import Store, normalize_uri
 MARKER = ".miles-complete"
 # how many of its newest entries of a kind one process holds (in use); prune keeps those and the newest
 KEEP = {"weights": 1, "snapshots": 1, "models": 8}
+# Copies started again when the node cache is deleted underneath one (a cleaner, an operator's rm -rf);
+# each removal is an outside event, so a cleaner faster than every copy gets the error after these.
+CACHE_REMOVED_RETRIES = 8
+log = logging.getLogger(__name__)
 
 # kind -> entry path -> the fd holding this process's shared lock on `{entry}.use`, oldest first
 _HELD: dict[str, collections.OrderedDict[str, int]] = {}
@@ -95,11 +100,11 @@ def localize(uri: str, kind: str = "models", *, required: str | None = None,
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
     dest = _entry(uri, kind, identity)
-    for _ in range(2):  # the node cache may be cleaned underneath a copy: copy again
+    for attempt in range(CACHE_REMOVED_RETRIES):  # the node cache may be cleaned underneath a copy: copy again
         try:
             return _cached(uri, dest, kind, required, build)
-        except FileNotFoundError:
-            pass
+        except FileNotFoundError as e:
+            log.info("%s: copy %d into the node cache failed (%s); copying again", uri, attempt + 1, e)
     return _cached(uri, dest, kind, required, build)  # also: a source without `required` says so here
 
 

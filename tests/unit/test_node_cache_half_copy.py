@@ -76,22 +76,34 @@ def test_a_half_copy_without_its_marker_is_downloaded_again(cache, monkeypatch):
 def test_a_cache_removed_during_a_build_is_built_again(cache):
     """Pins: the node cache deleted while a build writes into it (an operator's clean-up, an evicted
     host path) makes `localize` build again, whatever error the writer raised (safetensors raises its
-    own, not FileNotFoundError); guards against failing the load on the first clean-up."""
+    own, not FileNotFoundError); guards against failing the load on the first clean-ups (a cleaner every
+    3 s beside builds that take seconds under load removed three in a row on CI), and against retrying
+    for ever under a cleaner faster than every copy."""
     import shutil
 
     calls = []
 
     def build(tmp: str) -> None:
         calls.append(tmp)
-        if len(calls) == 1:
+        if len(calls) <= 5:
             shutil.rmtree(cache / "weights")  # the partial copy's directory goes with it
             raise RuntimeError("Error while serializing: I/O error: No such file or directory")
         with open(os.path.join(tmp, "model.safetensors"), "wb") as f:
             f.write(b"w")
 
     path = localize(f"memory://node-cache-{uuid.uuid4().hex[:8]}/v1", "weights", build=build)
-    assert len(calls) == 2 and open(os.path.join(path, "model.safetensors"), "rb").read() == b"w"
+    assert len(calls) == 6 and open(os.path.join(path, "model.safetensors"), "rb").read() == b"w"
     assert os.path.exists(os.path.join(path, MARKER))
+
+    def never(tmp: str) -> None:
+        calls.append(tmp)
+        shutil.rmtree(cache / "weights")
+        raise RuntimeError("Error while serializing: I/O error: No such file or directory")
+
+    calls.clear()
+    with pytest.raises(FileNotFoundError, match="removed during the copy"):
+        localize(f"memory://node-cache-{uuid.uuid4().hex[:8]}/v2", "weights", build=never)
+    assert len(calls) == node_local.CACHE_REMOVED_RETRIES + 1
 
 
 def test_a_build_that_fails_with_its_cache_in_place_is_not_retried(cache):
