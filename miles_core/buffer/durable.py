@@ -108,6 +108,7 @@ class DurableBuffer:
         self._has_pending = threading.Condition(self._lock)
         self._available: collections.deque[_Entry] = collections.deque()
         self._reserved = 0  # slots held: committing + available
+        self._handed_out = 0  # groups `get` returned since the buffer opened
         self._pending: list[_PendingPut] = []
         self._pending_bytes = 0
         # Not durably consumed yet: group id -> entry (available, or got and awaiting record_consumed).
@@ -457,6 +458,7 @@ class DurableBuffer:
                     self._window.staleness.append(staleness)
                 stale = (self.max_weight_staleness is not None and staleness is not None
                          and staleness > self.max_weight_staleness)
+                self._handed_out += not stale
             group = entry.payload if isinstance(entry.payload, Group) else O.rows_to_group(entry.payload)
             if not stale:
                 return group
@@ -583,6 +585,12 @@ class DurableBuffer:
     def queue_size(self) -> int:
         with self._lock:
             return len(self._available)
+
+    def groups_received(self) -> int:
+        """Groups available (from any writer) or handed to the drain since the buffer opened: what the
+        rollout manager's demand gate counts as made (a group rejected at get or lost left it)."""
+        with self._lock:
+            return len(self._available) + self._handed_out
 
     def usable_queue_size(self, version: int | None) -> int:
         """Available groups a get under `version` would not reject as stale."""

@@ -61,7 +61,7 @@ class FeedPublisher:
             consumed_groups=(self.step + 1) * r.rollout_batch_size,
             groups_per_version=r.rollout_batch_size * r.update_weights_interval,
             max_weight_staleness=r.max_weight_staleness, first_version=1, written_at=time.time(),
-            producers=room["producers"]))
+            producers=room["producers"], groups_needed=self.cfg.run.total_steps * r.rollout_batch_size))
 
 
 def feed_publisher(cfg, store, rollout: RolloutClient, version: WeightVersion, segment: int,

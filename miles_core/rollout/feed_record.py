@@ -43,6 +43,7 @@ class Feed:
     first_version: int
     written_at: float
     producers: int = 1  # producer jobs whose groups reached the trainer lately: they share the room
+    groups_needed: int | None = None  # groups the run's --num-rollout steps take in all (None: no bound)
 
     def room(self, in_flight: int, committed_unseen: int) -> int:
         """Groups this producer may start now, with `in_flight` of its own running and
@@ -52,6 +53,8 @@ class Feed:
             versions = max(0, self.version - self.first_version)
             limit = (self.max_weight_staleness + versions + 1) * self.groups_per_version
             room = min(room, limit - self.consumed_groups - self.queue_size)
+        if self.groups_needed is not None:  # no group past the run's last step
+            room = min(room, self.groups_needed - self.consumed_groups - self.queue_size)
         share = room // max(1, self.producers) if room > 0 else 0
         return max(0, share - committed_unseen - in_flight)
 

@@ -83,9 +83,14 @@ class RolloutManager:
             notify_filter_drops(buffer, producer.on_rejected)
             return buffer
 
+        # The groups the run's remaining steps take (from the step after the resume checkpoint to
+        # --num-rollout): no group starts beyond them (see `_groups_wanted`).
+        self._groups_needed = (None if consumed_through_step is None or cfg.run.num_rollout is None else
+                               max(0, cfg.run.num_rollout - consumed_through_step - 1) * self.batch_size)
         side = build_rollout_side(cfg, Store(cfg.run_uri), rows=rows, engine=engine, holder=TRAINER_HOLDER,
                                   writer_id=self.writer_id, claims=cfg.buffer.allow_rollout_producers,
-                                  sink_for=buffer_for, decode=decode, batch_mode=self.batch_mode)
+                                  sink_for=buffer_for, decode=decode, batch_mode=self.batch_mode,
+                                  gates=(self._groups_wanted,))
         self.producer, self.buffer, self.claims = side.producer, side.sink, side.claims
         admission = self.producer.admission
         # Renewed from now on: blocks adopted at restore below must not lapse before start().
@@ -102,6 +107,18 @@ class RolloutManager:
         self.consumer = ProducerGuardedBuffer(self.buffer, self.producer)
         self.sample_filter = load_sample_filter(r.rollout_sample_filter_path)
         self.stopping = False
+
+    def _groups_wanted(self) -> bool:
+        """The producer's gate: whether the run's remaining steps still need a group beyond those in
+        flight and those the buffer received (any writer's, queued or handed to the drain). Without it
+        a fully async run generated up to its staleness bound past its last step: on a 2-step run of the
+        calculator preset, 12 groups of multi-turn episodes beyond the 8 it trained. A group lost or rejected leaves the
+        count, and the producer is woken then (miles_core.rollout.producer), so the run never waits on a
+        group the gate held back. A buffer without `groups_received` (a custom one) is not gated."""
+        received = getattr(self.buffer, "groups_received", None)
+        if self._groups_needed is None or not callable(received):
+            return True
+        return self.producer.in_flight_groups + received() < self._groups_needed
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:

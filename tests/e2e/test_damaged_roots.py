@@ -1,7 +1,8 @@
 """Damaged run roots, continued with the real `pyflyte run`: each resumes correctly or is refused by name.
 
-A template run root is made once per backend by a real `pyflyte run` of the embedded default, small (4 steps
-of 8 groups, checkpoints and evals every 2 steps): one on file://, one on S3 (SeaweedFS). Each case copies
+A template run root is made once per backend by a real `pyflyte run` of the embedded default, small (a first
+segment of 4 steps of a 6-step run, 8 groups a step, checkpoints and evals every 2 steps, its producer's lead
+left in the buffer): one on file://, one on S3 (SeaweedFS). Each case copies
 its backend's template to a run id of its own, damages one file of the layout (truncated, empty, garbage,
 missing, extra, duplicated, or in an older version's format), then:
 - `miles doctor --json` names the damaged key with the finding kind and severity the case expects, and
@@ -63,13 +64,13 @@ OK, WARNING, ERROR = "ok", "warning", "error"
 # ----------------------------------------------------------------------------- running the workflow
 
 
-def pyflyte(storage_root: str, run_id: str, num_rollout: int) -> tuple[int, str, float]:
+def pyflyte(storage_root: str, run_id: str, num_rollout: int, segment_steps: int = 0) -> tuple[int, str, float]:
     """(exit status, console, seconds) of `pyflyte run` of the embedded default on this run."""
     ray_tmp = tempfile.mkdtemp(prefix="md", dir="/tmp")  # short: Ray's unix sockets live under it
     # COLUMNS: flytekit prints a failed task's error through rich, wrapped at the terminal's width
     env = dict(os.environ, RAY_DEDUP_LOGS="0", PYTHONUNBUFFERED="1", RAY_TMPDIR=ray_tmp, COLUMNS="2000")
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--storage_root", storage_root,
-           "--flags", f"{FLAGS} --num-rollout {num_rollout} --run-id {run_id}"]
+           "--flags", f"{FLAGS} --num-rollout {num_rollout} --run-id {run_id}", "--segment_steps", str(segment_steps)]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
@@ -105,7 +106,7 @@ def miles_subprocess(*args: str) -> tuple[int, str]:
 
 @dataclass
 class Template:
-    """A finished run of STEPS steps, and what the independent reader says it holds."""
+    """A run after its first segment of STEPS steps, and what the independent reader says it holds."""
 
     backend: str
     storage_root: str
@@ -126,7 +127,9 @@ class Template:
 
 
 def make_template(backend: str, storage_root: str, local: Path) -> Template:
-    status, console, seconds = pyflyte(storage_root, "template", STEPS)
+    # a segment of a longer run: its producer runs ahead, so objects no step consumed stay in the buffer
+    # (a run's last segment starts no group its steps will not train)
+    status, console, seconds = pyflyte(storage_root, "template", MORE, segment_steps=STEPS)
     assert status == 0, f"the template run failed ({status}):\n{console[-8000:]}"
     print(f"[damaged-roots] {backend} template: {seconds:.0f} s")
     run_uri = f"{storage_root}/runs/template"

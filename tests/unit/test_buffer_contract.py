@@ -148,6 +148,21 @@ def test_producer_failure_raises_at_next_get_before_queued_data(root):
             buf.get()
 
 
+def test_groups_received_counts_queued_and_handed_out_not_the_stale(root):
+    """What the rollout manager's demand gate counts as made (miles_core.rollout.manager): groups
+    committed and not yet got, plus those get returned; a group rejected as stale at get leaves it,
+    and a reopened buffer counts the groups it holds again (a rejection is durable with the next
+    consumption record, so without one the stale group is back, to be rejected again)."""
+    with open_buffer(root, max_weight_staleness=1) as buf:
+        for i in range(3):
+            buf.put(make_group(i, version=1 if i == 0 else 3))
+        assert buf.groups_received() == 3
+        assert buf.get(current_version=3).group_id == make_group(1).group_id  # group 0 is stale: rejected
+        assert buf.groups_received() == 2 and buf.queue_size == 1
+    with open_buffer(root, max_weight_staleness=1) as again:
+        assert again.groups_received() == 3  # nothing recorded: all three are served again
+
+
 class FailingStore(Store):
     """A store whose group writes fail, as when storage stays unreachable through every retry."""
 

@@ -33,11 +33,20 @@ def test_room_follows_staleness_admission():
     assert feed(max_weight_staleness=0, capacity=100).room(in_flight=0, committed_unseen=0) == 2
 
 
+def test_room_ends_with_the_groups_the_run_needs():
+    # --num-rollout 5 of 4 groups: 20 in all; 16 consumed + 2 queued, so 2 more, shared by 2 producers
+    assert feed(groups_needed=20).room(in_flight=0, committed_unseen=0) == 2
+    assert feed(groups_needed=20, producers=2).room(in_flight=0, committed_unseen=0) == 1
+    assert feed(groups_needed=18).room(in_flight=0, committed_unseen=0) == 0
+
+
 def test_feed_round_trips_and_bad_records_are_named(tmp_path):
     store = Store(f"file://{tmp_path}")
     assert read_feed(store) is None
     write_feed(store, feed())
     assert read_feed(store) == feed()
+    write_feed(store, feed(groups_needed=20))
+    assert read_feed(store) == feed(groups_needed=20)
     store.put_bytes(FEED_KEY, b"{not json")
     with pytest.raises(FeedError, match="FEED.json"):
         read_feed(store)

@@ -157,6 +157,7 @@ class MemoryBuffer:
         self.cond = asyncio.Condition()
         self.rejected: list[tuple[str, str]] = []
         self.put_gate: asyncio.Event | None = None
+        self.handed_out = 0
 
     async def put(self, group):
         if self.put_gate is not None:
@@ -182,10 +183,14 @@ class MemoryBuffer:
                 self.rejected.append((g.group_id, "stale"))
                 self.handler.handle(g, "stale")
                 continue
+            self.handed_out += 1
             return g
 
     def get_metrics(self):
         return {"rollout/fully_async/queue_size": float(len(self.queue))}
+
+    def groups_received(self) -> int:
+        return len(self.queue) + self.handed_out
 
 
 def rows(k=16):
