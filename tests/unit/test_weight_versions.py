@@ -358,3 +358,28 @@ def test_a_base_no_other_process_holds_is_patched_in_place_else_copied(node_cach
         assert _same(_read(three, 1), truth[3]) and wv.READS.anchors_read == 0
     finally:
         os.close(other)
+
+
+def test_an_anchor_is_verified_on_its_file_bytes_as_the_tensor_checksums_say(tmp_path):
+    """`file_checksums` hashes each tensor's bytes where they lie in the file (no torch in an engine's
+    node process): the same values as `checksum` of the loaded tensors, bf16 and fp32 alike; a flipped
+    bit, a truncated file and a file that is not safetensors are refused, and counted."""
+    from safetensors.torch import save_file
+
+    state = {"a": torch.randn(5, 3).to(torch.bfloat16), "b": torch.randn(7), "empty": torch.zeros(0, dtype=torch.bfloat16)}
+    sums = {k: wv.checksum(t) for k, t in state.items()}
+    anchor = tmp_path / "anchor"
+    anchor.mkdir()
+    file = anchor / "model.safetensors"
+    save_file(state, str(file), metadata={"format": "pt", wv.CHECKSUMS: __import__("json").dumps(sums)})
+    assert wv.file_checksums(str(file)) == (sums, sums)
+    wv._verify_anchor(str(anchor))
+    good = file.read_bytes()
+    before = wv.READS.checksum_failures
+    for damaged, message in ((good[:-1] + bytes([good[-1] ^ 1]), "checksum mismatch"),
+                             (good[:-9], "unreadable"), (b"garbage", "unreadable")):
+        file.write_bytes(damaged)
+        wv._verified.clear()
+        with pytest.raises(wv.WeightVersionError, match=message):
+            wv._verify_anchor(str(anchor))
+    assert wv.READS.checksum_failures == before + 3
