@@ -40,9 +40,6 @@ from miles_core.rank_batches import RankBatch, data_layout
 from miles_core.storage import Store
 from miles_core.storage.node_local import localize, require_uri
 from miles_core.storage.weight_versions import PartStats, PartWriter, needed, version_dirs
-from miles_core.train.checkpoint import CheckpointManager
-from miles_core.train.initial_weights import apply_load, apply_ref_load
-from miles_core.weights.distributed import DistributedWeightTransport
 from miles_core.weights.snapshot import export_part, export_snapshot, export_version, seal, snapshot_key
 from miles_core.weights.sync import WeightSync
 
@@ -78,8 +75,10 @@ class TrainerWorker:
         # (a rank left building its model would wait at the rendezvous for one that refused); rank 0 warns.
         if preflight is not None:
             preflight(cfg, require_uri(hf_uri, "--hf-checkpoint"), warn=rank == 0)
-        # Here, not at the top: the driver imports this module to define the actor class, and Megatron (seconds
-        # of CPU to import) belongs in the rank's process only.
+        # Here, not at the top: the driver imports this module to define the actor class, and torch and
+        # Megatron (seconds of CPU to import) belong in the rank's process only.
+        from miles_core.train.checkpoint import CheckpointManager
+        from miles_core.train.initial_weights import apply_ref_load
         from miles_core.train.trainer import Trainer
 
         self.trainer = Trainer(cfg.train, localize(hf_uri, "models"),
@@ -120,6 +119,8 @@ class TrainerWorker:
         """The distributed transport's wiring to `engine_urls` (the engines' actors behind the two callables)."""
         self.loop = self.loop or asyncio.new_event_loop()
         e = self.cfg.engine
+        from miles_core.weights.distributed import DistributedWeightTransport
+
         self.engines = EngineClient(list(engine_urls), control_retries=control_retries)
         transport = DistributedWeightTransport(
             self._weights, list(engine_urls), master_address=master_address,
@@ -251,6 +252,8 @@ class TrainerWorker:
     def restore_latest(self) -> tuple[int, dict] | None:
         """(step, extras) of this run's latest checkpoint, restored; else --load from elsewhere
         (weights and optimizer only) and None: the run starts at step 0."""
+        from miles_core.train.initial_weights import apply_load
+
         restored = None if self.checkpoints.store is None else self.checkpoints.load_latest(self.trainer)
         if restored is None:
             apply_load(self.trainer, self.cfg.train.load, self.checkpoints.store)

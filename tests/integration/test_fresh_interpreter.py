@@ -68,7 +68,8 @@ def test_the_logit_chunk_is_the_trainers():
 
 def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
     """`miles validate` and the plan task answer in a fraction of a second, and the driver stays light:
-    transformers and Megatron cost seconds of CPU to import (each trainer rank imports them itself)."""
+    torch, transformers and Megatron cost seconds of CPU to import (each trainer rank imports them
+    itself; the driver importing torch with the ranks' actor class cost 3 CPU-seconds a run)."""
     import subprocess
     import sys
 
@@ -76,7 +77,7 @@ def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
             "from miles_core.prepare.checks import validation_problems; "
             "assert validation_problems(parse_flags(['--preset', 'tiny-reverse4'])) == []; "
             "import miles_core.driver.segment, miles_core.train.worker; "  # the driver defines the trainer's actor class
-            "print(sorted(m for m in ('transformers', 'megatron.core') if m in sys.modules))")
+            "print(sorted(m for m in ('torch', 'transformers', 'megatron.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
