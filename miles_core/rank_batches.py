@@ -13,6 +13,7 @@ for the advantages, inside `trainable_samples`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -98,18 +99,21 @@ def sequence_length(s: Sample) -> int:
     return len(s.prompt_ids) + len(s.response_ids)
 
 
-def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6):
-    """Per-sample advantages of one group (a tensor of rewards): r - mean(r), divided by (std + eps) when
-    asked. std is torch's default (unbiased, n - 1), as in slime; a group of one sample gets 0."""
-    import torch
+def grpo_advantages(rewards, normalize_std: bool = True, eps: float = 1e-6) -> list[float]:
+    """Per-sample advantages of one group (its rewards): r - mean(r), divided by (std + eps) when asked,
+    as float32 values. std is unbiased (n - 1), torch's default, as in slime; a group of one sample gets
+    0. numpy, not torch: the rollout side computes these, and its process never needs torch (3 CPU-s to
+    import); computed in float64 and rounded to float32 once: within a few float32 steps of torch's
+    float32 arithmetic."""
+    import numpy as np
 
-    rewards = rewards.to(torch.float32)
-    if rewards.numel() < 2:
-        return torch.zeros_like(rewards)
-    adv = rewards - rewards.mean()
+    r = np.asarray(rewards, dtype=np.float32).astype(np.float64).reshape(-1)
+    if r.size < 2:
+        return [0.0] * int(r.size)
+    adv = r - r.mean()
     if normalize_std:
-        adv = adv / (rewards.std() + eps)
-    return adv
+        adv = adv / (r.std(ddof=1) + np.float64(np.float32(eps)))
+    return adv.astype(np.float32).tolist()
 
 
 def trainable_samples(groups: list[Group], normalize_std: bool = True,
@@ -122,8 +126,6 @@ def trainable_samples(groups: list[Group], normalize_std: bool = True,
       G_t = gamma^(last - t) r for t <= last, 0 after it (one value per token unless gamma is 1);
     then, with `whiten`, every value minus the rollout's mean over loss tokens, divided by its std
     (unbiased) + 1e-8 under the root, as miles' --normalize-advantages."""
-    import torch
-
     settings = settings or AdvantageSettings(normalize_std=normalize_std)
     if settings.estimator not in ESTIMATORS:
         raise RankBatchError(f"--advantage-estimator={settings.estimator}: not one of {', '.join(ESTIMATORS)}")
@@ -132,13 +134,14 @@ def trainable_samples(groups: list[Group], normalize_std: bool = True,
         kept = [s for s in g.samples if s.status not in EXCLUDED_STATUSES and s.reward is not None and s.response_ids]
         if not kept:
             continue
-        rewards = torch.tensor([s.reward for s in kept], dtype=torch.float64)
+        rewards = [float(s.reward) for s in kept]
         if settings.estimator in ("grpo", "gspo"):
-            adv: list = grpo_advantages(rewards, settings.normalize_std).tolist()
+            adv: list = grpo_advantages(rewards, settings.normalize_std)
         elif settings.estimator == "reinforce_plus_plus_baseline":
-            adv = (rewards - rewards.mean()).tolist()
+            mean = math.fsum(rewards) / len(rewards)
+            adv = [r - mean for r in rewards]
         else:
-            adv = [discounted_returns(float(r), loss_mask(s), settings.gamma) for r, s in zip(rewards.tolist(), kept)]
+            adv = [discounted_returns(r, loss_mask(s), settings.gamma) for r, s in zip(rewards, kept)]
         out.extend(zip(kept, adv))
     return whiten(out) if settings.whiten and not settings.kl_in_reward else out
 

@@ -69,7 +69,8 @@ def test_the_logit_chunk_is_the_trainers():
 def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
     """`miles validate` and the plan task answer in a fraction of a second, and the driver stays light:
     torch, transformers and Megatron cost seconds of CPU to import (each trainer rank imports them
-    itself; the driver importing torch with the ranks' actor class cost 3 CPU-seconds a run)."""
+    itself; the driver importing torch with the ranks' actor class cost 3 CPU-seconds a run, and the
+    rollout side importing it for the advantages of each batch as much)."""
     import subprocess
     import sys
 
@@ -77,6 +78,10 @@ def test_checking_the_embedded_default_and_driving_it_import_no_model_library():
             "from miles_core.prepare.checks import validation_problems; "
             "assert validation_problems(parse_flags(['--preset', 'tiny-reverse4'])) == []; "
             "import miles_core.driver.segment, miles_core.train.worker; "  # the driver defines the trainer's actor class
+            "import miles_core.rollout.manager; from miles_core.rank_batches import trainable_samples; "
+            "from miles_core.samples import Group, Sample, SampleStatus; "  # the rollout side's advantages
+            "trainable_samples([Group('g', 0, [Sample('g', 0, j, [1], [2], reward=float(j), "
+            "status=SampleStatus.COMPLETED) for j in range(2)])]); "
             "print(sorted(m for m in ('torch', 'transformers', 'megatron.core') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
