@@ -33,6 +33,7 @@ never served corrupt (`WeightVersionError` when that fails too).
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -43,7 +44,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from miles_core.storage import COMPLETE_MARKER, Store
+from miles_core.storage import COMPLETE_MARKER, Store, normalize_uri
 from miles_core.storage.node_local import claim, discard, drop_claimed, is_cache_entry, localize
 
 if TYPE_CHECKING:
@@ -337,6 +338,13 @@ class ReadStats:
 
 READS = ReadStats()
 _verified: dict[str, float] = {}  # anchor directory -> mtime of its marker when its checksums were verified
+# The seal tokens of the versions this process localized last (normalized URI -> token): the base of the
+# next delta is found in the node cache without reading its marker again (a round trip per update). A
+# token gone stale (the base published again since) finds the old copy, whose patched result then fails
+# its checksums, and the part is rebuilt from its anchor.
+_TOKENS: "collections.OrderedDict[str, str]" = collections.OrderedDict()
+_TOKENS_KEPT = 8
+_TOKENS_LOCK = threading.Lock()
 
 
 def is_delta_version(keys: list[str]) -> bool:
@@ -345,12 +353,28 @@ def is_delta_version(keys: list[str]) -> bool:
 
 def localize_weights(uri: str) -> str:
     """A directory on this node with the full bf16 weights of the version at `uri` (see the module doc)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     store = Store(uri)
-    keys = store.list("")
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the listing and the marker's token: one round trip
+        listing = pool.submit(store.list, "")
+        seal = seal_token(store)  # a version written again at this name (after a restart) is another copy
+        keys = listing.result()
     if COMPLETE_MARKER not in keys:
         raise FileNotFoundError(f"{uri} has no {COMPLETE_MARKER}; it is incomplete")
     t0 = time.perf_counter()
-    seal = seal_token(store)  # a version written again at this name (after a restart) is another copy
+    path = _localize_version(uri, store, keys, seal)
+    with _TOKENS_LOCK:
+        _TOKENS[normalize_uri(uri)] = seal
+        _TOKENS.move_to_end(normalize_uri(uri))
+        while len(_TOKENS) > _TOKENS_KEPT:
+            _TOKENS.popitem(last=False)
+    if is_delta_version(keys):
+        READS.add(apply_seconds=time.perf_counter() - t0)
+    return path
+
+
+def _localize_version(uri: str, store: Store, keys: list[str], seal: str) -> str:
     if not is_delta_version(keys):
         path = localize(uri, "weights", required=COMPLETE_MARKER, identity=seal)
         try:
@@ -367,7 +391,7 @@ def localize_weights(uri: str) -> str:
     used_anchor = []
     path = localize(uri, "weights", required=COMPLETE_MARKER, identity=seal,
                     build=lambda tmp: used_anchor.append(_build(store, keys, tmp)))
-    READS.add(versions=1, apply_seconds=time.perf_counter() - t0)
+    READS.add(versions=1)
     READS.last_used_anchor = any(used_anchor)
     return path
 
@@ -597,7 +621,9 @@ def _local_copy(uri: str) -> str | None:
         names = os.listdir(path) if os.path.isdir(path) else []
         if COMPLETE_MARKER in names and not is_delta_version(names):
             return path
-    return cached(uri, "weights", seal_token(Store(uri)))
+    with _TOKENS_LOCK:
+        token = _TOKENS.get(normalize_uri(uri))
+    return cached(uri, "weights", seal_token(Store(uri)) if token is None else token)
 
 
 def _from_anchor(uri: str, i: int, parts: int, max_chain: int = 1000, *,
