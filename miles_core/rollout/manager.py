@@ -112,9 +112,10 @@ class RolloutManager:
         """The producer's gate: whether the run's remaining steps still need a group beyond those in
         flight and those the buffer received (any writer's, queued or handed to the drain). Without it
         a fully async run generated up to its staleness bound past its last step: on a 2-step run of the
-        calculator preset, 12 groups of multi-turn episodes beyond the 8 it trained. A group lost or rejected leaves the
-        count, and the producer is woken then (miles_core.rollout.producer), so the run never waits on a
-        group the gate held back. A buffer without `groups_received` (a custom one) is not gated."""
+        calculator preset, 12 groups of multi-turn episodes beyond the 8 it trained. A group lost or
+        rejected leaves the count, and the producer is woken then (miles_core.rollout.producer), so the
+        run never waits on a group the gate held back. A buffer without `groups_received` (a custom one)
+        is not gated."""
         received = getattr(self.buffer, "groups_received", None)
         if self._groups_needed is None or not callable(received):
             return True

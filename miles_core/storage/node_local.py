@@ -40,10 +40,10 @@ from __future__ import annotations
 import collections
 import fcntl
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
-import logging
 import threading
 from typing import Callable
 
@@ -100,7 +100,7 @@ def localize(uri: str, kind: str = "models", *, required: str | None = None,
             raise FileNotFoundError(f"{uri}: no such directory{f' with {required}' if required else ''}")
         return path
     dest = _entry(uri, kind, identity)
-    for attempt in range(CACHE_REMOVED_RETRIES):  # the node cache may be cleaned underneath a copy: copy again
+    for attempt in range(CACHE_REMOVED_RETRIES):  # the node cache may be cleaned under a copy: copy again
         try:
             return _cached(uri, dest, kind, required, build)
         except FileNotFoundError as e:
