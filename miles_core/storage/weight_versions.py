@@ -213,11 +213,30 @@ def _changes(encoded: dict[str, torch.Tensor], name: str):
 
 
 def verify(state: dict[str, torch.Tensor], checksums: dict[str, str], what: str) -> None:
-    if set(state) != set(checksums):
-        raise WeightVersionError(f"{what}: holds {len(state)} tensors, its checksums name {len(checksums)}")
-    for name, t in state.items():
-        if checksum(t) != checksums[name]:
+    compare_checksums(checksums, {name: checksum(t) for name, t in state.items()}, what)
+
+
+def compare_checksums(checksums: dict[str, str], got: dict[str, str], what: str) -> None:
+    """WeightVersionError unless `got` (tensor -> `checksum`) names the tensors `checksums` names, each
+    with its checksum."""
+    if set(got) != set(checksums):
+        raise WeightVersionError(f"{what}: holds {len(got)} tensors, its checksums name {len(checksums)}")
+    for name, value in got.items():
+        if value != checksums[name]:
             raise WeightVersionError(f"{what}: {name}: checksum mismatch")
+
+
+def _file_header(f) -> tuple[int, dict]:
+    """(the header's length, the header) of the safetensors file open as `f`, read from its start;
+    ValueError for a file too short to hold them."""
+    head = f.read(8)
+    if len(head) != 8:
+        raise ValueError(f"{len(head)} bytes: shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    size = os.fstat(f.fileno()).st_size
+    if 8 + n > size:
+        raise ValueError(f"a header of {n} bytes in a file of {size}")
+    return n, json.loads(f.read(n))
 
 
 # ----------------------------------------------------------------------------- the writer
@@ -427,13 +446,11 @@ def _verify_anchor(path: str) -> None:
             raise WeightVersionError(f"{file}: unreadable ({e})") from e
         if found is None:
             continue
-        stored, got = found
-        bad = sorted(k for k in set(stored) | set(got) if stored.get(k) != got.get(k))
-        if bad:
+        try:
+            compare_checksums(*found, f"{path}/{name}")
+        except WeightVersionError:
             READS.add(checksum_failures=1)
-            what = ("checksum mismatch" if set(stored) == set(got)
-                    else f"holds {len(got)} tensors, its checksums name {len(stored)}")
-            raise WeightVersionError(f"{path}/{name}: {bad[0]}: {what}")
+            raise
     _verified[path] = stamp
 
 
@@ -448,14 +465,8 @@ def file_checksums(file: str) -> tuple[dict[str, str], dict[str, str]] | None:
     import xxhash
 
     with open(file, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ValueError(f"{len(head)} bytes: shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", head)
+        n, header = _file_header(f)
         size = os.fstat(f.fileno()).st_size
-        if 8 + n > size:
-            raise ValueError(f"a header of {n} bytes in a file of {size}")
-        header = json.loads(f.read(n))
         sums = (header.pop("__metadata__", None) or {}).get(CHECKSUMS)
         if sums is None:
             return None
@@ -572,8 +583,7 @@ def patch_copy(base_file: str, out: str, checksums: dict[str, str], encoded: dic
     if base_file != out:
         shutil.copyfile(base_file, out)  # copy_file_range / sendfile: in the kernel
     with open(out, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        n, header = _file_header(f)
         names = {k for k in header if k != "__metadata__"}
         if names != set(checksums) or any(header[k].get("dtype") != "BF16" for k in names):
             return False
