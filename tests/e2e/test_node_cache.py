@@ -6,7 +6,7 @@ rate whose versions are sparse (`--lr 1e-6`: about 3.5% of the toy model's bf16 
 deltas between anchors every 8 versions). Once the engines serve pushed weights, a thread deletes the
 cached initial model (the trainer's local copy of its checkpoint: what it read config and tokenizer files
 from at every export) every second, and the engine node's rebuilt weight versions every third second,
-while the run trains and checkpoints. The trainer keeps what it needs in
+each once a copy of it has completed since its last deletion, while the run trains and checkpoints. The trainer keeps what it needs in
 memory and every role re-fetches from the run root: the run finishes all its steps, versions were
 written as deltas, the engine's node rebuilt some from their anchor (its local base deleted), and no
 checksum failed.
@@ -26,6 +26,7 @@ import pytest
 from miles_core.metrics import names as N
 from miles_core.metrics import read_metrics
 from miles_core.storage import Store
+from miles_core.storage.node_local import MARKER
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,12 +38,18 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
     storage = f"s3://{s3_bucket}/cache-{uuid.uuid4().hex[:8]}"
     stop, deletions = threading.Event(), []
 
+    def complete(kind: str) -> bool:  # the node finished a copy of this kind since it was last deleted
+        return any((entry / MARKER).exists() for entry in (cache / kind).glob("*"))
+
     def clean():
+        # A cleaner that deleted on a clock faster than a loaded machine copies would never let a copy
+        # finish (each is tried again, up to CACHE_REMOVED_RETRIES): it deletes a kind only once a copy of
+        # it completed, which still lands deletions under copies in progress.
         ticks = 0
         while not stop.wait(1.0):
             ticks += 1
-            if (cache / "weights").exists():  # the engines serve pushed weights
-                if (cache / "models").exists():
+            if complete("weights"):  # the engines serve pushed weights
+                if complete("models"):
                     shutil.rmtree(cache / "models", ignore_errors=True)
                     deletions.append(1)
                 if ticks % 3 == 0:
