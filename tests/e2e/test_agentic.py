@@ -8,7 +8,7 @@ default), weight updates while episodes are in flight. The bar (from a plain-tor
 same task): after 100 steps the mean reward of the last 10% of steps is >= 0.9 and >= 5x the first
 5 steps. The control, `reverse4_two_turns_unmasked` (environment tokens in the loss, with
 --no-use-rollout-logprobs since the engine gives no log-prob for them), must fail the same bar: the
-bar catches a masking bug. Why 100 steps: in the probe the last 10% of the first 80 steps averaged
+bar catches a masking bug (a `calibration` test: run with -m calibration, not in CI). Why 100 steps: in the probe the last 10% of the first 80 steps averaged
 1.00 masked and 0.30-0.78 unmasked (4 seeds each), <= 0.84 unmasked at 100-200 steps; this run,
 measured at 120 steps on an idle machine, was at 0.99 masked by step 80 (0.92 by step 60), but in
 CI's three saturated lanes a fully async run learns slower per step (0.46 by step 80 once, on
@@ -51,9 +51,14 @@ def test_builtin_multiturn_environment_learns_with_masked_environment_tokens(tmp
     assert last >= 0.9 and last >= 5 * first, (first, last)
 
 
+@pytest.mark.calibration
 def test_environment_tokens_left_in_the_loss_fail_the_bar(tmp_path):
     """Pins: the bar catches a masking bug: the same run with the environment tokens in the loss
-    stays below 0.9 (the probe: <= 0.78 over 4 seeds at 80 steps, <= 0.84 at 100-200)."""
+    stays below 0.9 (the probe: <= 0.78 over 4 seeds at 80 steps, <= 0.84 at 100-200).
+
+    A calibration of the bar, not a check of the code (the control's own episodes are unit-tested in
+    tests/unit/test_episodes.py): run it when the bar, the task or the loss changes
+    (`./dev test -m calibration tests/e2e/test_agentic.py`); CI leaves it out."""
     first, last, _ = _curve(tmp_path, f"--custom-generate-function-path {FN}reverse4_two_turns_unmasked "
                                       "--no-use-rollout-logprobs", "unmasked")
     assert last < 0.9, (first, last)
