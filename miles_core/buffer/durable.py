@@ -175,20 +175,21 @@ class DurableBuffer:
                 self._prompts.setdefault(prompt, gid)
 
     def _index_keys(self, keys: list[str], consumed: set[str]) -> int:
-        """Fetch and index these objects (in parallel); returns the groups made available."""
-        before = len(self._available)
+        """Fetch and index these objects (in parallel); returns the groups made available (counted as they
+        are added: gets run while the reads are unlocked, so the queue's length says nothing of them)."""
         self._lock.release()  # reads run unlocked; indexing below holds the lock again
         try:
             with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="buffer-reopen") as pool:
                 fetched = list(zip(keys, pool.map(self._fetch, keys)))
         finally:
             self._lock.acquire()
+        added = 0
         for key, stored in fetched:
             if isinstance(stored, BaseException):
                 self._quarantine(key, stored)
             elif stored is not None:
-                self._index_object(key, stored, consumed)
-        return len(self._available) - before
+                added += self._index_object(key, stored, consumed)
+        return added
 
     def _load_consumption(self, through: int) -> set[str]:
         """Group ids consumed or rejected through `through` (in objects not entirely done); fills `_done`."""
@@ -248,12 +249,13 @@ class DurableBuffer:
         """An object's groups; None when it vanished; the decode error when it is undecodable."""
         return O.fetch_object(self.store, key)
 
-    def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> None:
+    def _index_object(self, key: str, stored: "list[O.StoredGroup]", consumed: set[str]) -> int:
+        """Make the object's groups that are neither consumed nor held already available; returns how many."""
         fresh = [sg for sg in stored if sg.group_id not in consumed and sg.group_id not in self._unrecorded]
         fresh = [sg for sg in fresh if not self._duplicate(sg) and not self._trained_already(sg)]
         if not fresh:  # consumed entirely, but no manifest said so: remember it as done
             self._note_done(key)
-            return
+            return 0
         self._members[key] = [sg.group_id for sg in stored]
         for sg in fresh:
             entry = _Entry(sg.group_id, key, sg.oldest_version, sg.position, sg.rows)
@@ -261,6 +263,7 @@ class DurableBuffer:
             self._unrecorded[sg.group_id] = entry
             self._remaining.setdefault(key, set()).add(sg.group_id)
             self._note_prompt(sg.group_id)
+        return len(fresh)
 
     def _note_prompt(self, group_id: str) -> None:
         prompt = O.prompt_of_id(group_id)

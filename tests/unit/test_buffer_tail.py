@@ -140,3 +140,41 @@ def test_the_feed_counts_usable_groups_and_recent_writers(store):
         assert buf.usable_queue_size(2) == 1 and buf.usable_queue_size(3) == 0  # staleness 2 > 1 at v3
         assert buf.usable_queue_size(None) == 1
         assert buf.recent_foreign_writers() == 1 and buf.recent_foreign_writers(seconds=0) == 0
+
+
+def test_groups_indexed_while_the_trainer_gets_wake_it_and_count_in_full(store, monkeypatch):
+    """Pins: a poll counts and announces every group it indexed, also when the trainer took groups
+    while the poll read objects unlocked. Guards the stall a CI run hit (tests/e2e/test_elastic_netns.py,
+    step 51 of 80): the poll counted `len(available) - before`, so the trainer's gets during its reads
+    cancelled out its new groups; it notified nobody and under-counted the slots taken, the trainer
+    waited on an empty-looking buffer that held 64 groups, and the producers, seeing the buffer full,
+    waited for it."""
+    import threading
+
+    with trainer_buffer(store, poll=3600) as buf, producer_writer(store) as w:  # polled by hand below
+        w.put(group(0, "prod"))
+        assert buf._tail.poll() == 1
+        w.put(group(1, "prod"))
+        reading, release = threading.Event(), threading.Event()
+        real = buf._fetch
+
+        def slow_fetch(key):
+            reading.set()
+            assert release.wait(10)
+            return real(key)
+
+        monkeypatch.setattr(buf, "_fetch", slow_fetch)
+        polled = []
+        poller = threading.Thread(target=lambda: polled.append(buf._tail.poll()), daemon=True)
+        poller.start()
+        assert reading.wait(5)  # the poll reads group 1's object, unlocked
+        assert buf.get(timeout_seconds=1).group_id == "e0-p0-a0-prod"  # meanwhile the trainer takes group 0
+        got = []
+        getter = threading.Thread(target=lambda: got.append(buf.get(timeout_seconds=60).group_id), daemon=True)
+        getter.start()
+        assert wait_for(lambda: len(buf._not_empty._waiters) == 1)  # and waits for the next
+        release.set()
+        poller.join(5)
+        getter.join(5)
+        assert polled == [1] and got == ["e0-p1-a0-prod"]  # woken at once, not at its timeout
+        assert buf._reserved == 0  # every slot the poll took was given back by a get
