@@ -316,7 +316,8 @@ async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr
     Megatron trainer (AdamW at `lr`), published to a SeaweedFS S3 server and followed by a reader with its
     own node cache and the CPU engine (docs/weight-versions.md). Per version: bytes written, changed share,
     export, the reader's update (download, apply, verify, write, and the engine's stage), the engine's
-    pause. Baseline in the same run: a dense download of the same model (an anchor) from the same store.
+    pause. Baseline in the same run: a dense download of the same model (the newest anchor) from the same
+    store after every version's update (alternating, as the other benches here do), its median over all.
     Then a late joiner (an empty node cache) rebuilds the newest version: anchors and deltas it read."""
     import s3fs
 
@@ -343,6 +344,7 @@ async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr
         async with EngineClient([f"http://127.0.0.1:{port}"], control_timeout_seconds=600) as client:
             transport = StoreWeightTransport(trainer, store, prefix="weights", anchor_interval=anchor_interval)
             sync = WeightSync([client], transport, "retract")
+            newest_anchor = 1  # the first versions are anchors
             for k in range(1, versions + 1):
                 trainer.train_step(k, make_groups(seed=k))
                 before = wv.READS.snapshot()
@@ -350,12 +352,14 @@ async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr
                 read = wv.staged_read(before, wv.READS.snapshot())
                 written = transport.written
                 dense = 2 * written.elements
-                down_s = None
-                if written.anchor:  # the baseline: a dense download of this anchor from the same store
-                    t0 = time.perf_counter()
-                    with open(os.path.join(work, "dense-download"), "wb") as f:
-                        f.write(store.get_bytes(f"weights/step_{k:08d}/model.safetensors"))
-                    down_s = time.perf_counter() - t0
+                if written.anchor:
+                    newest_anchor = k
+                # the baseline, after every update so that load on the machine falls on both: a dense download
+                # of the newest anchor (the same model's bytes) from the same store
+                t0 = time.perf_counter()
+                with open(os.path.join(work, "dense-download"), "wb") as f:
+                    f.write(store.get_bytes(f"weights/step_{newest_anchor:08d}/model.safetensors"))
+                down_s = time.perf_counter() - t0
                 rows.append({"version": k, "anchor": written.anchor, "bytes": written.bytes, "dense_bytes": dense,
                              "share_of_dense": written.bytes / dense, "changed_share": written.changed / written.elements,
                              "export_s": res.export_seconds, "update_s": res.stage_seconds,
@@ -365,7 +369,7 @@ async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr
                 print(f"version {k:3d} {'anchor' if r['anchor'] else 'delta '} {r['bytes'] / 2**20:8.2f} MiB "
                       f"({r['share_of_dense']:.4f} of dense bf16; {r['changed_share']:.4f} of elements changed)  "
                       f"export {r['export_s']:.2f}s  reader update {r['update_s']:.2f}s  pause {r['pause_s']:.3f}s"
-                      + (f"  dense download {down_s:.2f}s" if down_s is not None else ""), flush=True)
+                      + f"  dense download {down_s:.2f}s", flush=True)
         late = os.path.join(work, "late-cache")
         os.environ["MILES_CACHE_DIR"] = late
         before = wv.READS.snapshot()
@@ -381,7 +385,7 @@ async def bench_versions(versions: int, work: str, anchor_interval: int = 20, lr
         server_s3.stop()
     steady = [r for r in rows if r["version"] > 3]
     deltas = [r for r in steady if not r["anchor"]]
-    downloads = [r["dense_download_s"] for r in rows if r["dense_download_s"]]
+    downloads = [r["dense_download_s"] for r in rows]
     out = {
         "model": f"smollm2-{model}", "transport": "versions", "lr": lr, "versions": versions, "rounds": rows,
         "steady_share_of_dense": statistics.median(r["share_of_dense"] for r in deltas) if deltas else None,
