@@ -8,11 +8,11 @@ default), weight updates while episodes are in flight. The bar (from a plain-tor
 same task): after 100 steps the mean reward of the last 10% of steps is >= 0.9 and >= 5x the first
 5 steps. The control, `reverse4_two_turns_unmasked` (environment tokens in the loss, with
 --no-use-rollout-logprobs since the engine gives no log-prob for them), must fail the same bar: the
-bar catches a masking bug (a `calibration` test: run with -m calibration, not in CI). Why 100 steps: in the probe the last 10% of the first 80 steps averaged
-1.00 masked and 0.30-0.78 unmasked (4 seeds each), <= 0.84 unmasked at 100-200 steps; this run,
-measured at 120 steps on an idle machine, was at 0.99 masked by step 80 (0.92 by step 60), but in
-CI's three saturated lanes a fully async run learns slower per step (0.46 by step 80 once, on
-2026-12-06), so the runs take 20 steps of margin.
+bar catches a masking bug (a `calibration` test: run with -m calibration, not in CI). Why 100 steps:
+in the probe the last 10% of the first 80 steps averaged 1.00 masked and 0.30-0.78 unmasked (4 seeds
+each), <= 0.84 unmasked at 100-200 steps; this run, measured at 120 steps on an idle machine, was at
+0.99 masked by step 80 (0.92 by step 60), but in CI's three saturated lanes a fully async run learns
+slower per step (0.46 by step 80 once, on 2026-12-06), so the runs take 20 steps of margin.
 """
 
 from __future__ import annotations

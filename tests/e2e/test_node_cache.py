@@ -6,10 +6,10 @@ rate whose versions are sparse (`--lr 1e-6`: about 3.5% of the toy model's bf16 
 deltas between anchors every 8 versions). Once the engines serve pushed weights, a thread deletes the
 cached initial model (the trainer's local copy of its checkpoint: what it read config and tokenizer files
 from at every export) every second, and the engine node's rebuilt weight versions every third second,
-each once a copy of it has completed since its last deletion, while the run trains and checkpoints. The trainer keeps what it needs in
-memory and every role re-fetches from the run root: the run finishes all its steps, versions were
-written as deltas, the engine's node rebuilt some from their anchor (its local base deleted), and no
-checksum failed.
+each once a copy of it has completed since its last deletion, while the run trains and checkpoints. The
+trainer keeps what it needs in memory and every role re-fetches from the run root: the run finishes all
+its steps, versions were written as deltas, the engine's node rebuilt some from their anchor (its local
+base deleted), and no checksum failed.
 """
 
 from __future__ import annotations
