@@ -254,7 +254,8 @@ def _shared_s3_fs(root_uri: str, opts: dict) -> tuple[Any, str]:
     client is made at its first request, with a connection pool, and that costs: measured on SeaweedFS over
     loopback, a Store's first GET took 60-70 ms against 4-6 ms for its next, and a weight version's update
     made several Stores (each a first request). s3fs runs every call on fsspec's one I/O loop, so the
-    filesystem serves any thread; a forked child makes its own."""
+    filesystem serves any thread; a forked child makes its own. fsspec's own instance cache stays off
+    (`skip_instance_cache`): it keys on the calling thread, so every thread would build its own client."""
     key = (os.getpid(), repr(sorted(opts.items())))
     with _s3_filesystems_lock:
         fs = _s3_filesystems.get(key)

@@ -466,7 +466,6 @@ def file_checksums(file: str) -> tuple[dict[str, str], dict[str, str]] | None:
 
     with open(file, "rb") as f:
         n, header = _file_header(f)
-        size = os.fstat(f.fileno()).st_size
         sums = (header.pop("__metadata__", None) or {}).get(CHECKSUMS)
         if sums is None:
             return None
@@ -476,7 +475,7 @@ def file_checksums(file: str) -> tuple[dict[str, str], dict[str, str]] | None:
             try:
                 for name, info in header.items():
                     lo, hi = info["data_offsets"]
-                    if not 0 <= lo <= hi <= size - 8 - n:
+                    if not 0 <= lo <= hi <= len(mm) - 8 - n:
                         raise ValueError(f"{name}: bytes {lo}..{hi} lie outside the file's data")
                     got[name] = xxhash.xxh3_64_hexdigest(view[8 + n + lo:8 + n + hi])
             finally:
