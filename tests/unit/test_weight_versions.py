@@ -136,6 +136,24 @@ def test_writers_publish_anchors_first_then_deltas_and_an_anchor_every_n(tmp_pat
     assert all(s.anchor for s in _publish(store, fresh, 10, _step(state, 0.01, 10)))
 
 
+def test_a_writer_casts_each_version_into_the_buffers_of_the_one_before_its_base(tmp_path, node_cache):
+    """The bf16 part two versions back is read by nothing (a delta compares with the base alone), so the
+    next version is cast into it rather than into new memory; every version still reads back exactly,
+    anchors and deltas alike."""
+    store = Store(f"file://{tmp_path}/run")
+    writer = wv.PartWriter(anchor_every=3, first_anchors=1)
+    state, names, ptrs = _state(), None, []
+    for step in range(1, 8):
+        state = _step(state, 0.01, step)
+        names = partition({k: v.numel() * 2 for k, v in state.items()}, 1)[0]
+        _publish(store, [writer], step, state)
+        ptrs.append({n: t.data_ptr() for n, t in writer._base.items()})
+        got = _read(wv.localize_weights(store.uri(f"weights/step_{step:08d}")), 1)
+        assert _same(got, _bf16(state)), step
+    assert ptrs[2] == ptrs[0] and ptrs[3] == ptrs[1] and ptrs[6] == ptrs[0]  # two sets, taken in turn
+    assert set(ptrs[0].values()).isdisjoint(ptrs[1].values()) and set(names) == set(ptrs[0])
+
+
 def test_a_corrupt_local_base_falls_back_to_the_anchor_and_a_corrupt_delta_is_never_served(tmp_path, node_cache):
     store = Store(f"file://{tmp_path}/run")
     writers, state, truth = _published(store, 4)
