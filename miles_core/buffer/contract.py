@@ -15,8 +15,10 @@ checkpoint this segment resumes from (-1: none); a class whose `__init__` does n
 keywords is built as `Class(config, unused_samples_handler)`, with a warning that it gets neither,
 so it cannot serve committed groups again after a crash nor keep consumed ones from being served
 twice (exactly-once is then the plug-in's own business). The default buffer also offers the
-durability extras (`record_consumed`, `compact`, `committed_positions`, `close`); callers look them
-up with `getattr` so a custom buffer may leave them out.
+extras the rollout manager uses (`BufferExtras.METHODS`: the consumption record, compaction, what it
+committed, the counts the demand gate and the producer feed read, `close`); a custom buffer may leave
+any of them out, and `BufferExtras` is the one place that looks them up (once, when the buffer is
+built) and says what stands in for each one left out.
 """
 
 from __future__ import annotations
@@ -59,6 +61,52 @@ class DataBuffer(Protocol):
     def get(self, **context: Any) -> Group: ...
 
     def get_metrics(self) -> dict[str, float]: ...
+
+
+class BufferExtras:
+    """The run buffer's methods beyond the DataBuffer slot, typed, for the rollout manager. The durable
+    default has all of them; for a custom buffer each one it leaves out stands in as written below."""
+
+    METHODS = ("committed_positions", "groups_received", "usable_queue_size", "recent_foreign_writers",
+               "record_consumed", "compact", "close")
+
+    def __init__(self, buffer: Any):
+        self._has = {m: fn for m in self.METHODS if callable(fn := getattr(buffer, m, None))}
+        self._queue_size = lambda: int(getattr(buffer, "queue_size", 0))
+
+    def committed_positions(self) -> set[tuple[int, int]]:
+        """Positions (epoch, index) the buffer committed; none: nothing to skip on a resume."""
+        fn = self._has.get("committed_positions")
+        return fn() if fn else set()
+
+    def groups_received(self) -> int | None:
+        """Groups queued or handed out since it opened; None: the demand gate does not apply."""
+        fn = self._has.get("groups_received")
+        return fn() if fn else None
+
+    def usable_queue_size(self, version: int | None) -> int:
+        """Queued groups a get under `version` would not reject; without it, its `queue_size` (else 0)."""
+        fn = self._has.get("usable_queue_size")
+        return fn(version) if fn else self._queue_size()
+
+    def recent_foreign_writers(self) -> int:
+        """Producer jobs that committed into it lately; without it, 0."""
+        fn = self._has.get("recent_foreign_writers")
+        return fn() if fn else 0
+
+    def record_consumed(self, step: int, group_ids: list[str]) -> None:
+        """Record that `step` consumed `group_ids`; without it, nothing is recorded."""
+        if fn := self._has.get("record_consumed"):
+            fn(step, group_ids)
+
+    def compact(self, through_step: int, *, delete_consumed_objects: bool) -> None:
+        """Fold the consumption record through a complete checkpoint's step; without it, nothing."""
+        if fn := self._has.get("compact"):
+            fn(through_step, delete_consumed_objects=delete_consumed_objects)
+
+    def close(self) -> None:
+        if fn := self._has.get("close"):
+            fn()
 
 
 @runtime_checkable

@@ -29,6 +29,7 @@ import time
 from typing import Any, Callable
 
 from miles_core.buffer import build_buffer
+from miles_core.buffer.contract import BufferExtras
 from miles_core.buffer.objects import TRAINER_HOLDER, new_writer_id
 from miles_core.engines.client import EngineClient
 from miles_core.metrics import names as N
@@ -92,6 +93,7 @@ class RolloutManager:
                                   sink_for=buffer_for, decode=decode, batch_mode=self.batch_mode,
                                   gates=(self._groups_wanted,))
         self.producer, self.buffer, self.claims = side.producer, side.sink, side.claims
+        self.extras = BufferExtras(self.buffer)
         admission = self.producer.admission
         # Renewed from now on: blocks adopted at restore below must not lapse before start().
         self.claims_renewer = ClaimRenewer(self.claims).start() if self.claims is not None else None
@@ -99,8 +101,7 @@ class RolloutManager:
             self.producer.set_engines_available(bool(self.engine.urls))
         # Resume (or a fresh start over a run root whose buffer already holds groups, e.g. a crash
         # before the first checkpoint): skip what the buffer committed, count it as started.
-        committed = getattr(self.buffer, "committed_positions", None)
-        committed = committed() if callable(committed) else set()
+        committed = self.extras.committed_positions()
         if state is not None or committed or self.claims is not None:  # claims: adopt this holder's blocks
             report = self.producer.restore(state or self.producer.state(), committed)
             log.info("rollout state restored: %s; started groups %d", report, admission.started_groups)
@@ -116,10 +117,10 @@ class RolloutManager:
         rejected leaves the count, and the producer is woken then (miles_core.rollout.producer), so the
         run never waits on a group the gate held back. A buffer without `groups_received` (a custom one)
         is not gated."""
-        received = getattr(self.buffer, "groups_received", None)
-        if self._groups_needed is None or not callable(received):
+        received = self.extras.groups_received()
+        if self._groups_needed is None or received is None:
             return True
-        return self.producer.in_flight_groups + received() < self._groups_needed
+        return self.producer.in_flight_groups + received < self._groups_needed
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -131,9 +132,7 @@ class RolloutManager:
         if self.claims is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._release_claims)
         self.consumer.close()
-        close = getattr(self.buffer, "close", None)
-        if callable(close):
-            await asyncio.get_running_loop().run_in_executor(None, close)
+        await asyncio.get_running_loop().run_in_executor(None, self.extras.close)
         aclose = getattr(self.engine, "close", None)
         if callable(aclose):
             result = aclose()
@@ -231,11 +230,8 @@ class RolloutManager:
         """What producer jobs need of this buffer (miles_core.driver.feed_publisher): the groups queued that a step
         under `version` can still use (stale ones are about to be dropped: they hold no room), its
         capacity, and how many other writers committed lately (they share the room)."""
-        usable = getattr(self.buffer, "usable_queue_size", None)
-        queued = usable(version) if callable(usable) else int(getattr(self.buffer, "queue_size", 0))
-        writers = getattr(self.buffer, "recent_foreign_writers", None)
-        return {"queue_size": queued, "capacity": self.cfg.buffer_capacity_groups,
-                "producers": writers() if callable(writers) else 0}
+        return {"queue_size": self.extras.usable_queue_size(version), "capacity": self.cfg.buffer_capacity_groups,
+                "producers": self.extras.recent_foreign_writers()}
 
     def _release_claims(self) -> None:
         if self.claims_renewer is not None:
@@ -247,17 +243,13 @@ class RolloutManager:
         for group_id in group_ids:
             if t.traces_group(group_id):
                 t.async_span("consumed", group_id, at, at, cat="group", step=step)
-        record = getattr(self.buffer, "record_consumed", None)
-        if callable(record):
-            await asyncio.get_running_loop().run_in_executor(None, record, step, list(group_ids))
+        await asyncio.get_running_loop().run_in_executor(None, self.extras.record_consumed, step, list(group_ids))
 
     async def compact_buffer(self, step: int) -> None:
         """After the checkpoint of `step` is complete: fold the consumption record (bounded reopen)."""
-        compact = getattr(self.buffer, "compact", None)
-        if callable(compact):
-            delete = self.cfg.buffer.buffer_delete_consumed_objects
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: compact(step, delete_consumed_objects=delete))
+        delete = self.cfg.buffer.buffer_delete_consumed_objects
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.extras.compact(step, delete_consumed_objects=delete))
 
     def error(self) -> str | None:
         return None if self.producer.error is None else str(self.producer.error)

@@ -20,7 +20,7 @@ from miles_core.buffer import (
     build_buffer,
     build_unused_handler,
 )
-from miles_core.buffer.contract import retry_group_id
+from miles_core.buffer.contract import BufferExtras, retry_group_id
 from miles_core.config import ConfigError, embedded_default, replace_fields
 from miles_core.config.plugins import PluginError
 from miles_core.metrics import names as N
@@ -86,6 +86,29 @@ def test_custom_buffer_path_is_built_with_config_and_handler(tmp_path):
     assert isinstance(buf, DataBuffer)
     buf.put(make_group(0))
     assert buf.get(current_version=1, anything="ignored").group_id == "g0000"
+
+
+def test_a_custom_buffer_without_the_extras_gets_what_the_manager_does_without_them(tmp_path):
+    """The rollout manager reaches the run buffer's extras only through BufferExtras: the durable buffer's
+    own methods answer; a plug-in that has none of them (put/get/get_metrics only) is not gated, commits
+    nothing to skip, records and compacts nothing, and reports its `queue_size` when it has one."""
+    plain = BufferExtras(ListBuffer(None, DropUnused()))
+    assert plain.committed_positions() == set() and plain.groups_received() is None
+    assert plain.usable_queue_size(3) == 0 and plain.recent_foreign_writers() == 0
+    plain.record_consumed(1, ["g"]), plain.compact(1, delete_consumed_objects=True), plain.close()
+    sized = ListBuffer(None, DropUnused())
+    sized.queue_size = 4
+    assert BufferExtras(sized).usable_queue_size(None) == 4
+    buf = open_buffer(str(tmp_path), capacity=8)
+    try:
+        extras = BufferExtras(buf)
+        buf.put(make_group(0))
+        assert extras.groups_received() == 1 and extras.usable_queue_size(None) == 1
+        assert extras.committed_positions() == buf.committed_positions() != set()
+    finally:
+        extras.close()
+    with pytest.raises(BufferClosed):
+        buf.put(make_group(1))
 
 
 @pytest.mark.parametrize("path, expected", [
