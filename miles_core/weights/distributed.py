@@ -182,6 +182,10 @@ class DistributedWeightTransport:
                 self._filled.add(tuple(n for n, _ in bucket))
         return None
 
+    async def stage(self, engines, version: int) -> dict:
+        """Nothing to stage: the tensors travel while the engines are paused."""
+        return {}
+
     async def load(self, engines, version: int) -> None:
         """Push the prepared tensors as `version` (engines are paused). `engines` is ignored: each engine
         joins at its own rank offset, so this talks to `engine_urls` one client per engine."""

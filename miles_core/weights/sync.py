@@ -47,7 +47,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Awaitable, Callable, Protocol, Sequence, runtime_checkable
 
 from miles_core.failures import chaos
 from miles_core.metrics import trace
@@ -68,11 +68,12 @@ class EngineControl(Protocol):
 
 
 class WeightTransport(Protocol):
-    """How weights reach the engines: `prepare` runs before the pause, `load` while paused. A transport
-    may also have `async stage(engines, version)`, run between the two before the pause: best effort,
-    it must not change what any engine serves (see the module doc)."""
+    """How weights reach the engines: `prepare` runs before the pause, `stage` between it and the pause
+    (best effort: it must not change what any engine serves; see the module doc), `load` while paused.
+    `stage` returns what rebuilding the version read (`sum_reads`; {} when it read nothing of the kind)."""
 
     def prepare(self, step: int) -> str | None: ...
+    async def stage(self, engines: Sequence[EngineControl], version: int) -> dict[str, Any]: ...
     async def load(self, engines: Sequence[EngineControl], version: int) -> None: ...
 
 
@@ -134,9 +135,11 @@ class StoreWeightTransport:
             self.key, self.uri = key, self.store.uri(key)
         return self.uri
 
-    async def stage(self, engines: Sequence[EngineControl], version: int) -> None:
+    async def stage(self, engines: Sequence[EngineControl], version: int) -> dict[str, Any]:
         """Before the pause: the snapshot on each engine's node, read and built by each engine that can
-        (best effort: a failure is logged, and that engine loads from disk while paused)."""
+        (best effort: a failure is logged, and that engine loads from disk while paused). Returns (and
+        keeps as `read`) what the engines' nodes read to rebuild it."""
+        self.read = {}
         try:
             if self.loaders is not None:
                 calls = [asyncio.to_thread(stage, self.uri) for stage in self.stagers or ()]
@@ -155,6 +158,7 @@ class StoreWeightTransport:
             self.read = sum_reads(reads)
         except Exception as e:  # noqa: BLE001 - staging only saves pause time; the load reports real failures
             log.warning("weights v%d: staging %s failed (engines load it while paused): %s", version, self.uri, e)
+        return self.read
 
     async def load(self, engines: Sequence[EngineControl], version: int) -> None:
         if self.loaders is not None:
@@ -204,11 +208,8 @@ class WeightSync:
         """Steps 3-6 for an exported version: stage, pause, load, resume."""
         version = exported.version
         t_stage = time.perf_counter()
-        stage = getattr(self.transport, "stage", None)
-        if stage is not None:  # still before the pause: engines keep generating meanwhile
-            with trace.span("stage", lane="weights", version=version) as args:
-                await stage(self.engines, version)
-                args.update(getattr(self.transport, "read", None) or {})  # what rebuilding it read (bf16 deltas)
+        with trace.span("stage", lane="weights", version=version) as args:  # engines keep generating meanwhile
+            args.update(await self.transport.stage(self.engines, version))  # what rebuilding it read (bf16 deltas)
         t1 = time.perf_counter()
         pause_seconds = await paused_load(self.engines, self.pause_mode, lambda: self.transport.load(self.engines, version),
                                           version)
