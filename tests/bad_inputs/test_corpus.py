@@ -32,6 +32,9 @@ from miles_core.storage import InvalidName, Store
 from miles_core.storage.node_local import HandoffError, localize
 from tests.integration.test_buffer_durable import make_group
 
+REWARD_TIMEOUT_SECONDS = 0.5  # the rewarder's bound: a hung reward fails its samples after it
+GENERATE_TIMEOUT_SECONDS = 0.3  # the custom generate's bound: a tool service that never answers fails after it
+
 # (flags, what the message must name). Ranges of numeric flags, unknown values, malformed values.
 CONFIG_CASES = [
     (["--eps-clip", "-0.1"], "--eps-clip=-0.1 must be > 0"),
@@ -354,7 +357,7 @@ def not_a_number(sample):
                          ids=["hanging", "hanging-async", "raising", "not-a-number", "raising-its-own-timeout"])
 def test_a_bad_reward_function_fails_its_samples_not_the_run(fn, named):
     RELEASE.clear()
-    rewarder = Rewarder(fn, timeout_seconds=0.5)
+    rewarder = Rewarder(fn, timeout_seconds=REWARD_TIMEOUT_SECONDS)
     group = make_group(0)
     for s in group.samples:
         s.reward = None
@@ -398,7 +401,7 @@ def test_a_bad_generate_function_fails_its_episode_by_name(fn, named):
     here: a hanging episode is cancelled after --custom-generate-timeout-seconds instead of holding its
     submission credit for ever, and every failure names the function."""
     path = f"tests.bad_inputs.test_corpus:{fn}"
-    generate = load_generate_function(path, timeout_seconds=0.3)
+    generate = load_generate_function(path, timeout_seconds=GENERATE_TIMEOUT_SECONDS)
     started = time.monotonic()
     with pytest.raises(GenerateFunctionError) as e:
         asyncio.run(generate(GenerateArgs(engine=None), make_group(0).samples[0], {}))

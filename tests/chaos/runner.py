@@ -20,6 +20,7 @@ from typing import Callable
 import psutil
 
 from tests.support.processes import kill_everything_under
+from tests.support.timeouts import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 # The segment as a Flyte task runs it, minus flytekit: an infrastructure failure exits 75 ("retry me").
@@ -36,6 +37,7 @@ except Exception as e:
     sys.exit(75 if is_infrastructure(e) else 1)
 """
 RECOVERABLE = 75
+KILLED_GONE_SECONDS = 0.5  # SIGKILLed processes leave the process table within this; what is left after it survived
 
 
 class Segment:
@@ -55,11 +57,10 @@ class Segment:
 
     def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> float:
         """Poll `condition` until true (returns the seconds since start); fail if the segment ends first."""
-        deadline = time.monotonic() + timeout
-        while not condition():
+        def running() -> None:
             assert self.proc.poll() is None, f"segment ended ({self.proc.returncode}) before {what}:\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.text()[-4000:]}"
-            time.sleep(0.2)
+
+        wait_until(condition, timeout, what, check=running, details=lambda: self.text()[-4000:])
         return time.monotonic() - self.started
 
     def descendants(self, cmdline_has: str) -> list[psutil.Process]:
@@ -90,7 +91,10 @@ class Segment:
         """Kill whatever of this segment is still running; the command lines of processes that survived."""
         if self.proc.poll() is None:
             self.kill()
-        time.sleep(0.5)
+        try:
+            wait_until(lambda: not orphans(self.ray_tmp), KILLED_GONE_SECONDS, "end of the killed processes")
+        except AssertionError:
+            pass  # the survivors are the answer: returned below
         left = orphans(self.ray_tmp)
         shutil.rmtree(self.ray_tmp, ignore_errors=True)
         return left

@@ -27,6 +27,7 @@ import pytest
 
 from tests.chaos.checker import check, committed_groups, weight_kinds
 from tests.chaos.runner import Segment, orphans
+from tests.support.timeouts import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -35,6 +36,7 @@ POINTS = {"buffer.commit": (3, 12), "buffer.record": (1, 6), "checkpoint.write":
           "weights.delta": (1, 3)}
 FIRST = "weights.delta"  # in every plan: a segment's first delta is its 4th push, so the first segment takes it
 BATCH = 8
+SEGMENT_SECONDS = 420  # one segment, to its end or to its chaos point
 
 
 def _flags(storage: Path, steps: int) -> list[str]:
@@ -62,9 +64,8 @@ def _segment(storage: Path, log: Path, chaos: str | None, steps: int) -> tuple[s
     marker = storage / f"reached-{chaos.rpartition(':')[0]}" if chaos else None
     seg = Segment(_flags(storage, steps), log, env)
     try:
-        while seg.proc.poll() is None and not (marker is not None and marker.exists()):
-            assert time.monotonic() - seg.started < 420, f"segment stuck:\n{seg.text()[-4000:]}"
-            time.sleep(0.2)
+        wait_until(lambda: seg.proc.poll() is not None or (marker is not None and marker.exists()), SEGMENT_SECONDS,
+                   "end of the segment or its chaos point (segment stuck)", details=lambda: seg.text()[-4000:])
         killed = marker is not None and marker.exists()
         if killed:
             seg.kill()

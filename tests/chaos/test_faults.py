@@ -34,6 +34,13 @@ from tests.chaos.checker import check, metric_total
 from tests.chaos.runner import RECOVERABLE, Segment
 from tests.support.seaweed import ACCESS_KEY, SECRET_KEY, start_seaweed
 
+OUTAGE_SECONDS = 10  # how long the S3 server stays down: the outage is the fault under test
+MILESTONE_SECONDS = 300  # the segment's start to a milestone (2 trained steps, an engine inside a /generate)
+RECOVERY_SECONDS = 120  # the fault's end to the run going on (a step trained, an engine restarted)
+FINISH_SECONDS = 300  # the recovered segment, to its end
+DELIVERY_SECONDS = 400  # a segment's start to its 5th weight delivery; also a retried segment to its end
+FAILED_SECONDS = 180  # a segment whose trainer rank was killed, to its exit as a retryable failure
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS, BATCH = 10, 8
@@ -64,18 +71,18 @@ def test_s3_outage_of_10_seconds_is_waited_out(tmp_path):
         seg = Segment(_flags(f"s3://{root}", "s3fault"), tmp_path / "segment.log", dict(os.environ, **server.env()))
         started = seg.wait_for(lambda: len(fs.ls(f"{root}/runs/s3fault/buffer/consumed", refresh=True)
                                           if fs.exists(f"{root}/runs/s3fault/buffer/consumed") else []) >= 2,
-                               300, "2 trained steps")
+                               MILESTONE_SECONDS, "2 trained steps")
         fs.invalidate_cache()
         before = len(fs.ls(f"{root}/runs/s3fault/buffer/consumed", refresh=True))
         t0 = time.monotonic()
         server.kill()
-        time.sleep(10)
+        time.sleep(OUTAGE_SECONDS)  # the behaviour under test: S3 down for this long
         server.restart()
         outage = time.monotonic() - t0
         fs.invalidate_cache()
         recovered = seg.wait_for(lambda: len(fs.ls(f"{root}/runs/s3fault/buffer/consumed", refresh=True)) > before,
-                                 120, "a step trained after the outage") - started - outage
-        assert seg.finish(300) == 0, seg.text()[-4000:]
+                                 RECOVERY_SECONDS, "a step trained after the outage") - started - outage
+        assert seg.finish(FINISH_SECONDS) == 0, seg.text()[-4000:]
         total = time.monotonic() - seg.started
         fs.invalidate_cache()
         keys = fs.find(root)
@@ -102,13 +109,14 @@ def test_engine_killed_mid_generation_is_restarted_and_the_run_completes(tmp_pat
     seg = Segment(_flags(str(tmp_path), "engfault", "--async-unused-samples-handler", "retry"), tmp_path / "segment.log",
                   env)
     try:
-        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 300, "the engine inside a /generate")
+        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), MILESTONE_SECONDS,
+                     "the engine inside a /generate")
         pid, t0 = int(marker.read_text()), time.monotonic()
         with contextlib.suppress(psutil.NoSuchProcess):  # its actor's health check may have killed it first
             psutil.Process(pid).send_signal(signal.SIGKILL)
         restarted = seg.wait_for(lambda: any(p.pid != pid for p in seg.descendants("miles_core.engines.cpu_server")),
-                                 120, "a restarted engine") - (t0 - seg.started)
-        assert seg.finish(300) == 0, seg.text()[-4000:]
+                                 RECOVERY_SECONDS, "a restarted engine") - (t0 - seg.started)
+        assert seg.finish(FINISH_SECONDS) == 0, seg.text()[-4000:]
         total = time.monotonic() - seg.started
     finally:
         left = seg.close()
@@ -137,13 +145,14 @@ def test_trainer_rank_0_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
     env = dict(os.environ, MILES_CHAOS_POINT="weights.push:5", MILES_CHAOS_DIR=str(tmp_path))
     seg = Segment(flags, tmp_path / "segment1.log", env=env)
     try:
-        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), 400, "the 5th delivery, engines paused")
+        seg.wait_for(lambda: marker.exists() and marker.read_text().strip(), DELIVERY_SECONDS,
+                     "the 5th delivery, engines paused")
         assert int(marker.read_text()) in {p.pid for p in seg.descendants("RolloutManager")}
         ranks = sorted(seg.descendants("TrainerWorker"), key=lambda p: p.create_time())
         rank0 = ranks[0].pid
         t0 = time.monotonic()
         os.kill(rank0, signal.SIGKILL)
-        rc = seg.finish(180)
+        rc = seg.finish(FAILED_SECONDS)
         failed_after = time.monotonic() - t0
     finally:
         left = seg.close()
@@ -151,7 +160,7 @@ def test_trainer_rank_0_killed_fails_recoverable_and_a_retry_resumes(tmp_path):
     assert not left, left
     retry = Segment(flags, tmp_path / "segment2.log")
     try:
-        rc = retry.finish(400)
+        rc = retry.finish(DELIVERY_SECONDS)
         resumed = time.monotonic() - retry.started
     finally:
         left = retry.close()

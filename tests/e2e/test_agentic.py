@@ -23,6 +23,8 @@ import pytest
 
 from tests.e2e.test_pyflyte_run import _reward_by_step, _run
 
+AGENTIC_RUN_SECONDS = 1800  # a whole agentic run: multi-turn episodes with tool calls on the CPU engine
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 STEPS = 100
@@ -32,7 +34,7 @@ COMMON = f"--num-rollout {STEPS} --rollout-max-response-len 3 --eval-interval {S
 
 def _curve(tmp_path, flags: str, run_id: str) -> tuple[float, float, dict[int, float]]:
     t0 = time.monotonic()
-    _run(tmp_path, f"{COMMON} {flags} --run-id {run_id}", timeout=1800)
+    _run(tmp_path, f"{COMMON} {flags} --run-id {run_id}", timeout=AGENTIC_RUN_SECONDS)
     rewards = _reward_by_step(f"file://{tmp_path / 'runs' / run_id}")
     assert sorted(rewards) == list(range(STEPS)), sorted(rewards)
     tail = max(1, STEPS // 10)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos import checker
+from tests.support.timeouts import RUN_SECONDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -33,7 +34,7 @@ def _run(storage: Path, num_rollout: int, env: dict) -> subprocess.CompletedProc
              "--save-interval", "2", "--rollout-batch-size", "8",
              "--n-samples-per-prompt", "4", "--eval-prompt-data", "--eval-interval", "none", "--no-progress"]
     done = subprocess.run([sys.executable, "-c", SCRIPT, *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=RUN_SECONDS)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 

@@ -16,12 +16,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.processes import kill_everything_under
+from tests.support.timeouts import RUN_SECONDS, SLOW_RUN_SECONDS, WAIT_SECONDS, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -44,6 +44,12 @@ def _latest_step(run: Path) -> int:
     return int(m.group(1)) if m else -1
 
 
+def _trained_past_checkpoint(run: Path) -> bool:
+    """A consumed manifest of a step after the latest checkpoint: the resume has one to discard."""
+    steps = [int(m.stem) for m in (run / "buffer" / "consumed").glob("*.json") if m.stem.isdigit()]
+    return bool(steps) and max(steps) > _latest_step(run) >= 3
+
+
 def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path):
     ray_tmp = tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray's unix sockets live under it
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
@@ -52,12 +58,13 @@ def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path
     first = subprocess.Popen([sys.executable, "-c", SCRIPT, *_flags(tmp_path)], cwd=ROOT, env=env,
                              stdout=log1, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 600
-        while _latest_step(run) < 3 and time.time() < deadline:
+        def running() -> None:
             assert first.poll() is None, (tmp_path / "first.log").read_text()[-5000:]
-            time.sleep(0.5)
-        assert _latest_step(run) >= 3, "no checkpoint at step 3 within 10 minutes"
-        time.sleep(1.0)  # let it train past the checkpoint, so there are manifests to discard
+
+        wait_until(lambda: _latest_step(run) >= 3, RUN_SECONDS, "checkpoint at step 3", check=running)
+        # trained past the checkpoint, so there are manifests to discard
+        wait_until(lambda: _trained_past_checkpoint(run), WAIT_SECONDS, "step trained after the checkpoint",
+                   check=running)
     finally:
         kill_everything_under(ray_tmp, first)
     killed_at = _latest_step(run)
@@ -65,7 +72,7 @@ def test_sigkill_after_a_checkpoint_then_resume_trains_every_group_once(tmp_path
     assert status["state"] == "running", status  # nobody got to write anything after the kill
 
     second = subprocess.run([sys.executable, "-c", SCRIPT, *_flags(tmp_path)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=900)
+                            capture_output=True, text=True, timeout=SLOW_RUN_SECONDS)
     shutil.rmtree(ray_tmp, ignore_errors=True)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-5000:]
     status = json.loads((run / "STATUS.json").read_text())

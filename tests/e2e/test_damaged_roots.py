@@ -47,6 +47,7 @@ from miles_core.cli import main
 from miles_core.storage import Store
 from tests.chaos import checker
 from tests.support.processes import kill_everything_under
+from tests.support.timeouts import LONG_RUN_SECONDS, SLOW_COMMAND_SECONDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -97,7 +98,7 @@ def miles(*args: str) -> tuple[int, str, str]:
 
 
 def miles_subprocess(*args: str) -> tuple[int, str]:
-    proc = subprocess.run([MILES, *args], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([MILES, *args], capture_output=True, text=True, timeout=SLOW_COMMAND_SECONDS)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -494,7 +495,7 @@ def test_a_damaged_run_root_resumes_or_is_refused_by_name(case, continued):
         raise p
     finding = check_doctor(p)
     check_readers(p)
-    got = future.result(timeout=1200)
+    got = future.result(timeout=LONG_RUN_SECONDS)
     print(f"[damaged-roots] {case.id}: prepared in {p.seconds:.1f} s, continued in {got.seconds:.0f} s"
           + (f", again after repair in {got.after_repair[2]:.0f} s" if got.after_repair else "")
           + f"; doctor: {finding['severity']} {finding['kind']}: {finding['what'][:160]}")

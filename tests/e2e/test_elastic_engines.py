@@ -26,6 +26,11 @@ import psutil
 import pytest
 
 from tests.chaos import checker
+from tests.support.timeouts import COMMAND_SECONDS, wait_until
+
+FLEET_GROW_SECONDS = 180  # two engines added by `miles engines add` start and serve
+MILESTONE_SECONDS = 300  # a milestone of the run (a step, a fleet record, an engine noticed)
+NO_STEP_SECONDS = 5  # the negative check's window: a run of 0 engines trains no step in it
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -59,7 +64,7 @@ def _finish(proc: subprocess.Popen, log: Path) -> None:
 
 def _miles(*args: str) -> None:
     done = subprocess.run([str(Path(sys.executable).with_name("miles")), *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=COMMAND_SECONDS)
     assert done.returncode == 0, done.stderr
 
 
@@ -74,15 +79,11 @@ def _fleet(run: Path) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _wait(proc: subprocess.Popen, log: Path, what: str, ready, timeout: float = 300.0):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = ready()
-        if got:
-            return got
+def _wait(proc: subprocess.Popen, log: Path, what: str, ready, timeout: float = MILESTONE_SECONDS):
+    def running() -> None:
         assert proc.poll() is None, f"the run ended before {what}:\n{log.read_text()[-5000:]}"
-        time.sleep(0.3)
-    raise AssertionError(f"no {what} within {timeout:.0f} s")
+
+    return wait_until(ready, timeout, what, check=running)
 
 
 def _step(run: Path) -> int:
@@ -106,7 +107,7 @@ def _drive(run: Path, proc: subprocess.Popen, log: Path) -> None:
     uri = f"file://{run}"
     _wait(proc, log, "step 10", lambda: _step(run) >= 10)
     _miles("engines", "add", uri, "2")
-    _wait(proc, log, "3 engines serving", lambda: _fleet(run).get("serving") == 3, timeout=180)
+    _wait(proc, log, "3 engines serving", lambda: _fleet(run).get("serving") == 3, timeout=FLEET_GROW_SECONDS)
     _wait(proc, log, "step 50", lambda: _step(run) >= 50)
     _miles("engines", "remove", uri, "1")
     two = _wait(proc, log, "2 engines", lambda: (f := _fleet(run)) and len(f["engines"]) == 2
@@ -172,7 +173,8 @@ def test_a_run_of_zero_engines_waits_and_trains_once_one_joins(tmp_path):
     proc = _start(tmp_path, _flags(tmp_path, steps) + ["--rollout-num-engines", "0", "--allow-rollout-producers"], log)
     try:
         _wait(proc, log, "the fleet record", lambda: _fleet(run).get("target") == 0)
-        time.sleep(5)
+        # A negative check: nothing would signal a step that should not happen, so give it a window.
+        time.sleep(NO_STEP_SECONDS)
         assert _step(run) == -1 and _fleet(run)["serving"] == 0  # nothing generates: no step
         _miles("engines", "add", f"file://{run}", "1")
     finally:

@@ -41,6 +41,7 @@ from miles_core.storage import Store
 from tests.chaos.checker import check
 from tests.support.netns_node import IsolatedNode, missing_tools
 from tests.support.seaweed import SeaweedS3, start_seaweed
+from tests.support.timeouts import COMMAND_SECONDS, HTTP_SECONDS, wait_until
 from tests.support.two_nodes import BUCKET, _processes
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow,
@@ -54,6 +55,9 @@ PRODUCERS = ("p1", "p2")
 RUN_ID = "elastic"
 STOP_SECONDS = 60  # a producer notices the finished run within 5 s, then stops its engine and its Ray
 STALL_SECONDS = 300  # no step trained for this long: the run is stuck (a step takes seconds here)
+CONFIG_SECONDS = 900  # the trainer's pyflyte run, from its start to the run's config.json
+GONE_SECONDS = 30  # a stopped run's processes (its local Ray, a node's producer, Ray and engine) end
+NODE_POLL_SECONDS = 1  # how often the wait looks: each look lists every process of a node
 
 
 @dataclass
@@ -80,13 +84,6 @@ def _kill(pids: set[int]) -> None:
             pass
 
 
-def _wait_until(done, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not (ok := done()) and time.monotonic() < deadline:
-        time.sleep(1)
-    return bool(ok)
-
-
 @pytest.fixture()
 def isolated(monkeypatch):
     nodes, s3, ray_tmp = [], None, tempfile.mkdtemp(prefix="mr", dir="/tmp")  # short: Ray's sockets live under it
@@ -101,7 +98,12 @@ def isolated(monkeypatch):
         Store(f"s3://{BUCKET}").fs.mkdir(BUCKET)
         yield Setup(nodes, s3, ray_tmp)
     finally:
-        left = _trainer_pids(ray_tmp) if not _wait_until(lambda: not _trainer_pids(ray_tmp), 30) else set()
+        left = set()
+        try:
+            wait_until(lambda: not _trainer_pids(ray_tmp), GONE_SECONDS, "end of the trainer's local Ray",
+                       interval=NODE_POLL_SECONDS)
+        except AssertionError:
+            left = _trainer_pids(ray_tmp)  # killed below, and the test fails on them
         _kill(left)
         for node in nodes:
             node.stop()
@@ -143,13 +145,14 @@ def _popen(cmd: list[str], log: Path, **kw) -> subprocess.Popen:
 
 def _fetch(url: str) -> str:
     """Code that prints `ok` when `url` answers (an HTTP error is an answer), else the error's class."""
-    return ("import urllib.request, urllib.error\ntry:\n    urllib.request.urlopen(%r, timeout=5); print('ok')\n"
+    return ("import urllib.request, urllib.error\ntry:\n    urllib.request.urlopen(%r, timeout=%r); print('ok')\n"
             "except urllib.error.HTTPError:\n    print('ok')\n"
-            "except Exception as e:\n    print(type(e).__name__)" % url)
+            "except Exception as e:\n    print(type(e).__name__)" % (url, HTTP_SECONDS))
 
 
 def _reaches(node: IsolatedNode, url: str) -> str:
-    out = subprocess.run(node.command([sys.executable, "-c", _fetch(url)]), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(node.command([sys.executable, "-c", _fetch(url)]), capture_output=True, text=True,
+                         timeout=COMMAND_SECONDS)
     return out.stdout.strip()
 
 
@@ -243,7 +246,8 @@ def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learn
     producers = {}
     try:
         # A producer joins a run that exists (its config.json); it then waits for the first published feed.
-        assert _wait_until(lambda: trainer.poll() is not None or run.exists("config.json"), 900), "no config.json"
+        wait_until(lambda: trainer.poll() is not None or run.exists("config.json"), CONFIG_SECONDS, "config.json",
+                   interval=NODE_POLL_SECONDS)
         assert trainer.poll() is None, _tail(logs["trainer"])
         for node, p in zip(isolated.nodes, PRODUCERS):
             producers[p] = _start_producer(isolated, node, run_uri, p, logs[p])
@@ -264,7 +268,8 @@ def test_two_producers_on_isolated_nodes_feed_a_run_without_engines_and_it_learn
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(30)
     for node in isolated.nodes:  # a producer's Ray and engine end with it
-        assert _wait_until(lambda: not node.pids(), 30), f"left on {node.ip}: {sorted(node.pids())}"
+        wait_until(lambda: not node.pids(), GONE_SECONDS, f"end of everything on {node.ip}", interval=NODE_POLL_SECONDS,
+                   details=lambda: f"left on {node.ip}: {sorted(node.pids())}")
 
     local = _copy_run_root(run, tmp_path / "run")
     problems = check(local, STEPS, BATCH, set())

@@ -36,10 +36,15 @@ import pytest
 from miles_core.rollout.feed_record import read_feed
 from miles_core.storage import Store
 from tests.chaos import checker
+from tests.support.timeouts import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
+STEP_SECONDS = 600  # the run's start (or a producer's join) to the step a test waits for
+CONSUMED_SECONDS = 300  # a producer's start to a group of its own trained
+LOOK_SECONDS = 0.5  # how often a wait looks: each look reads the feed or every consumed manifest
+KILL_RETRY_SECONDS = 1  # between rounds of SIGKILL while a killed Ray's daemons still show
 STEPS, BATCH = 160, 32
 FLAGS = ("--preset tiny-reverse4 --allow-rollout-producers --rollout-num-engines 0 --prompt-claim-ttl-seconds 30 "
          "--eval-interval none --eval-prompt-data")
@@ -74,7 +79,7 @@ def _kill_producer(proc: subprocess.Popen, ray_tmp: Path) -> None:
                 pass
         if not pids:
             return
-        time.sleep(1)
+        time.sleep(KILL_RETRY_SECONDS)
 
 
 def _mentions(proc_dir: Path, text: str) -> bool:
@@ -85,26 +90,24 @@ def _mentions(proc_dir: Path, text: str) -> bool:
 
 
 def _wait_for_step(store: Store, step: int, trainer: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
+    def running() -> None:
         assert trainer.poll() is None, log.read_text()[-4000:]
+
+    def reached() -> bool:
         feed = read_feed(store)
-        if feed is not None and feed.step >= step:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"the run did not reach step {step} in 10 minutes")
+        return feed is not None and feed.step >= step
+
+    wait_until(reached, STEP_SECONDS, f"step {step}", interval=LOOK_SECONDS, check=running)
 
 
 def _wait_until_consumed(run: Path, name: str, trainer, proc, tmp: Path) -> None:
     beat = run / "producers" / "heartbeats" / f"{name}.json"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
+    def running() -> None:
         assert proc.poll() is None, (tmp / f"{name}.log").read_text()[-4000:]
         assert trainer.poll() is None, "the run ended before the producer's groups were consumed"
-        if beat.exists() and _writers(run).get(json.loads(beat.read_text())["writer"], 0) > 0:
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"no group of {name} was consumed within 5 minutes")
+
+    wait_until(lambda: beat.exists() and _writers(run).get(json.loads(beat.read_text())["writer"], 0) > 0,
+               CONSUMED_SECONDS, f"group of {name} consumed", interval=LOOK_SECONDS, check=running)
 
 
 def _writers(run: Path) -> dict[str, int]:

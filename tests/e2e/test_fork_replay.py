@@ -34,6 +34,8 @@ import pytest
 
 from miles_core import cli
 
+from tests.support.timeouts import RUN_SECONDS
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -67,7 +69,7 @@ def lineage(tmp_path_factory):
     env = dict(os.environ, RAY_TMPDIR=ray_tmp, PYTHONUNBUFFERED="1")
     try:
         proc = subprocess.run([sys.executable, "-c", SCRIPT, str(storage), *TINY], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=600)
+                              capture_output=True, text=True, timeout=RUN_SECONDS)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0 and "LINEAGE-DONE" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

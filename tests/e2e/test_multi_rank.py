@@ -25,6 +25,7 @@ import json
 import pytest
 
 from tests.e2e.test_pyflyte_run import _consumed_ids, _reward_by_step, _run
+from tests.support.timeouts import LONG_RUN_SECONDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,7 +49,7 @@ def test_one_rank_moe_embedded_loop_learns_copy4(tmp_path):
     steps = 160  # the preset's --num-rollout
     flags = ("--hf-checkpoint builtin:tiny-qwen3-moe --prompt-data builtin:copy4 "
              "--save-interval none --eval-interval none --eval-prompt-data --run-id moe1")
-    _run(tmp_path, flags, timeout=1200)
+    _run(tmp_path, flags, timeout=LONG_RUN_SECONDS)
     run = tmp_path / "runs" / "moe1"
     rewards = _reward_by_step(f"file://{run}")
     assert sorted(rewards) == list(range(steps))
@@ -67,7 +68,7 @@ def test_two_rank_moe_trainer_with_expert_parallelism_and_routing_replay_learns(
              "--use-rollout-routing-replay --no-fully-async --one-step-off "
              "--num-cpus-trainer 0.5 --num-cpus-per-engine 0.5 --save-interval 50 --eval-interval none "
              "--eval-prompt-data --run-id dp2")
-    _run(tmp_path, flags, timeout=1200)
+    _run(tmp_path, flags, timeout=LONG_RUN_SECONDS)
     run = tmp_path / "runs" / "dp2"
     status = json.loads((run / "STATUS.json").read_text())
     assert status["state"] == "finished" and status["last_step"] == STEPS - 1, status

@@ -28,6 +28,8 @@ from miles_core.metrics import read_metrics
 from miles_core.storage import Store
 from miles_core.storage.node_local import MARKER
 
+from tests.support.timeouts import SLOW_RUN_SECONDS
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +65,7 @@ def test_s3_run_completes_while_its_node_caches_are_deleted(seaweed, s3_bucket, 
            "--flags", flags, "--storage_root", storage]
     cleaner.start()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=SLOW_RUN_SECONDS)
     finally:
         stop.set()
         cleaner.join()

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.timeouts import SLOW_COMMAND_SECONDS, SLOW_RUN_SECONDS
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +32,7 @@ PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 RAY_TMP = tempfile.mkdtemp(prefix="mr", dir="/tmp")
 
 
-def _run(storage: Path, flags: str, segment_steps: int = 0, timeout: int = 900) -> subprocess.CompletedProcess:
+def _run(storage: Path, flags: str, segment_steps: int = 0, timeout: int = SLOW_RUN_SECONDS) -> subprocess.CompletedProcess:
     if "--preset" not in flags:  # the embedded default's settings, as `./dev run` names them
         flags = f"--preset tiny-reverse4 {flags}"
     cmd = [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", flags,
@@ -88,7 +90,7 @@ def _consumed_ids(run: Path) -> list[str]:
 
 def _miles(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(Path(sys.executable).with_name("miles")), *args], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=SLOW_COMMAND_SECONDS)
 
 
 def _assert_runs_show_and_lineage(run: Path, consumed: list[str]) -> None:

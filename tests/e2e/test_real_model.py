@@ -22,6 +22,7 @@ import pytest
 
 from bench.tool_learning import final_number, tool_answer  # the bench's own reading, none of the project's
 from tests.e2e.test_pyflyte_run import _reward_by_step, _run
+from tests.support.timeouts import MULTI_NODE_RUN_SECONDS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -37,7 +38,7 @@ def calc_run(tmp_path_factory):
     storage = tmp_path_factory.mktemp("real-model")
     flags = ("--preset smollm2-calculator --num-rollout 2 --rollout-batch-size 4 --n-samples-per-prompt 2 "
              "--save-interval 2 --eval-interval 2 --eval-max-prompts 4 --run-id calc")
-    _run(storage, flags, timeout=1500)
+    _run(storage, flags, timeout=MULTI_NODE_RUN_SECONDS)
     return storage, storage / "runs" / "calc"
 
 

@@ -28,6 +28,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.processes import kill_everything_under
+from tests.support.timeouts import RUN_SECONDS, wait_until
+
+FIRST_CHECKPOINT_SECONDS = 300  # a run's start to its first checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,7 +72,7 @@ def ray_env():
     shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
-def _segment(env, storage: Path, *flags: str, script: str = RUN, timeout: int = 600) -> subprocess.CompletedProcess:
+def _segment(env, storage: Path, *flags: str, script: str = RUN, timeout: int = RUN_SECONDS) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", script, "--storage-root", str(storage), "--run-id", "r", *TINY, *flags],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -137,15 +140,16 @@ def test_a_second_pyflyte_run_is_refused_and_a_killed_holder_is_taken_over(tmp_p
     first = subprocess.Popen([sys.executable, "-c", RUN, "--storage-root", str(tmp_path), "--run-id", "r", *TINY, *flags],
                              cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.time() + 300
-        while not (run / "checkpoints" / "LATEST").exists():
-            assert first.poll() is None and time.time() < deadline, (tmp_path / "first.log").read_text()[-5000:]
-            time.sleep(0.5)
+        def running() -> None:
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-5000:]
+
+        wait_until((run / "checkpoints" / "LATEST").exists, FIRST_CHECKPOINT_SECONDS, "first checkpoint",
+                   check=running, details=lambda: (tmp_path / "first.log").read_text()[-5000:])
         second = subprocess.run(
             [PYFLYTE, "run", "workflows/fully_async.py", "fully_async_rl", "--flags", " ".join(TINY + flags),
              "--storage_root", str(tmp_path), "--run_id", "r"],
             cwd=ROOT, env={**{k: v for k, v in env.items() if k != "FLYTECTL_CONFIG"}, "COLUMNS": "2000"},
-            capture_output=True, text=True, timeout=600)
+            capture_output=True, text=True, timeout=RUN_SECONDS)
         output = second.stdout + second.stderr
         assert second.returncode != 0, output[-5000:]
         assert "LeaseHeld" in output and f"pid{first.pid}/" in output, output[-5000:]

@@ -34,6 +34,10 @@ from miles_core.cli import main
 from miles_core.metrics import trace
 from miles_core.storage import Store
 from tests.support.seaweed import free_port
+from tests.support.timeouts import PROBE_SECONDS
+
+READER_END_SECONDS = 30  # the reader thread ends once the finished run's stdout closes
+SCRAPE_SECONDS = 0.3  # how often the live /metrics are scraped while the run goes (until it ends)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -48,7 +52,7 @@ GAUGES = ("miles_rollout_fully_async_queue_size", "miles_rollout_fully_async_avg
 
 def scrape(port: int) -> dict[str, float] | None:
     try:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PROBE_SECONDS).read().decode()
     except OSError:
         return None
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
@@ -70,8 +74,8 @@ def traced_run(tmp_path_factory):
         got = scrape(port)
         if got is not None:
             live.append(got)
-        time.sleep(0.3)
-    reader.join(timeout=30)
+        time.sleep(SCRAPE_SECONDS)
+    reader.join(timeout=READER_END_SECONDS)
     output = scrapes[0] if scrapes else ""
     assert proc.returncode == 0 and f"RESULT finished {STEPS}" in output, output[-4000:]
     return Store(f"file://{root}/runs/t"), live, scrape(port), output

@@ -34,7 +34,10 @@ import pytest
 
 from miles_core.engines.auth import TOKEN_ENV
 from miles_core.storage import Store
+from tests.support.timeouts import HTTP_SECONDS, MULTI_NODE_RUN_SECONDS
 from tests.support.two_nodes import BUCKET, TwoNodeCluster
+
+CLUSTER_COMMAND_SECONDS = 180  # a driver that joins the cluster and runs one task on the engine node
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -64,7 +67,7 @@ def _on_engine_node(cluster: TwoNodeCluster, code: str | None) -> str:
               "f = ray.remote(resources={'engine_node': 0.001})(%s)\n"
               "print(ray.get(f.remote(%r)), end='')" % (cluster.address, task, code))
     return subprocess.run([sys.executable, "-c", driver], env=cluster.env, capture_output=True, text=True,
-                          timeout=180, check=True).stdout.strip().splitlines()[-1]
+                          timeout=CLUSTER_COMMAND_SECONDS, check=True).stdout.strip().splitlines()[-1]
 
 
 def _pyflyte(cluster: TwoNodeCluster, storage: str, flags: str, env: dict[str, str] | None = None):
@@ -72,13 +75,13 @@ def _pyflyte(cluster: TwoNodeCluster, storage: str, flags: str, env: dict[str, s
     cmd = [str(Path(sys.executable).with_name("pyflyte")), "run", "workflows/fully_async.py", "fully_async_rl",
            "--flags", flags, "--storage_root", storage]
     env = {**cluster.env, "RAY_ADDRESS": cluster.address, "PYTHONUNBUFFERED": "1", **(env or {})}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=MULTI_NODE_RUN_SECONDS)
 
 
 def _fetch(url: str) -> str:
     """Code that prints `ok` when `url` answers, else the error's class."""
-    return ("import urllib.request\ntry:\n    urllib.request.urlopen(%r, timeout=5); print('ok')\n"
-            "except Exception as e:\n    print(type(e).__name__)" % url)
+    return ("import urllib.request\ntry:\n    urllib.request.urlopen(%r, timeout=%r); print('ok')\n"
+            "except Exception as e:\n    print(type(e).__name__)" % (url, HTTP_SECONDS))
 
 
 def _head_loopback_server():

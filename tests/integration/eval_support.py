@@ -8,6 +8,8 @@ import shutil
 from miles_core.config import parse_flags
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
 
+from tests.support.timeouts import ENGINE_START_SECONDS
+
 EVAL_FLAGS = ["--eval-prompt-data", "held=builtin:reverse4-heldout", "--eval-max-prompts", "12",
               "--n-samples-per-eval-prompt", "2", "--eval-temperature", "1.0"]
 
@@ -34,6 +36,7 @@ def exporter_from(model_dir: str):
 
 
 def start_engine(model_dir: str, version: int = 0) -> EngineServer:
-    server = EngineServer(EngineLaunchSpec("cpu", model_dir, weight_version=version, startup_timeout_seconds=120))
+    server = EngineServer(EngineLaunchSpec("cpu", model_dir, weight_version=version,
+                                           startup_timeout_seconds=ENGINE_START_SECONDS))
     server.start()
     return server

@@ -12,6 +12,7 @@ import os
 import pytest
 
 from bench import async_speedup, buffer, resume, results_file
+from tests.support.timeouts import SLOW_COMMAND_SECONDS, SLOW_RUN_SECONDS
 from tests.unit.test_bench_results import TINY, check_schema, load_strict, run_bench
 
 
@@ -31,7 +32,7 @@ def test_engine_writes_ratios_against_both_baselines(tmp_path):
 def test_weights_writes_push_pause_and_ratio(tmp_path):
     out = tmp_path / "weights.json"
     run_bench("weights", "--models", "tiny", "--transports", "store", "--repeats", "1", "--versions", "0",
-              "--results", str(out), timeout=300)
+              "--results", str(out), timeout=SLOW_COMMAND_SECONDS)
     record = check_schema(load_strict(out), "weights", ("models", "transports"))
     assert record["figures"]["tiny_store_ratio"] > 0
     costs = async_speedup.measured_push_costs(str(out))
@@ -44,7 +45,7 @@ def test_elastic_quick_writes_steps_per_minute_ratios_and_the_kill_cost(tmp_path
     the ratios to alone, each producer's time to its first consumed group and the kill's accounting; none
     of the killed producer's committed groups goes missing."""
     out = tmp_path / "elastic.json"
-    run_bench("elastic", "--quick", "--results", str(out), timeout=900)
+    run_bench("elastic", "--quick", "--results", str(out), timeout=SLOW_RUN_SECONDS)
     record = check_schema(load_strict(out), "elastic", ("seconds_per_token", "window_steps", "claim_ttl_seconds"))
     figures = record["figures"]
     assert figures["one_ratio"] > 0 and figures["two_ratio"] > 0 and figures["p2_first_consumed_seconds"] > 0
@@ -59,10 +60,10 @@ def test_gpu_check_cpu_smoke_writes_results_only_when_asked(tmp_path):
     out = tmp_path / "gpu.json"
     before = os.path.getmtime(results_file.default_path("gpu_check")) \
         if os.path.exists(results_file.default_path("gpu_check")) else None
-    run_bench("gpu_check", "--cpu-smoke", "--results", str(out), timeout=300)
+    run_bench("gpu_check", "--cpu-smoke", "--results", str(out), timeout=SLOW_COMMAND_SECONDS)
     record = check_schema(load_strict(out), "gpu_check", ("cpu_smoke",))
     assert record["figures"]["ratio"] > 0 and record["figures"]["resume_ok"] is True
-    run_bench("gpu_check", "--cpu-smoke", "--out", "", timeout=300)
+    run_bench("gpu_check", "--cpu-smoke", "--out", "", timeout=SLOW_COMMAND_SECONDS)
     after = os.path.getmtime(results_file.default_path("gpu_check")) \
         if os.path.exists(results_file.default_path("gpu_check")) else None
     assert before == after  # the smoke run never overwrites the device figures

@@ -24,6 +24,8 @@ from miles_core.metrics import names as N
 from miles_core.samples import Group, Sample, SampleStatus, groups_to_ipc, ipc_to_groups
 from miles_core.storage import Store
 
+EMPTY_GET_SECONDS = 0.05  # a get of an empty buffer: its BufferTimeout is what the test checks
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -194,7 +196,7 @@ def test_get_ignores_unknown_context_keys_and_times_out(storage_root):
         buf.put(make_group(0))
         assert buf.get(current_version=None, step=3, whatever="x").group_id == "g0000"
         with pytest.raises(BufferTimeout):
-            buf.get(timeout_seconds=0.05)
+            buf.get(timeout_seconds=EMPTY_GET_SECONDS)
 
 
 CHILD = textwrap.dedent("""

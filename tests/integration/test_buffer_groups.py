@@ -24,6 +24,9 @@ from miles_core.samples import ipc_to_groups
 from miles_core.storage import Store
 from tests.integration.test_buffer_durable import make_group
 
+DRAIN_GET_SECONDS = 5  # each get while the loop drains the stale groups (a timeout ends one try, not the test)
+GET_SECONDS = 10  # a get of a group already put: answered at once, the bound only ends a broken test
+
 pytest_plugins = ["pytester"]
 
 
@@ -74,7 +77,7 @@ def test_stale_rejected_group_in_a_shared_object_stays_rejected(storage_root):
     with open_at(storage_root, -1, max_weight_staleness=2, unused_handler=handler) as buf:
         while handler.dropped_total == 0:  # g0000 (oldest token version 1) is 5 versions old at 6: rejected
             try:
-                served.append(buf.get(current_version=6, timeout_seconds=5).group_id)
+                served.append(buf.get(current_version=6, timeout_seconds=DRAIN_GET_SECONDS).group_id)
             except BufferTimeout:
                 break
         buf.record_consumed(0, served[:1])  # the other served groups were never trained: served again
@@ -89,7 +92,7 @@ def test_staleness_boundary(storage_root):
     with open_at(storage_root, -1, max_weight_staleness=2) as buf:
         buf.put(make_group(0, version=1))  # at version 4: staleness 3
         buf.put(make_group(1, version=2))  # at version 4: staleness 2
-        assert buf.get(current_version=4, timeout_seconds=10).group_id == "g0001"
+        assert buf.get(current_version=4, timeout_seconds=GET_SECONDS).group_id == "g0001"
         m = buf.get_metrics()
     assert m[N.STALE_GROUPS_FILTERED] == 1 and m[N.MAX_STALENESS] == 3
 

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.support.seaweed import free_port
+from tests.support.timeouts import COMMAND_SECONDS
+
+CLI_SECONDS = 180  # one `miles` command in a fresh interpreter, storage calls included
 
 MILES = Path(sys.executable).with_name("miles")
 NO_AWS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_DEFAULT_PROFILE")
@@ -32,7 +35,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _miles(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=180, env=env)
+    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=CLI_SECONDS, env=env)
 
 
 @pytest.mark.parametrize("args", [["validate", "--help"], ["--version"]], ids=["long output", "short output"])
@@ -43,7 +46,7 @@ def test_a_closed_pipe_ends_the_command_quietly(args):
                             stderr=subprocess.PIPE, env=_env())
     proc.stdout.close()  # the reader is gone before the first line is written (the import takes longer)
     err = proc.stderr.read().decode()
-    assert proc.wait(timeout=120) == 0, err
+    assert proc.wait(timeout=COMMAND_SECONDS) == 0, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
 
 

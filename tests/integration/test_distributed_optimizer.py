@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 from tests.support import strict_device as strict
+from tests.support.timeouts import RANKS_SECONDS
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -149,8 +150,8 @@ def _launch(tmp: str) -> None:
     hf_dir = materialize_checkpoint("builtin:tiny-gpt", 1, os.path.join(tmp, "tiny-gpt"))
     other_dir = materialize_checkpoint("builtin:tiny-gpt", 2, os.path.join(tmp, "tiny-gpt-2"))
     os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
-    fork_ranks(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)], timeout=300)
-    fork_ranks(_dp1, [(hf_dir, tmp)], timeout=300)
+    fork_ranks(_dp2, [(r, hf_dir, other_dir, tmp) for r in range(2)], timeout=RANKS_SECONDS)
+    fork_ranks(_dp1, [(hf_dir, tmp)], timeout=RANKS_SECONDS)
     exit_launcher(0)
 
 

@@ -25,6 +25,8 @@ from miles_core.models.builtin import materialize_checkpoint
 from miles_core.prepare.checks import validate
 from miles_core.weights.snapshot import MARKER
 
+from tests.support.timeouts import COMMAND_SECONDS, ENGINE_START_SECONDS
+
 TOKEN = "canary-engine-token-7f3a9c"
 # Every route of the CPU engine (cpu_server.CpuEngineServer.app) with its method.
 ROUTES = [("POST", "/generate"), ("POST", "/pause_generation"), ("POST", "/continue_generation"),
@@ -40,7 +42,7 @@ def guarded_engine(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setenv(TOKEN_ENV, TOKEN)
     path = materialize_checkpoint("builtin:tiny-gpt", 1, str(tmp_path_factory.mktemp("auth") / "gpt"))
-    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=1, startup_timeout_seconds=120))
+    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=1, startup_timeout_seconds=ENGINE_START_SECONDS))
     server.start()  # the launcher's /health probe passes only if it sends the token
     yield server, path
     server.stop()
@@ -143,7 +145,7 @@ def test_the_train_task_requests_the_wandb_key_secret_when_registered_with_one()
     code = ("from tasks.train import train; print(sorted((s.group, s.key, s.env_var) "
             "for s in train.security_context.secrets))")
     env = dict(os.environ, MILES_WANDB_API_KEY_SECRET="miles:wandb-key", MILES_ENGINE_API_KEY_SECRET="miles:engine")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=COMMAND_SECONDS,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == str(sorted([("miles", "engine", TOKEN_ENV), ("miles", "wandb-key", "WANDB_API_KEY")]))

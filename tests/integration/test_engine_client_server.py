@@ -10,6 +10,8 @@ import pytest
 from miles_core.engines.client import EngineClient
 from tests.unit.test_engine_client import _run_batch, _stub, chunk
 
+CONTROL_TIMEOUT_SECONDS = 0.3  # the client's bound on a control call: the stub's 1 s weight update passes it
+
 
 def test_client_reads_long_sse_chunks_from_a_stub_server():
     """Through a real HTTP stream from a stub on 127.0.0.1: a cumulative chunk longer than aiohttp's
@@ -67,7 +69,7 @@ def test_weight_load_is_never_resent_after_a_timeout_and_versions_come_from_mode
     async def handler(request):
         seen.append(request.path)
         if request.path == "/update_weights_from_disk":
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(1.0)  # the behaviour under test: a weight update slower than the control timeout
         if request.path == "/pause_generation" and seen.count("/pause_generation") == 1:
             return web.Response(status=503)
         return web.json_response({"weight_version": "9", "message": "ok", "status": "ok"})
@@ -75,7 +77,8 @@ def test_weight_load_is_never_resent_after_a_timeout_and_versions_come_from_mode
     async def go():
         url, runner = await _stub(handler)
         try:
-            async with EngineClient([url], control_timeout_seconds=0.3, retry_backoff_seconds=0.01) as c:
+            async with EngineClient([url], control_timeout_seconds=CONTROL_TIMEOUT_SECONDS,
+                                    retry_backoff_seconds=0.01) as c:
                 with pytest.raises(EngineUnavailableError, match="update_weights_from_disk"):
                     await c.update_weights_from_disk("/ckpt", 9)
                 await c.pause_generation("retract")  # a 503, then retried
@@ -112,6 +115,7 @@ def test_a_client_without_engines_waits_for_set_urls_and_counts_a_dropped_engine
             async with EngineClient([], refused_wait_seconds=10.0) as c:
                 assert c.urls == [] and c.in_flight() == {}
                 waiting = asyncio.ensure_future(c.generate([1], {}, rid="first", stream=False))
+                # A negative check: the request must not end, and nothing signals "still waiting", so it gets 0.3 s.
                 await asyncio.sleep(0.3)
                 assert not waiting.done()  # no engine: it waits instead of aborting
                 c.set_urls([url])

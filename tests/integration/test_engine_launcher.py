@@ -22,6 +22,8 @@ from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec, server_co
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.storage import COMPLETE_MARKER
 
+from tests.support.timeouts import ENGINE_START_SECONDS, HTTP_SECONDS
+
 PROMPT = [1, 2, 3, 4, 10]
 
 
@@ -49,7 +51,7 @@ def test_a_port_answering_something_else_is_not_healthy():
     threading.Thread(target=garbage, daemon=True).start()
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"
     try:
-        assert _healthy(url, timeout=5.0) is False and _alive(url, timeout=5.0) is False
+        assert _healthy(url, timeout=HTTP_SECONDS) is False and _alive(url, timeout=HTTP_SECONDS) is False
     finally:
         served.set()
         listener.close()
@@ -94,7 +96,7 @@ def test_fleet_restarts_a_killed_engine(ray_local, ckpts):
     the actor restarts the process (restart count 1, new pid, same URL, the noted weights and version),
     and the other engine is untouched."""
     v1, v2 = ckpts
-    spec = EngineLaunchSpec("cpu", f"file://{v1}", weight_version=1, startup_timeout_seconds=120,
+    spec = EngineLaunchSpec("cpu", f"file://{v1}", weight_version=1, startup_timeout_seconds=ENGINE_START_SECONDS,
                             health_interval_seconds=0.2)
     with EngineFleet(spec, 2, num_cpus_per_engine=0.5) as fleet:
         urls = fleet.urls()

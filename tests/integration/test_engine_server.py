@@ -36,6 +36,12 @@ from miles_core.engines.launcher import EngineLaunchSpec, EngineServer, free_por
 from miles_core.models.builtin import materialize_checkpoint
 from miles_core.weights.distributed import broadcast_bucket, destroy_custom_process_group, init_custom_process_group
 
+from tests.support.timeouts import ENGINE_START_SECONDS, WAIT_SECONDS, await_until
+
+REQUEST_TIMEOUT_SECONDS = 0.5  # the timeout under test: a paused engine answers no request within it
+SETTLE_SECONDS = 10.0  # the engine or the client reaches a state the test just asked for (requests held or freed)
+LOOK_SECONDS = 0.02  # how often a wait asks the engine or the client
+
 PROMPT = [1, 2, 3, 4, 10]
 
 
@@ -51,7 +57,8 @@ def ckpts(tmp_path_factory):
 
 
 def start(path: str, version: int = 1, **kw) -> EngineServer:
-    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=version, startup_timeout_seconds=120, **kw))
+    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=version,
+                                           startup_timeout_seconds=ENGINE_START_SECONDS, **kw))
     server.start()
     return server
 
@@ -75,11 +82,9 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def until(pred, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not await pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
+async def until(condition, what: str, timeout: float = SETTLE_SECONDS):
+    """tests.support.timeouts.await_until, looking as often as these tests need."""
+    return await await_until(condition, timeout, what, interval=LOOK_SECONDS)
 
 
 # ---- shapes -------------------------------------------------------------------------------------
@@ -336,11 +341,15 @@ def test_timed_out_request_is_aborted_and_freed(gpt_engine, ckpts):
     request (the client aborts it by rid; the server also aborts when the connection drops), so a
     later weight update counts no request left behind."""
     async def go():
-        async with EngineClient([gpt_engine.url], request_timeout_seconds=0.5) as c:
+        async with EngineClient([gpt_engine.url], request_timeout_seconds=REQUEST_TIMEOUT_SECONDS) as c:
             await c.pause_generation("in_place")
             res = await asyncio.gather(*(c.generate(PROMPT, {"max_new_tokens": 5}, stream=s) for s in (True, False)))
-            await asyncio.sleep(0.3)
         async with aiohttp.ClientSession() as s:
+
+            async def freed() -> bool:  # the client's abort by rid, or the dropped connection, has landed
+                return await in_flight(s, gpt_engine, ckpts["gpt"]) == 0
+
+            await until(freed, "the timed-out requests freed")
             body = {"model_path": ckpts["gpt"], "weight_version": "1"}
             async with s.post(gpt_engine.url + "/update_weights_from_disk", json=body) as r:
                 left = (await r.json())["num_paused_requests"]
@@ -501,10 +510,11 @@ def test_client_gone_mid_stream_frees_every_item(slow_engine, ckpts):
                 first = sse_chunks([(await r.content.readline()).decode()])[0]
                 held = await in_flight(s, slow_engine, ckpts["gpt"])
                 r.close()  # the connection drops mid-stream
-            t0 = time.monotonic()
-            while await in_flight(s, slow_engine, ckpts["gpt"]):
-                assert time.monotonic() - t0 < 10, "items still in flight after the client left"
-                await asyncio.sleep(0.05)
+
+            async def freed() -> bool:
+                return not await in_flight(s, slow_engine, ckpts["gpt"])
+
+            await until(freed, "items freed after the client left")
             return first, held
 
     first, held = run(go())
@@ -527,7 +537,7 @@ def test_bad_batches_are_refused_and_leave_nothing_in_flight(slow_engine, ckpts)
         async with aiohttp.ClientSession() as s:
             busy = asyncio.create_task(stream_batch(s, slow_engine.url, {  # ~27 s unless aborted
                 "input_ids": PROMPT, "rid": "busy", "sampling_params": {**params, "max_new_tokens": 100}}))
-            await until(lambda: in_flight(s, slow_engine, ckpts["gpt"]))
+            await until(lambda: in_flight(s, slow_engine, ckpts["gpt"]), "the busy request held")
             answers = []
             for extra, _ in cases:
                 body = {"input_ids": PROMPTS, "sampling_params": params, **extra}
@@ -554,7 +564,7 @@ def test_dispatch_is_least_in_flight(llama_engines):
         async with EngineClient(urls) as c:
             await c.pause_generation("retract")
             tasks = [asyncio.create_task(c.generate(PROMPT, {"max_new_tokens": 2})) for _ in range(10)]
-            await asyncio.sleep(0.2)
+            await until(lambda: sum(c.in_flight().values()) == 10, "all 10 requests dispatched")
             counts = c.in_flight()
             await c.continue_generation()
             res = await asyncio.gather(*tasks)
@@ -602,7 +612,7 @@ def test_a_restarting_engine_is_waited_for_not_aborted(gpt_engine):
 
     async def go():
         async def come_back():
-            await asyncio.sleep(0.6)
+            await asyncio.sleep(0.6)  # the behaviour under test: the engine's port refuses for this long
             return await asyncio.start_server(forward, "127.0.0.1", port)
 
         back = asyncio.ensure_future(come_back())
@@ -632,7 +642,7 @@ def test_killed_engine_returns_in_flight_as_aborted_and_restarts(ckpts):
                 await asyncio.sleep(0.3)
                 os.kill(pid, signal.SIGKILL)
                 res = await asyncio.gather(*tasks)
-                await until(lambda: _restarted(server), timeout=60)
+                await until(lambda: _restarted(server), "the engine restarted", timeout=WAIT_SECONDS)
                 after = await c.generate(PROMPT, {"max_new_tokens": 2, "ignore_eos": True})
                 return res, after
 
@@ -799,7 +809,9 @@ def test_watchdog_never_restarts_an_engine_paused_for_an_update(ckpts, monkeypat
                 pid = server.pid()
                 async with s.get(server.url + "/health") as r:
                     assert r.status == 503  # what SGLang's /health answers during a pause
-                await asyncio.sleep(3.0)  # 15 watchdog intervals
+                # A negative check: no restart is the answer, and nothing signals one not happening, so the
+                # watchdog gets 15 of its intervals to (wrongly) act.
+                await asyncio.sleep(3.0)
                 assert server.restarts == 0 and server.pid() == pid
                 assert await c.health(server.url)
                 await c.continue_generation()
@@ -828,7 +840,7 @@ def test_engine_fault_aborts_in_flight_and_the_launcher_restarts_it(ckpts, tmp_p
                                              for _ in range(3)))
                 async with s.get(server.url + "/health") as r:
                     dead = (r.status, await r.json())
-                await until(lambda: _restarted(server), timeout=60)
+                await until(lambda: _restarted(server), "the engine restarted", timeout=WAIT_SECONDS)
                 return hit, dead, await c.generate(PROMPT, {"max_new_tokens": 4, "ignore_eos": True})
 
         hit, dead, after = run(go())
@@ -843,7 +855,8 @@ def test_engine_fault_aborts_in_flight_and_the_launcher_restarts_it(ckpts, tmp_p
 def test_an_engine_port_taken_before_the_engine_binds_it_is_replaced(ckpts):
     """The port is picked free and bound by the process seconds later; another process taking it in
     between must not fail the start (the engine starts again on another port, its URL follows)."""
-    server = EngineServer(EngineLaunchSpec("cpu", ckpts["gpt"], weight_version=1, startup_timeout_seconds=120))
+    server = EngineServer(EngineLaunchSpec("cpu", ckpts["gpt"], weight_version=1,
+                                           startup_timeout_seconds=ENGINE_START_SECONDS))
     with socket.socket() as other:
         other.bind(("127.0.0.1", server.port))
         other.listen()

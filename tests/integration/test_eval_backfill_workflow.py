@@ -17,6 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from tests.support.timeouts import SLOW_RUN_SECONDS
+
 ROOT = Path(__file__).resolve().parents[2]
 TEARDOWN_ABORT = "terminate called without an active exception"
 
@@ -50,7 +52,8 @@ def test_eval_backfill_workflow_runs_locally(tmp_path):
         print("OK")
     '''))
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=SLOW_RUN_SECONDS)
     assert "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
     if proc.returncode == -signal.SIGABRT and proc.stderr.rstrip().endswith(TEARDOWN_ABORT):
         # Seen once in CI (2026-12-01), after the workflow had returned and been checked; not
@@ -69,7 +72,7 @@ def _pyflyte_run_shows_the_table_and_the_skips(run_uri: str, env: dict) -> None:
     proc = subprocess.run([pyflyte, "run", "workflows/eval_backfill.py", "eval_backfill", "--run_uri", run_uri,
                            "--steps", "[3, 7]", "--datasets",
                            '["held=builtin:reverse4-heldout", "held2=builtin:reverse4-heldout"]'],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=SLOW_RUN_SECONDS)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 or TEARDOWN_ABORT in out, out[-5000:]
     assert "eval backfill: " in out and "      3  held2        eval/held2 " in out, out[-5000:]

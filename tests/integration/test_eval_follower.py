@@ -31,6 +31,8 @@ from miles_core.storage import Store
 from miles_core.storage.run_root import FINISHED, RUNNING, write_config, write_status
 from tests.integration.eval_support import config, copy_snapshot, exporter_from
 
+FOLLOWER_END_SECONDS = 300  # past the follower's own max_seconds (240): it ends itself first
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -57,12 +59,12 @@ def test_follower_evaluates_snapshots_as_they_land_and_stops_when_finished(tmp_p
     for step in range(6):
         write_status(store, RUNNING, last_step=step, segment=0)
         sched.on_step(step, version=step + 1, last=step == 5)
-        time.sleep(0.2)
+        time.sleep(0.2)  # the trainer's pace: its snapshots land while the follower runs
     write_request(store, 7, f"{store.uri('snapshots')}/step_00000007", 8)  # requested, never completed
     sched.close()
     sink.close()
     write_status(store, FINISHED, last_step=5, segment=0)
-    follower.join(timeout=300)
+    follower.join(timeout=FOLLOWER_END_SECONDS)
     assert not follower.is_alive()
     assert result["state"] == "finished"
     assert result["evaluated"] == [1, 3, 5]

@@ -38,6 +38,8 @@ from miles_core.metrics import names as N
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 from tests.support import strict_device as strict
 
+EP_RANKS_SECONDS = 600  # up to four forked ranks building and stepping MoE models on gloo
+
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
 PROMPT = 5
 RESPONSES = (1, 6, 2, 5, 3, 4, 6, 1)
@@ -197,8 +199,8 @@ def _launch(tmp: str) -> None:
     os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
     code = 0
     try:
-        fork_ranks(_ep2_rank, [(r, models, tmp) for r in range(2)], timeout=600)
-        fork_ranks(_tp2_ep2_rank, [(r, models, tmp) for r in range(4)], timeout=600)
+        fork_ranks(_ep2_rank, [(r, models, tmp) for r in range(2)], timeout=EP_RANKS_SECONDS)
+        fork_ranks(_tp2_ep2_rank, [(r, models, tmp) for r in range(4)], timeout=EP_RANKS_SECONDS)
         del os.environ[strict.RANK_SETUP_ENV]
         _one_rank(models, tmp)
     except Exception as e:  # noqa: BLE001 - reported through the exit code, the traceback on stderr

@@ -19,6 +19,8 @@ from miles_core.failures import is_infrastructure
 from miles_core.storage import StorageUnavailable
 from tasks.failures import recoverable_infrastructure
 
+from tests.support.timeouts import RAY_CALL_SECONDS
+
 
 @pytest.fixture(scope="module")
 def ray_local():
@@ -47,7 +49,7 @@ class Worker:
 
 def _error(ref) -> BaseException:
     try:
-        ray.get(ref, timeout=120)
+        ray.get(ref, timeout=RAY_CALL_SECONDS)
     except Exception as e:  # noqa: BLE001
         return e
     raise AssertionError("the call succeeded")
@@ -58,7 +60,7 @@ def _error_once_dead(actor) -> BaseException:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            ray.get(actor.ping.remote(), timeout=120)
+            ray.get(actor.ping.remote(), timeout=RAY_CALL_SECONDS)
         except Exception as e:  # noqa: BLE001
             return e
         time.sleep(0.1)
@@ -67,7 +69,7 @@ def _error_once_dead(actor) -> BaseException:
 
 def test_a_killed_actor_is_an_infrastructure_failure(ray_local):
     actor = Worker.remote()
-    assert ray.get(actor.ping.remote(), timeout=120) == "pong"
+    assert ray.get(actor.ping.remote(), timeout=RAY_CALL_SECONDS) == "pong"
     ray.kill(actor)
     err = _error_once_dead(actor)
     assert isinstance(err, ray.exceptions.ActorDiedError) and is_infrastructure(err)

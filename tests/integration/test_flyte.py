@@ -22,12 +22,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from tests.support.timeouts import RUN_SECONDS, SLOW_COMMAND_SECONDS
+
 ROOT = Path(__file__).resolve().parents[2]
 PYFLYTE = str(Path(sys.executable).with_name("pyflyte"))
 PREBUILT = {"MILES_CPU_IMAGE": "ghcr.io/miles-flyte/test-cpu:ci", "MILES_GPU_IMAGE": "ghcr.io/miles-flyte/test-gpu:ci"}
 
 
-def _pyflyte(args: list[str], env_extra: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def _pyflyte(args: list[str], env_extra: dict | None = None, timeout: int = SLOW_COMMAND_SECONDS) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(env_extra or {}))
     env.pop("FLYTECTL_CONFIG", None)
     proc = subprocess.run([PYFLYTE, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -300,7 +302,8 @@ def test_workflows_run_locally(tmp_path):
     '''))
     env = dict(os.environ, HOME=str(tmp_path / "home"), PYTHONPATH=str(ROOT), RAY_AUTH_MODE="disabled",
                RAY_USAGE_STATS_ENABLED="0")
-    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=RUN_SECONDS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "OK" in proc.stdout
     assert (store / "runs" / "default" / "report.html").exists()

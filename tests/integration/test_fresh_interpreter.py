@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from images import gpu_image
 from miles_core.config import config_from_json, embedded_default, parse_flags
+from tests.support.timeouts import SLOW_COMMAND_SECONDS
 from tests.unit.test_cli import _run_script
 
 
@@ -98,10 +99,11 @@ def test_megatron_fallback_warnings_are_quiet_on_cpu_and_nothing_else_is():
             "import miles_core.train.megatron_model, miles_core.train.trainer\n"
             "import megatron.core.optimizer, megatron.core.models.backends\n"
             "warnings.warn('Apex is almost installed (another warning)', UserWarning)\n")
-    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True,
+                          timeout=SLOW_COMMAND_SECONDS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not installed" not in proc.stderr, proc.stderr[-3000:]
     assert "Apex is almost installed (another warning)" in proc.stderr
     baseline = subprocess.run([sys.executable, "-W", "always", "-c", "import megatron.core.optimizer"],
-                              capture_output=True, text=True, timeout=300)
+                              capture_output=True, text=True, timeout=SLOW_COMMAND_SECONDS)
     assert "Transformer Engine and Apex are not installed" in baseline.stderr  # what the filter hides

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+CHECK_SECONDS = 600  # the whole of tests/gpu/check.sh --cpu-smoke
+
 ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("train", "checkpoint", "memory", "long_seq", "engine", "packing", "baseline")
 # Installed here, absent from the device machine's image (its package list): the check must not import them.
@@ -113,7 +115,7 @@ def test_check_sh_cpu_smoke_needs_nothing_the_device_lacks(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(site),
            "OUT": str(tmp_path / "out")}
     run = subprocess.run(["bash", str(ROOT / "tests" / "gpu" / "check.sh"), "--cpu-smoke"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+                         capture_output=True, text=True, timeout=CHECK_SECONDS)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     out = tmp_path / "out"
     assert {p.name for p in out.iterdir()} == {"preflight.log", "gpu_check.log", "gpu_check.json", "results"}

@@ -17,11 +17,14 @@ import multiprocessing
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from miles_core.storage import Store, node_local
 from miles_core.storage.node_local import MARKER, localize
+
+from tests.support.timeouts import WAIT_SECONDS, wait_until
 
 pytestmark = pytest.mark.s3
 
@@ -29,6 +32,7 @@ CONTENT = {"config.json": b'{"hidden_size": 64}', "sub/tokenizer.json": b"tok" *
            "model.safetensors": b"w" * 65536, "generation_config.json": b"{}"}
 WEIGHTS = {"model.safetensors": b"w" * 65536}
 PROCESSES = 4
+CLOCK_LOOK_SECONDS = 0.01  # how often to look at the file system's clock (it ticks every few ms)
 # separate interpreters, as ranks and engines are: forked from one clean server process that has
 # imported what they need once (spawning each from scratch takes seconds on a busy machine)
 RANKS = multiprocessing.get_context("forkserver")
@@ -103,7 +107,7 @@ def test_one_download_per_node_and_no_reader_sees_a_copy_replaced(s3_bucket, tmp
     for p in ranks:
         p.start()
     go.set()
-    got = [results.get(timeout=60) for _ in ranks]
+    got = [results.get(timeout=WAIT_SECONDS) for _ in ranks]
     for p in ranks:
         p.join(30)
         assert p.exitcode == 0
@@ -129,6 +133,14 @@ def _hold_and_read(env, uri, handed, pruned, results):
     results.put(_read_all(path, WEIGHTS))
 
 
+def _clock_past(path: str, probe: Path) -> bool:
+    """A file touched now (on the same file system) is newer than `path`: the file system's clock, which
+    may tick coarsely, has passed `path`'s mtime, so entries made from now on sort newer than it."""
+    probe.touch()
+    os.utime(probe)
+    return os.path.getmtime(probe) > os.path.getmtime(path)
+
+
 def test_prune_never_removes_an_entry_another_process_holds(s3_bucket, tmp_path, monkeypatch):
     monkeypatch.setenv("MILES_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setitem(node_local.KEEP, "weights", 1)  # in this process only: the rank keeps the default
@@ -137,15 +149,17 @@ def test_prune_never_removes_an_entry_another_process_holds(s3_bucket, tmp_path,
     rank = RANKS.Process(target=_hold_and_read, args=(dict(os.environ), held_uri, handed, pruned, results))
     rank.start()
     try:
-        held = handed.get(timeout=60)
-        time.sleep(0.05)  # its copy is now older than the ones below
+        held = handed.get(timeout=WAIT_SECONDS)
+        wait_until(lambda: _clock_past(held, tmp_path / "clock"), WAIT_SECONDS,
+                   "file-system clock past the held copy's mtime (so it is older than the ones below)",
+                   interval=CLOCK_LOOK_SECONDS)
         paths = [localize(uri, "weights") for uri in newer]  # each prunes: KEEP 1 here
         assert os.path.isdir(held) and _read_all(held, WEIGHTS) == [], "prune removed an entry another process holds"
         assert not os.path.exists(paths[0]), "an entry nobody holds beyond KEEP was kept"
         assert _read_all(paths[1], WEIGHTS) == []
     finally:
         pruned.set()
-    assert results.get(timeout=60) == [], "the holding process could not read its copy after the prune"
+    assert results.get(timeout=WAIT_SECONDS) == [], "the holding process could not read its copy after the prune"
     rank.join(30)
     assert rank.exitcode == 0
     node_local.prune("weights")  # its holder has exited: nothing keeps the old entry now

@@ -14,6 +14,9 @@ from miles_core.config import parse_flags
 from miles_core.driver.placement import cluster_shape, ray_resources
 from miles_core.prepare.resources import demand, fit_problems
 
+PLACE_SECONDS = 20.0  # Ray places the bundles of a run that fits within this
+UNPLACEABLE_SECONDS = 5  # a run that cannot fit: the bound passing is the answer under test
+
 pytestmark = pytest.mark.slow  # a Ray cluster of three or four nodes starts in ~20 s on two cores
 
 # One Ray CPU per trainer rank (a GPU run reserves 4 by default): these logical nodes have 2 CPUs per GPU
@@ -53,7 +56,7 @@ def logical_cluster(monkeypatch):
         c.shutdown()
 
 
-def ray_places(cfg, timeout_seconds: float = 20.0) -> bool:
+def ray_places(cfg, timeout_seconds: float = PLACE_SECONDS) -> bool:
     """Ask Ray for every bundle of the run the way the driver does on GPU runs: the trainer's nodes first
     (`TrainerPlacement`: one STRICT_PACK group each), then the engines (one PACK group, as `EngineFleet`
     reserves them), then the eval engines (likewise); True when all are placed."""
@@ -89,7 +92,7 @@ def test_an_eight_gpu_worker_with_engines(logical_cluster):
     too_big = parse_flags(["--preset", "tiny-reverse4", *SGLANG, "--actor-num-gpus-per-node", "8"], check=False)
     assert fit_problems(fits, shape) == [] and ray_places(fits)
     assert "(engine 0)" in fit_problems(too_big, shape)[0]  # the trainer's node is reserved first
-    assert not ray_places(too_big, timeout_seconds=5)
+    assert not ray_places(too_big, timeout_seconds=UNPLACEABLE_SECONDS)
 
 
 def test_two_eight_gpu_workers_tp2_dp8_with_an_engine_node(logical_cluster):
@@ -103,4 +106,4 @@ def test_two_eight_gpu_workers_tp2_dp8_with_an_engine_node(logical_cluster):
     assert fit_problems(fits, shape) == [] and ray_places(fits)
     one_more = parse_flags(["--preset", "tiny-reverse4", *flags, "--rollout-num-engines", "3"], check=False)
     assert "engine 2" in fit_problems(one_more, shape)[0]
-    assert not ray_places(one_more, timeout_seconds=5)
+    assert not ray_places(one_more, timeout_seconds=UNPLACEABLE_SECONDS)

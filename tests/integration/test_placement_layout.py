@@ -22,6 +22,8 @@ from miles_core.engines import launcher
 from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
 from miles_core.prepare.resources import fit_problems
 
+PLACED_SECONDS = 60  # reserving the trainer's placement, and each reply of the actors placed in it
+
 pytestmark = pytest.mark.slow  # one Ray cluster of three nodes: ~10 s to start on two cores
 
 # One Ray CPU per trainer rank (a GPU run reserves 4 by default): these logical nodes have 2 CPUs per GPU
@@ -85,16 +87,16 @@ def layout(cfg, workers: dict, monkeypatch, *, rank_actors: bool = False) -> tup
     from ray.util import placement_group_table
 
     monkeypatch.setattr(launcher, "EngineActor", _stand_in())
-    reserved = TrainerPlacement(cfg, timeout_seconds=60)
+    reserved = TrainerPlacement(cfg, timeout_seconds=PLACED_SECONDS)
     fleet = EngineFleet(EngineLaunchSpec.from_config(cfg.engine, "s3://bucket/model"), cfg.engine.rollout_num_engines,
                         num_cpus_per_engine=cfg.run.num_cpus_per_engine)
     ranks = []
     try:
         fleet.start()
-        engines = ray.get([a.where.remote() for a in fleet.actors], timeout=60)
+        engines = ray.get([a.where.remote() for a in fleet.actors], timeout=PLACED_SECONDS)
         if rank_actors:
             ranks = [ray.remote(_stand_in()).options(**o).remote() for o in reserved.options]
-            trainer = ray.get([a.where.remote() for a in ranks], timeout=60)
+            trainer = ray.get([a.where.remote() for a in ranks], timeout=PLACED_SECONDS)
         else:
             slots = [o["scheduling_strategy"] for o in reserved.options]
             trainer = [(placement_group_table(s.placement_group)["bundles_to_node_id"][s.placement_group_bundle_index], ())

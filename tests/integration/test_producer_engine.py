@@ -22,6 +22,10 @@ from miles_core.rollout.builtin_tasks import builtin_rows
 from miles_core.rollout.manager import RolloutManager
 from miles_core.samples import SampleStatus
 
+from tests.support.timeouts import ENGINE_START_SECONDS, RAY_CALL_SECONDS, WAIT_SECONDS, await_until
+
+SETTLE_SECONDS = 10  # a served group's task leaves the in-flight set (the put returns to it)
+
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
@@ -32,7 +36,8 @@ def ckpts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(ckpts):
-    server = EngineServer(EngineLaunchSpec("cpu", ckpts[0], weight_version=1, startup_timeout_seconds=120))
+    server = EngineServer(EngineLaunchSpec("cpu", ckpts[0], weight_version=1,
+                                           startup_timeout_seconds=ENGINE_START_SECONDS))
     server.start()
     yield server
     server.stop()
@@ -132,10 +137,7 @@ def test_sync_driver_batch_path(tmp_path, engine):
         b1 = await mgr.next_batch(1)
         # A group is served as soon as its object is committed; its task leaves the in-flight set a
         # moment later, when the put returns to it: wait for that, then nothing more has started.
-        for _ in range(100):
-            if mgr.producer.in_flight_groups == 0:
-                break
-            await asyncio.sleep(0.1)
+        await await_until(lambda: mgr.producer.in_flight_groups == 0, SETTLE_SECONDS, "no group in flight")
         assert mgr.producer.in_flight_groups == 0 and mgr.producer.admission.started_groups == 8
         await mgr.stop(grace_seconds=5)
         return b0, b1
@@ -157,7 +159,7 @@ def test_rollout_manager_as_a_ray_actor(tmp_path, engine, ray_local):
     try:
         ray.get(actor.set_version.remote(1))
         ray.get(actor.start.remote())
-        batch = ray.get(actor.next_batch.remote(1), timeout=120)
+        batch = ray.get(actor.next_batch.remote(1), timeout=RAY_CALL_SECONDS)
         assert len(batch.groups) == 4 and batch.group_ids == [g.group_id for g in batch.groups]
         ray.get(actor.record_consumed.remote(0, batch.group_ids))
         state = ray.get(actor.state.remote())
@@ -177,7 +179,7 @@ def test_a_batch_still_draining_when_the_manager_stops_returns_none(tmp_path, en
         await mgr.set_version(1)
         await mgr.start()
         pending = asyncio.ensure_future(mgr.next_batch(1))  # 5000 groups, 2 in flight: never done in time
-        await asyncio.sleep(0.5)
+        await await_until(lambda: mgr.producer.in_flight_groups > 0, WAIT_SECONDS, "groups in flight")  # draining
         await mgr.stop(grace_seconds=5)
         return await asyncio.wait_for(pending, 60)
 

@@ -39,6 +39,11 @@ from miles_core.storage import COMPLETE_MARKER, StorageError, Store
 from miles_core.storage.node_local import localize
 from miles_core.storage.run_root import FINISHED, RUNNING, read_status, write_config, write_status
 
+from tests.support.timeouts import WAIT_SECONDS, wait_until
+
+STOPPED_SECONDS = 30  # the producer thread ends once told to stop (the test's cleanup)
+LOOK_SECONDS = 0.05  # how often a wait looks at the producer's records
+
 PRODUCER = "spot-a"
 
 
@@ -178,12 +183,11 @@ class ProducerThread(threading.Thread):
         except BaseException as e:  # noqa: BLE001 - handed to the test
             self.outcome = e
 
-    def wait_for(self, fn, what: str, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not fn():
+    def wait_for(self, fn, what: str, timeout: float = WAIT_SECONDS) -> None:
+        def alive() -> None:
             assert self.is_alive(), f"the producer ended while the test waited for {what}: {self.outcome!r}"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.05)
+
+        wait_until(fn, timeout, what, interval=LOOK_SECONDS, check=alive)
 
 
 def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(tmp_path, monkeypatch):
@@ -205,10 +209,10 @@ def test_a_producer_whose_store_refuses_writes_outside_its_records_still_works(t
         write_feed(store, feed(cfg, weights(store, 1), 2, 0))  # the trainer's next version
         worker.wait_for(lambda: beat().version == 2, "the engines to load weights v2")
         write_status(store, FINISHED, last_step=0, segment=0)
-        worker.join(timeout=60)
+        worker.join(timeout=WAIT_SECONDS)
     finally:
         stop.set()
-        worker.join(timeout=30)
+        worker.join(timeout=STOPPED_SECONDS)
     r = worker.outcome
     assert isinstance(r, J.ProducerResult), r
     assert r.stop_reason == "the run finished" and r.groups_committed >= 2

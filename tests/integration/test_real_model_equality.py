@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+REAL_ENGINE_START_SECONDS = 300  # an engine start on a real model: its checkpoint loads slower than a tiny one
+
 pytestmark = pytest.mark.slow
 torch.set_num_threads(2)
 
@@ -102,7 +104,8 @@ def test_cpu_engine_greedy_equals_transformers(model_dir, prompts, hf_greedy):
     from miles_core.engines.client import EngineClient
     from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
 
-    server = EngineServer(EngineLaunchSpec("cpu", model_path=model_dir, weight_version=1, startup_timeout_seconds=300))
+    server = EngineServer(EngineLaunchSpec("cpu", model_path=model_dir, weight_version=1,
+                                           startup_timeout_seconds=REAL_ENGINE_START_SECONDS))
     server.start()
     try:
         async def go():

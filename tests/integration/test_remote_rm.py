@@ -23,6 +23,9 @@ from miles_core.rollout.remote_rm import RemoteReward
 from miles_core.rollout.rewards import Rewarder, load_reward
 from miles_core.samples import Group, Sample, SampleStatus
 
+REWARD_SECONDS = 60  # the rewarder's bound on one group: far past what the stub server takes
+ATTEMPT_TIMEOUT_SECONDS = 0.3  # each attempt of the remote reward: /stall outlasts it, the behaviour under test
+
 TOKEN = "rm-secret-token-123"
 
 
@@ -98,7 +101,7 @@ def _decode(ids):
 def _score(fn, answers: list[str], label: str = "42") -> tuple[list[Sample], Rewarder]:
     samples = [Sample("g", 0, j, [ord(c) for c in "Q?"], [ord(c) for c in a], label=label, status=SampleStatus.COMPLETED)
                for j, a in enumerate(answers)]
-    rewarder = Rewarder(fn, _decode, timeout_seconds=60)
+    rewarder = Rewarder(fn, _decode, timeout_seconds=REWARD_SECONDS)
     try:
         asyncio.run(rewarder.score_group(Group("g", 0, samples)))
     finally:
@@ -128,7 +131,7 @@ def test_retries_stalls_garbage_and_refusals_fail_only_their_samples(monkeypatch
         flaky, _ = _score(RemoteReward(server.url("/flaky"), _decode, backoff=0.01), ["42"])
         outcomes = {}
         for path in ("/stall", "/garbage", "/refused"):
-            fn = RemoteReward(server.url(path), _decode, timeout=0.3, retries=2, backoff=0.01)
+            fn = RemoteReward(server.url(path), _decode, timeout=ATTEMPT_TIMEOUT_SECONDS, retries=2, backoff=0.01)
             samples, rewarder = _score(fn, ["42"])
             outcomes[path] = (samples[0], rewarder.failed)
         server.release.set()

@@ -26,13 +26,15 @@ from miles_core.rollout.builtin_tasks import builtin_rows
 from miles_core.rollout.manager import RolloutManager
 from miles_core.samples import SampleStatus
 
+from tests.support.timeouts import ENGINE_START_SECONDS
+
 MODEL = "builtin:tiny-glm4-moe"
 
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     path = materialize_checkpoint(MODEL, 1, str(tmp_path_factory.mktemp("r3") / "m"))
-    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=1, startup_timeout_seconds=120,
+    server = EngineServer(EngineLaunchSpec("cpu", path, weight_version=1, startup_timeout_seconds=ENGINE_START_SECONDS,
                                            return_routed_experts=True))
     server.start()
     yield server

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 from tests.support import strict_device as strict
 
+TP_RANKS_SECONDS = 240  # the tensor-parallel ranks, forked, to their end
+
 TP, EXPERTS, TOPK, LAYERS = 2, 8, 2, 2
 
 
@@ -82,7 +84,7 @@ def _launch(tmp: str) -> None:
 
     hf_dir = _write_model(tmp)
     os.environ.update(strict.ENV)
-    fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(TP)], timeout=240)
+    fork_ranks(_worker, [(r, hf_dir, tmp) for r in range(TP)], timeout=TP_RANKS_SECONDS)
     torch.save({replay: _run(hf_dir, 1, replay) for replay in (True, False)}, os.path.join(tmp, "tp1.pt"))
     exit_launcher(0)
 

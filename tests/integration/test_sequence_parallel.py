@@ -32,6 +32,8 @@ import torch.distributed as dist
 from tests.support.ranks import exit_launcher, fork_ranks, run_launcher
 from tests.support import strict_device as strict
 
+TP_RANKS_SECONDS = 240  # the tensor-parallel ranks, forked, to their end
+
 TP = 2
 RTOL, ATOL = 1e-5, 1e-6  # fp32 on CPU; the layouts differ only in the order of summation
 PROMPT = 5
@@ -128,7 +130,7 @@ def _launch(tmp: str) -> None:
 
     models = _write_models(tmp)
     os.environ.update(strict.ENV)  # NCCL's device rule on the ranks' gloo groups
-    fork_ranks(_worker, [(r, models, tmp) for r in range(TP)], timeout=240)
+    fork_ranks(_worker, [(r, models, tmp) for r in range(TP)], timeout=TP_RANKS_SECONDS)
     torch.save({name: _run(hf_dir, 1) for name, hf_dir in models.items()}, os.path.join(tmp, "tp1.pt"))
     exit_launcher(0)
 

@@ -46,6 +46,8 @@ from miles_core.engines.cpu_server import main as cpu_server_main
 from miles_core.engines.model import CausalLM, read_eos_token_ids, read_safetensors, read_spec
 from miles_core.models.builtin import materialize_checkpoint
 
+HEALTH_CHECK_TIMEOUT = 0.3  # SGLang's /health bound: short, so a pause's 503 comes at once
+
 torch.set_num_threads(1)
 
 IO = "python/sglang/srt/managers/io_struct.py"
@@ -433,7 +435,7 @@ def test_flush_rule_and_health_during_a_pause(ckpt):
             res = await task
             assert res.finish_reason == "length" and res.token_versions[-1] == 6
 
-    with_engine(ckpt, body, health_check_timeout=0.3)
+    with_engine(ckpt, body, health_check_timeout=HEALTH_CHECK_TIMEOUT)
 
 
 def test_incremental_and_cumulative_streaming(ckpt):

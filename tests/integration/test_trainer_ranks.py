@@ -28,7 +28,10 @@ from miles_core.models.safetensors_dir import load_safetensors_dir
 from miles_core.weights.snapshot import seal_uri
 from miles_core.train import collectives
 from tests.support import strict_device as strict
+from tests.support.timeouts import ENGINE_START_SECONDS
 from tests.unit.test_train import make_groups
+
+UNPLACEABLE_SECONDS = 2  # a placement that cannot fit: the bound passing is the answer under test
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device", "ray_local")]
 
@@ -174,7 +177,7 @@ def test_tp2_trainer_pushes_gathered_weights_to_an_engine_over_the_distributed_t
     from miles_core.engines.launcher import EngineFleet, EngineLaunchSpec
     from miles_core.samples import Sample
 
-    fleet = EngineFleet(EngineLaunchSpec("cpu", tiny_llama16, startup_timeout_seconds=120), 1,
+    fleet = EngineFleet(EngineLaunchSpec("cpu", tiny_llama16, startup_timeout_seconds=ENGINE_START_SECONDS), 1,
                         num_cpus_per_engine=0.25).start()
     cfg = _cfg(tmp_path, 2, tp=2, extra=("--weight-transport", "distributed", "--update-weight-buffer-size", "16384"))
     group = TrainerGroup(cfg, tiny_llama16, fleet.urls(), fleet.actor_handles())
@@ -204,7 +207,7 @@ def test_a_trainer_that_cannot_be_placed_is_refused_with_what_is_free(tmp_path, 
     cfg = parse_flags(["--preset", "tiny-reverse4", "--run-id", "big", "--storage-root", f"file://{tmp_path}", "--actor-num-gpus-per-node", "8",
                        "--num-cpus-trainer", "1", "--save", "", "--save-interval", "none"])
     with pytest.raises(TrainerPlacementError, match="8 ranks .* could not be placed within 2 s"):
-        TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=2)
+        TrainerGroup(cfg, tiny_gpt, [], placement_timeout_seconds=UNPLACEABLE_SECONDS)
 
 
 class _FirstPortTaken(TrainerGroup):

@@ -34,6 +34,7 @@ from miles_core.engines.model import CausalLM, read_safetensors
 from miles_core.models.builtin import SEP_ID, materialize_checkpoint
 from miles_core.weights.distributed import DistributedWeightTransport
 from miles_core.weights.sync import WeightSync
+from tests.support.timeouts import ENGINE_START_SECONDS, PROBE_SECONDS
 from tests.support.two_nodes import TwoNodeCluster
 
 TIMEOUT = 10  # seconds: the group's timeout; a broken group fails well within the test's bound
@@ -98,12 +99,13 @@ def _engine(net: TwoNodeCluster, model_dir: str, log_path, env: dict) -> subproc
         return subprocess.Popen(net.engine_node_command(cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = 120.0) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen, log_path, timeout: float = ENGINE_START_SECONDS) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, log_path.read_text()[-3000:]
         try:
-            urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=auth_headers()), timeout=2)
+            urllib.request.urlopen(urllib.request.Request(f"{url}/health", headers=auth_headers()),
+                                   timeout=PROBE_SECONDS)
             return
         except OSError:
             time.sleep(0.5)

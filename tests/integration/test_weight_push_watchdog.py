@@ -32,6 +32,7 @@ from miles_core.engines.client import EngineClient
 from miles_core.engines.launcher import EngineLaunchSpec, EngineServer
 from miles_core.models.builtin import materialize_checkpoint
 from tests.support import strict_device as strict
+from tests.support.timeouts import ENGINE_START_SECONDS
 
 BUCKET = 64 << 10  # the tiny model in ~17 buckets
 # The trainer's groups: a gather no peer joins is torn down after it. Rank 1 waits this long in the all-reduce
@@ -49,7 +50,7 @@ def tiny_gpt(tmp_path_factory):
 
 @pytest.fixture
 def engines(tiny_gpt):
-    servers = [EngineServer(EngineLaunchSpec("cpu", tiny_gpt, startup_timeout_seconds=120,
+    servers = [EngineServer(EngineLaunchSpec("cpu", tiny_gpt, startup_timeout_seconds=ENGINE_START_SECONDS,
                                              health_interval_seconds=0.5), f"engine-{i}") for i in range(2)]
     for s in servers:
         s.start()

@@ -28,6 +28,7 @@ from miles_core.storage.node_local import localize
 from miles_core.train.trainer import Trainer
 from miles_core.weights.snapshot import MARKER, complete_snapshots
 from miles_core.weights.sync import EngineControl, StoreWeightTransport, WeightSync, WeightSyncError
+from tests.support.timeouts import ENGINE_START_SECONDS
 from tests.unit.test_train import make_groups
 
 torch.set_num_threads(1)
@@ -299,7 +300,7 @@ def test_a_producer_joining_after_version_30_serves_it_from_one_anchor_and_delta
 
     feed = Feed(version=30, weights=uri, step=29, segment=0, queue_size=0, capacity=8, consumed_groups=0,
                 groups_per_version=1, max_weight_staleness=None, first_version=1, written_at=0.0)
-    server = EngineServer(replace(engine_spec(embedded_default(), feed), startup_timeout_seconds=120))
+    server = EngineServer(replace(engine_spec(embedded_default(), feed), startup_timeout_seconds=ENGINE_START_SECONDS))
     server.start()
     try:
         async def served():

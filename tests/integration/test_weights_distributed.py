@@ -31,7 +31,10 @@ from miles_core.samples import Sample
 from miles_core.train.trainer import Trainer
 from miles_core.weights.distributed import DistributedWeightTransport, WeightPushError, buckets
 from miles_core.weights.sync import WeightSync
+from tests.support.timeouts import ENGINE_START_SECONDS, WAIT_SECONDS, wait_until
 from tests.unit.test_train import make_groups
+
+PUSH_TIMEOUT_SECONDS = 6.0  # the transport's timeout_seconds: a dead or stopped engine fails the attempt within it
 
 torch.set_num_threads(1)
 PROMPT = [1, 2, 3, 4, SEP_ID]
@@ -49,7 +52,7 @@ def trainer(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engines(trainer):
-    servers = [EngineServer(EngineLaunchSpec("cpu", trainer.hf_dir, startup_timeout_seconds=120,
+    servers = [EngineServer(EngineLaunchSpec("cpu", trainer.hf_dir, startup_timeout_seconds=ENGINE_START_SECONDS,
                                              health_interval_seconds=0.5), f"engine-{i}") for i in range(2)]
     for s in servers:
         s.start()
@@ -140,10 +143,7 @@ def test_engine_restarted_between_pushes_rejoins(trainer, engines):
         asyncio.run(push(tp, engines, 1))
         before = engines[0].restarts
         os.kill(engines[0].pid(), signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while engines[0].restarts == before:
-            assert time.monotonic() < deadline, "the monitor did not restart the engine"
-            time.sleep(0.2)
+        wait_until(lambda: engines[0].restarts != before, WAIT_SECONDS, "restart of the engine by the monitor")
         assert asyncio.run(_version(engines[0].url)) == "0"  # the restarted engine serves its launch weights
 
         trainer.train_step(2, make_groups())
@@ -176,7 +176,7 @@ def test_engine_failing_mid_push_is_restarted_and_the_retry_lands(trainer, engin
     """Engine 1 dies (SIGKILL) or hangs (SIGSTOP) after the first bucket: the attempt fails within the
     timeout instead of hanging, engine 1 is restarted, the group is formed again, and the whole push is
     retried once and lands on both engines (version and log-probs)."""
-    timeout = 6.0
+    timeout = PUSH_TIMEOUT_SECONDS
     pid = engines[1].pid()
     tp = transport(trainer, engines, FailingMidPush, servers=engines, victim=1, sig=sig, timeout_seconds=timeout)
     try:
@@ -204,15 +204,12 @@ def test_second_failure_raises_naming_the_engine(trainer, engines):
             os.kill(engines[0].pid(), signal.SIGKILL)
             await super()._send_bucket(clients, bucket, weight_version)
 
-    tp = transport(trainer, engines, AlwaysKill, timeout_seconds=6.0)
+    tp = transport(trainer, engines, AlwaysKill, timeout_seconds=PUSH_TIMEOUT_SECONDS)
     try:
         with pytest.raises(WeightPushError, match=r"engine 0 \(http://127\.0\.0\.1:\d+\)"):
             asyncio.run(push(tp, engines, 6))
         for s in engines:  # wait for the monitor to bring the last victim back for the next tests
-            deadline = time.monotonic() + 60
-            while asyncio.run(_version(s.url)) is None:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
+            wait_until(lambda: asyncio.run(_version(s.url)) is not None, WAIT_SECONDS, f"{s.url} serving again")
     finally:
         asyncio.run(tp.close())
 
@@ -234,7 +231,7 @@ def test_fleet_wiring_restart_and_generations(trainer, ray_local):
     killed mid-push is back (monitor or restart) and the retry lands."""
     from miles_core.engines.launcher import EngineFleet
 
-    spec = EngineLaunchSpec("cpu", f"file://{trainer.hf_dir}", startup_timeout_seconds=120,
+    spec = EngineLaunchSpec("cpu", f"file://{trainer.hf_dir}", startup_timeout_seconds=ENGINE_START_SECONDS,
                             health_interval_seconds=0.5)
     with EngineFleet(spec, 2, num_cpus_per_engine=0.5) as fleet:
         urls = fleet.urls()
@@ -242,7 +239,8 @@ def test_fleet_wiring_restart_and_generations(trainer, ray_local):
 
         def make(cls=DistributedWeightTransport, **kw):
             return cls(trainer.hf_state_dict, urls, master_address="127.0.0.1", backend="gloo",
-                       bucket_bytes=BUCKET, timeout_seconds=6.0, engine_generations=fleet.restart_counts,
+                       bucket_bytes=BUCKET, timeout_seconds=PUSH_TIMEOUT_SECONDS,
+                       engine_generations=fleet.restart_counts,
                        restart_engine=fleet.restart, **kw)
 
         class Servers:  # what FailingMidPush needs: the pid of each engine

@@ -27,6 +27,13 @@ from pathlib import Path
 
 import pytest
 
+INSTALL_SECONDS = 900  # installing Chromium and its libraries with the system's package manager
+START_SECONDS = 60.0  # Chromium's start, to its DevTools port
+EXIT_SECONDS = 10  # Chromium's exit once terminated
+LOAD_SECONDS = 90.0  # one page's load, its script and its plots
+PORT_LOOK_SECONDS = 0.1  # how often the start looks for Chromium's DevTools port file
+PLOTS_LOOK_SECONDS = 0.25  # how often a load asks the page whether its plots have rendered
+
 DEBIAN_PACKAGE = "chromium"
 # The discard port: nothing listens, so every proxied request fails at once. --no-sandbox: CI and
 # dev containers run as root, where Chromium refuses to start with its sandbox.
@@ -57,7 +64,7 @@ def install_chromium() -> str:
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", DEBIAN_PACKAGE]):
         try:
-            proc = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True, timeout=900)
+            proc = subprocess.run(sudo + cmd, env=env, capture_output=True, text=True, timeout=INSTALL_SECONDS)
         except (OSError, subprocess.TimeoutExpired) as e:
             pytest.fail(f"installing Chromium failed: {' '.join(sudo + cmd)}: {e}")
         if proc.returncode != 0:
@@ -85,7 +92,7 @@ class PageLoad:
 class Browser:
     """One headless Chromium process with its own profile; `load` opens one page at a time."""
 
-    def __init__(self, chromium_path: str, *, start_timeout_seconds: float = 60.0):
+    def __init__(self, chromium_path: str, *, start_timeout_seconds: float = START_SECONDS):
         self.path = chromium_path
         self.start_timeout_seconds = start_timeout_seconds
         self._profile = tempfile.TemporaryDirectory(prefix="miles-chromium-", ignore_cleanup_errors=True)
@@ -115,7 +122,7 @@ class Browser:
         if self._proc.poll() is None:
             self._proc.terminate()
             try:
-                self._proc.wait(timeout=10)
+                self._proc.wait(timeout=EXIT_SECONDS)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
@@ -133,7 +140,7 @@ class Browser:
                 raise RuntimeError(f"chromium exited {self._proc.returncode} at start:\n{self.log_tail()}")
             if marker.exists() and marker.read_text().strip():
                 return int(marker.read_text().split()[0])
-            time.sleep(0.1)
+            time.sleep(PORT_LOOK_SECONDS)
         raise RuntimeError(f"chromium did not open its DevTools port in {self.start_timeout_seconds:.0f} s:\n"
                            f"{self.log_tail()}")
 
@@ -143,7 +150,7 @@ class Browser:
         return self._log.read().decode("utf-8", "replace")[-chars:]
 
     def load(self, path: str | Path, *, screenshot: str | Path | None = None, script: str = "",
-             timeout_seconds: float = 90.0, settle_seconds: float = 15.0) -> PageLoad:
+             timeout_seconds: float = LOAD_SECONDS, settle_seconds: float = 15.0) -> PageLoad:
         """Open `path` as a file:// URL in a fresh tab, wait for the load event, run `script` (e.g.
         click a tab), wait for every plotly div to render (at most `settle_seconds`), then read the
         plots and errors and take a full-page screenshot."""
@@ -182,7 +189,7 @@ class _Page:
         plots = await cdp.evaluate(PLOTS_JS)
         deadline = time.monotonic() + self.settle_seconds
         while not all(p["rendered"] and p["main_svgs"] for p in plots) and time.monotonic() < deadline:
-            await asyncio.sleep(0.25)
+            await asyncio.sleep(PLOTS_LOOK_SECONDS)
             plots = await cdp.evaluate(PLOTS_JS)
         shot = await _screenshot(cdp, self.screenshot) if self.screenshot else None
         return PageLoad(self.url, cdp.errors(), plots, shot)

@@ -37,6 +37,8 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
+PIP_SECONDS = 600  # one pip download or uv resolve over the network
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 LOCK = PROJECT_ROOT / "requirements.lock"
 PYTHONS = ("3.11", "3.12")
@@ -239,7 +241,7 @@ def fetch_wheel(name: str, version: Version, python: str, glibc_minor: int, cach
         "--progress-bar",
         "off",
     ]
-    proc = _run(cmd, timeout=600)
+    proc = _run(cmd, timeout=PIP_SECONDS)
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-5:])
         raise RuntimeError(f"pip download {name}=={version} (CPython {python}) failed:\n{tail}")
@@ -381,7 +383,7 @@ def uv_bin() -> str:
     return find_uv_bin()
 
 
-def resolve_gpu_set(python: str, workdir: Path | None = None, timeout: float = 600) -> Resolution:
+def resolve_gpu_set(python: str, workdir: Path | None = None, timeout: float = PIP_SECONDS) -> Resolution:
     """uv's resolver over images.gpu_packages() for CPython `python` on linux x86_64 at the base image's glibc."""
     gpu = load_gpu_set()
     workdir = Path(workdir or tempfile.mkdtemp(prefix="gpu-set-"))

@@ -23,6 +23,9 @@ import time
 
 from tests.support.two_nodes import ROOT, TwoNodeError, _free_port, _processes, _test_block, namespace_holder
 
+IP_COMMAND_SECONDS = 60  # one `ip`/`nsenter` command that sets the node up or takes it down
+KILL_RETRY_SECONDS = 1  # between rounds of SIGKILL while the node's processes still show
+
 
 def missing_tools() -> list[str]:
     """What an isolated node needs and this machine lacks (root, unshare, nsenter, ip)."""
@@ -31,7 +34,7 @@ def missing_tools() -> list[str]:
 
 
 def _run(cmd: list[str]) -> None:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=IP_COMMAND_SECONDS)
     if p.returncode != 0:
         raise TwoNodeError(f"{cmd} failed ({p.returncode}): {p.stdout[-1000:]}{p.stderr[-2000:]}")
 
@@ -97,7 +100,7 @@ class IsolatedNode:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(1)
+            time.sleep(KILL_RETRY_SECONDS)
         if self.holder is not None and self.holder.poll() is None:
             os.killpg(self.holder.pid, signal.SIGKILL)
             self.holder.wait(10)

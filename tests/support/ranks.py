@@ -9,8 +9,10 @@ import sys
 
 import torch.multiprocessing as mp
 
+FORK_RANKS_SECONDS = 120  # fork_ranks' bound when the test names none: small gloo ranks, to their end
 
-def fork_ranks(target, args_list: list[tuple], timeout: float = 120) -> None:
+
+def fork_ranks(target, args_list: list[tuple], timeout: float = FORK_RANKS_SECONDS) -> None:
     ctx = mp.get_context("fork")
     procs = [ctx.Process(target=target, args=args) for args in args_list]
     for p in procs:

@@ -12,6 +12,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+START_SECONDS = 60.0  # `weed mini`'s start, to its S3 gateway answering
+PROBE_SECONDS = 1  # one probe of the S3 gateway while it starts (retried)
+RETRY_SECONDS = 0.2  # between probes of the S3 gateway while it starts
+
 ACCESS_KEY = "miles-test-access"
 SECRET_KEY = "miles-test-secret-not-real"
 
@@ -73,7 +77,7 @@ def _listener_args(ip: str) -> list[str]:
     return [f"-{n}={free_port(ip)}" for n in names] + ["-s3.port.iceberg=0", "-s3.port.lance=0"]
 
 
-def start_seaweed(timeout_seconds: float = 60.0, *, data_dir: str | None = None, s3_port: int | None = None,
+def start_seaweed(timeout_seconds: float = START_SECONDS, *, data_dir: str | None = None, s3_port: int | None = None,
                   ip: str = "127.0.0.1", tries: int = 3) -> SeaweedS3:
     """A fresh server; with `data_dir` and `s3_port` of a killed one, that server again, with its data.
     Every listener binds `ip` only (an address of this machine). A free port can be taken by another
@@ -107,12 +111,12 @@ def _start_seaweed(timeout_seconds: float, *, data_dir: str | None, s3_port: int
             error = PortTaken if "is not available" in said else RuntimeError
             raise error(f"weed mini exited early (rc={proc.returncode}); log: {data_dir}/weed.log")
         try:
-            urllib.request.urlopen(endpoint, timeout=1)
+            urllib.request.urlopen(endpoint, timeout=PROBE_SECONDS)
             break
         except urllib.error.HTTPError:
             break  # any HTTP answer means the S3 gateway is up
         except OSError:
-            time.sleep(0.2)
+            time.sleep(RETRY_SECONDS)
     else:
         proc.kill()
         raise RuntimeError(f"weed mini did not answer on {endpoint} within {timeout_seconds}s")

@@ -42,6 +42,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.support.timeouts import SLOW_COMMAND_SECONDS
+
+INSTALL_SECONDS = 1200  # one pip install of a torch wheel and its needs
+
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("miles_core", "tasks", "bench/gpu_check.py", "tests/gpu")
 # Names reached with getattr(module, name) over a module-level tuple: (file, tuple's name, module).
@@ -256,7 +260,7 @@ def _start_probe(python: str | Path, chains: list[str], attr_names: list[str], e
     return proc
 
 
-def _finish_probe(proc, python, timeout: float = 300) -> dict:
+def _finish_probe(proc, python, timeout: float = SLOW_COMMAND_SECONDS) -> dict:
     try:
         stdout = proc.stdout.read()
         stderr = proc.stderr.read()
@@ -323,7 +327,7 @@ def target_python(version=None, log=lambda msg: None) -> Path:
         pip += ["--no-compile", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
         pip += ["--retries", "1", "--timeout", "30"]
         for args in ([*pip, "--no-deps", str(wheel)], [*pip, *needs]):
-            proc = gpu_pins._run(args, timeout=1200)
+            proc = gpu_pins._run(args, timeout=INSTALL_SECONDS)
             if proc.returncode != 0:
                 raise RuntimeError(f"{' '.join(args[3:8])} ... failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
         (building / ".complete").write_text(f"torch {version}; {' '.join(needs)}\n")

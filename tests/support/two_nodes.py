@@ -39,6 +39,11 @@ from pathlib import Path
 
 from tests.support.seaweed import SeaweedS3, start_seaweed
 
+JOIN_SECONDS = 120.0  # the engine node joins the head's Ray cluster
+RAY_PROBE_SECONDS = 60  # one probe interpreter that connects to the cluster and reads its resources
+NODE_COMMAND_SECONDS = 180.0  # one command run on a node (ray start, a probe)
+RETRY_SECONDS = 1  # between probes of the cluster, and between rounds of SIGKILL while processes still show
+
 RAY = str(Path(sys.executable).with_name("ray"))
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: its code and .venv must stay visible on both nodes
 PRIVATE_DIRS = ("/tmp", os.path.expanduser("~/.cache"))
@@ -206,19 +211,19 @@ class TwoNodeCluster:
         s3fs.S3FileSystem(endpoint_url=self.s3.endpoint, key=self.s3.env()["AWS_ACCESS_KEY_ID"],
                           secret=self.s3.env()["AWS_SECRET_ACCESS_KEY"]).mkdir(BUCKET)
 
-    def _wait_for_engine_node(self, timeout: float = 120.0) -> None:
+    def _wait_for_engine_node(self, timeout: float = JOIN_SECONDS) -> None:
         probe = f"import ray; ray.init(address='{self.address}'); print(ray.cluster_resources().get('engine_node', 0))"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.worker.poll() is not None:
                 out = self.worker.stdout.read().decode(errors="replace")
                 raise TwoNodeError(f"the engine node exited with {self.worker.returncode}: {out[-3000:]}")
-            if float(self._run([sys.executable, "-c", probe], timeout=60).strip().splitlines()[-1]) >= 1:
+            if float(self._run([sys.executable, "-c", probe], timeout=RAY_PROBE_SECONDS).strip().splitlines()[-1]) >= 1:
                 return
-            time.sleep(1)
+            time.sleep(RETRY_SECONDS)
         raise TwoNodeError(f"the engine node did not join {self.address} within {timeout:.0f} s")
 
-    def _run(self, cmd: list[str], timeout: float = 180.0) -> str:
+    def _run(self, cmd: list[str], timeout: float = NODE_COMMAND_SECONDS) -> str:
         p = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout)
         if p.returncode != 0:
             raise TwoNodeError(f"{cmd[:3]} failed ({p.returncode}): {p.stdout[-2000:]}{p.stderr[-3000:]}")
@@ -270,7 +275,7 @@ class TwoNodeCluster:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(1)
+            time.sleep(RETRY_SECONDS)
 
     def _renice(self) -> None:
         """Back to the usual priority once both nodes are up (Ray's later workers inherit it)."""
