@@ -352,6 +352,27 @@ def test_a_delivery_failing_with_no_engine_lost_raises():
         wp.push(0)
 
 
+def test_a_push_the_trainer_delivers_made_again_once_the_fleet_dropped_a_lost_engine():
+    """The distributed transport: rank 0's broadcast fails when an engine is gone; the push is made once
+    more after the fleet dropped it, and a failure with no engine lost raises as it is."""
+    fleet, tries = LosingFleet(), []
+
+    def push(step, version):
+        tries.append(len(fleet.engines))
+        if len(fleet.engines) == 2:
+            raise RuntimeError("broadcast to engine e1 failed: connection reset")
+        return {"delivered": True}
+
+    wp, trainer, rollout, version, _ = pusher(trainer_answer=push, fleet=fleet)
+    wp.push(0)
+    assert tries == [2, 1] and fleet.dropped == 1 and version.delivered == 1
+    wp, *_ = pusher(trainer_answer=lambda step, v: (_ for _ in ()).throw(RuntimeError("NCCL timeout")),
+                    fleet=LosingFleet())
+    wp.engines.engines = wp.engines.engines[:1]
+    with pytest.raises(RuntimeError, match="NCCL timeout"):
+        wp.push(0)
+
+
 # ----------------------------------------------------------------------------- Checkpointer
 
 

@@ -61,6 +61,29 @@ def test_tensor_parallel_peers_read_their_dp_ranks_part():
         DataLayout.of(world_size=3, tp=2)
 
 
+def test_the_driver_hands_each_rank_the_part_of_its_data_parallel_rank():
+    """TrainerGroup.train_parts, with TP 2 x DP 2: ranks 0 and 1 (one tensor-parallel group) both get DP
+    part 0, ranks 2 and 3 part 1 (tensor-parallel peers must train on the same data); a list of parts
+    that is not one per DP rank is refused."""
+    from miles_core.driver.placement import TrainerGroup
+
+    class Rank:
+        def __init__(self):
+            self.train_part = self
+            self.got = None
+
+        def remote(self, step, part):
+            self.got = (step, part)
+            return part
+
+    group = object.__new__(TrainerGroup)
+    group.layout, group.actors = DataLayout.of(world_size=4, tp=2), [Rank() for _ in range(4)]
+    group.train_parts(7, ["part-0", "part-1"])
+    assert [a.got for a in group.actors] == [(7, "part-0"), (7, "part-0"), (7, "part-1"), (7, "part-1")]
+    with pytest.raises(ValueError, match="3 data-parallel parts for a trainer of DP size 2"):
+        group.train_parts(7, ["a", "b", "c"])
+
+
 def test_a_part_on_a_rank_with_no_samples_still_has_the_steps_first_item():
     """Under expert parallelism a rank without samples runs idle micro-batches: it needs a stand-in sample."""
     groups = make_groups(n_groups=1, n=2, seed=1)
