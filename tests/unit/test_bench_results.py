@@ -26,6 +26,7 @@ import pytest
 
 from bench import async_speedup, buffer, elastic, results_file
 from bench.async_speedup import TimedEngines, WeightClock, Workload
+from tests.support.timeouts import COMMAND_SECONDS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def check_schema(record: dict, bench: str, flags: tuple[str, ...] = ()) -> dict:
     return record
 
 
-def run_bench(name: str, *args: str, timeout: float = 120) -> None:
+def run_bench(name: str, *args: str, timeout: float = COMMAND_SECONDS) -> None:
     """`python bench/<name>.py ARGS` as a user runs it (its own process: torch threads, logging)."""
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / f"{name}.py"), *args], cwd=ROOT,
                           timeout=timeout, capture_output=True, text=True)

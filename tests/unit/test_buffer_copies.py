@@ -19,6 +19,8 @@ from miles_core.buffer.inspect import inspect_buffer
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.storage import Store
 
+STALE_GET_SECONDS = 0.2  # a get that finds only a stale group: it rejects it and times out
+
 
 def group(position: int, attempt: int = 0, epoch: int = 0) -> Group:
     gid = f"e{epoch}-p{position}-a{attempt}-trainer"
@@ -83,7 +85,7 @@ def test_a_retry_of_a_rejected_prompt_is_served(store):
                             max_weight_staleness=0) as buf:
         buf.put(group(0))
         with pytest.raises(BufferTimeout):
-            buf.get(current_version=5, timeout_seconds=0.2)  # stale: rejected
+            buf.get(current_version=5, timeout_seconds=STALE_GET_SECONDS)  # stale: rejected
         buf.record_consumed(0, [])
         buf.compact(0)
         buf.put(group(0, attempt=1))

@@ -21,6 +21,10 @@ from miles_core.buffer.objects import consumed_key
 from miles_core.metrics import names as N
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.storage import Store
+from tests.support.timeouts import WAIT_SECONDS
+
+GET_SECONDS = 1  # a get of a group the test made available (the tail indexes within a poll)
+WAITING_GET_SECONDS = 60  # a get the test leaves waiting until a later group wakes it
 
 
 def group(position: int, holder: str, attempt: int = 0, epoch: int = 0) -> Group:
@@ -44,7 +48,7 @@ def producer_writer(store, name="wprod"):
     return DurableBuffer(store, capacity_groups=2, unused_handler=DropUnused(), writer_id=name, index_commits=False)
 
 
-def wait_for(fn, timeout=5.0):
+def wait_for(fn, timeout=WAIT_SECONDS):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if fn():
@@ -60,7 +64,7 @@ def test_a_producers_commits_reach_the_trainer_once_each(store):
         assert w.committed_total == 5 and w.queue_size == 0
         assert wait_for(lambda: buf.queue_size == 5)
         time.sleep(0.2)  # more polls: nothing is indexed twice
-        got = [buf.get(timeout_seconds=1).group_id for _ in range(5)]
+        got = [buf.get(timeout_seconds=GET_SECONDS).group_id for _ in range(5)]
         assert sorted(got) == sorted(f"e0-p{i}-a0-prod" for i in range(5)) and buf.queue_size == 0
         buf.record_consumed(0, got)
     manifest = store.get_json(consumed_key(0))
@@ -74,7 +78,7 @@ def test_a_duplicate_prompt_attempt_is_refused_and_a_retry_is_not(store):
         w.put(group(3, "prod", attempt=1))  # a retry of a rejected group: the next attempt, not a duplicate
         w.put(group(4, "prod"))
         assert wait_for(lambda: buf.queue_size == 3)
-        got = sorted(buf.get(timeout_seconds=1).group_id for _ in range(3))
+        got = sorted(buf.get(timeout_seconds=GET_SECONDS).group_id for _ in range(3))
         assert got == ["e0-p3-a0-trainer", "e0-p3-a1-prod", "e0-p4-a0-prod"]
         assert buf.get_metrics()[N.DUPLICATE_GROUPS_FILTERED] == 1
         buf.record_consumed(0, got)
@@ -84,7 +88,7 @@ def test_a_duplicate_prompt_attempt_is_refused_and_a_retry_is_not(store):
 def test_a_reopened_buffer_refuses_a_duplicate_of_a_consumed_group(store):
     with trainer_buffer(store) as buf:
         buf.put(group(1, "trainer"))
-        buf.record_consumed(0, [buf.get(timeout_seconds=1).group_id])
+        buf.record_consumed(0, [buf.get(timeout_seconds=GET_SECONDS).group_id])
     with producer_writer(store) as w:
         w.put(group(1, "late"))
         w.put(group(2, "late"))
@@ -102,7 +106,7 @@ def test_other_writers_groups_hold_back_the_trainers_own_puts(store):
         done = threading.Event()
         threading.Thread(target=lambda: (buf.put(group(9, "trainer")), done.set()), daemon=True).start()
         assert not done.wait(0.3)  # full of the producer's groups: backpressure on the trainer's own
-        buf.get(timeout_seconds=1)
+        buf.get(timeout_seconds=GET_SECONDS)
         assert done.wait(2)
 
 
@@ -168,9 +172,9 @@ def test_groups_indexed_while_the_trainer_gets_wake_it_and_count_in_full(store, 
         poller = threading.Thread(target=lambda: polled.append(buf._tail.poll()), daemon=True)
         poller.start()
         assert reading.wait(5)  # the poll reads group 1's object, unlocked
-        assert buf.get(timeout_seconds=1).group_id == "e0-p0-a0-prod"  # meanwhile the trainer takes group 0
+        assert buf.get(timeout_seconds=GET_SECONDS).group_id == "e0-p0-a0-prod"  # meanwhile the trainer takes group 0
         got = []
-        getter = threading.Thread(target=lambda: got.append(buf.get(timeout_seconds=60).group_id), daemon=True)
+        getter = threading.Thread(target=lambda: got.append(buf.get(timeout_seconds=WAITING_GET_SECONDS).group_id), daemon=True)
         getter.start()
         assert wait_for(lambda: len(buf._not_empty._waiters) == 1)  # and waits for the next
         release.set()

@@ -16,12 +16,13 @@ import pytest
 
 from miles_core.cli import main
 from miles_core.config import config_from_json, parse_flags
+from tests.support.timeouts import COMMAND_SECONDS
 
 MILES = Path(sys.executable).with_name("miles")
 
 
 def _run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([str(MILES), *args], capture_output=True, text=True, timeout=COMMAND_SECONDS,
                           env=dict(os.environ, PYTHONWARNINGS="ignore"))
 
 

@@ -17,6 +17,9 @@ from miles_core.eval.scheduler import EvalScheduler
 from miles_core.eval.snapshots import SnapshotLayout, on_cadence, retire_snapshots
 from miles_core.storage import Store
 
+BACKPRESSURE_SECONDS = 0.3  # how long a step waits for an eval slot before it skips (kept short: most tests skip)
+SLOT_WAIT_SECONDS = 5.0  # a backpressure wait long enough for the slot the test frees after 0.2 s
+
 
 class Sink:
     def __init__(self):
@@ -55,7 +58,7 @@ def write_snapshot(root: str, step: int, marker: str | None = ".complete") -> No
 
 
 def make_scheduler(tmp_path, mode=None, *, interval=3, max_in_flight=2, policy="skip", keep=2, exporter="ok",
-                   layout=None, timeout=0.3, sink=None):
+                   layout=None, timeout=BACKPRESSURE_SECONDS, sink=None):
     run = str(tmp_path / "run")
     layout = layout or SnapshotLayout(f"file://{run}/snapshots", "export")
     if exporter == "ok":
@@ -131,7 +134,7 @@ def test_backpressure_waits_for_a_slot_then_gives_up(tmp_path):
     """backpressure: the step waits until a pending eval settles; past the timeout it is skipped
     as busy instead of hanging training."""
     mode, sink = FakeMode(), Sink()
-    s = make_scheduler(tmp_path, mode, max_in_flight=1, policy="backpressure", sink=sink, timeout=5.0)
+    s = make_scheduler(tmp_path, mode, max_in_flight=1, policy="backpressure", sink=sink, timeout=SLOT_WAIT_SECONDS)
     s.on_step(2, 1)
     threading.Timer(0.2, mode.finish, args=(2,)).start()
     t0 = time.monotonic()

@@ -24,6 +24,9 @@ import pytest
 
 from miles_core.storage import Store, node_local
 from miles_core.storage.node_local import MARKER, localize
+from tests.support.timeouts import WAIT_SECONDS
+
+NOTE_WAITS_SECONDS = 10  # how long the note may take before the test calls it waiting on the restart
 
 CONTENT = {"config.json": b'{"hidden_size": 64}', "sub/tokenizer.json": b"tok" * 100,
            "model.safetensors": b"w" * 4096}
@@ -182,14 +185,14 @@ def test_weights_noted_during_a_restart_do_not_wait_for_it(cache):
     def restart_waiting_for_health():
         with server._lock:
             launching.set()
-            noted.wait(timeout=60)  # released once the test has seen whether the note waited
+            noted.wait(timeout=WAIT_SECONDS)  # released once the test has seen whether the note waited
 
     t = threading.Thread(target=restart_waiting_for_health)
     t.start()
-    launching.wait(timeout=30)
+    launching.wait(timeout=WAIT_SECONDS)
     note = threading.Thread(target=server.note_weights, args=("s3://b/run/weights/step_00000007", 9))
     note.start()
-    note.join(timeout=10)
+    note.join(timeout=NOTE_WAITS_SECONDS)
     waited = note.is_alive()
     noted.set()
     t.join()

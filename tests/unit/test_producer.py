@@ -33,6 +33,8 @@ from miles_core.rollout.producer import Producer, RolloutWorkerError, fill_sampl
 from miles_core.rollout.rewards import Rewarder
 from miles_core.samples import Sample, SampleStatus
 
+RUN_SECONDS = 20.0  # one producer scenario in its own event loop, start to finish
+
 # ----------------------------------------------------------------------------- fakes
 
 
@@ -231,7 +233,7 @@ def rig(engine, *, n=2, budget_groups=2, granularity="sample", max_staleness=Non
     return r
 
 
-def run(coro, timeout=20.0):
+def run(coro, timeout=RUN_SECONDS):
     async def main():
         return await asyncio.wait_for(coro, timeout)
 

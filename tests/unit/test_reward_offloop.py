@@ -18,6 +18,9 @@ from miles_core.rollout.rewards import Rewarder
 from miles_core.samples import Group, Sample, SampleStatus
 from tests.unit.test_producer import TokenEngine, rig, run
 
+SCORING_SECONDS = 30  # a producer scoring groups beside a reward that blocks
+CANCEL_SECONDS = 10  # a producer stopped while its reward blocks: its task ends
+
 BLOCK_SECONDS = 1.5
 
 
@@ -75,7 +78,7 @@ def test_a_blocking_reward_does_not_stall_other_groups(kind):
         blocked = next(g for g in r.buffer.queue if g.group_id == "e0-p0-a0")
         assert [s.reward for s in blocked.samples] == [1.0, 1.0]
 
-    run(main(), timeout=30)
+    run(main(), timeout=SCORING_SECONDS)
 
 
 def sample(i=0, response=(1, 2)):
@@ -198,7 +201,7 @@ def test_a_cancelled_group_cancels_its_async_reward():
             await task
 
     try:
-        run(main(), timeout=10)
+        run(main(), timeout=CANCEL_SECONDS)
         assert cancelled.wait(5)
     finally:
         rewarder.close()

@@ -18,6 +18,8 @@ from miles_core.rollout import rm_types
 from miles_core.rollout.rewards import Rewarder, load_reward, task_reward
 from miles_core.samples import Group, Sample, SampleStatus
 
+HANG_CUT_SECONDS = 0.3  # the rewarder's bound on a reward that hangs: the sample fails, counted
+
 MATH = [  # (response, label, reward)
     ("The answer is \\boxed{\\frac{1}{2}}.", "0.5", 1.0),           # a fraction against a decimal
     ("so x = \\boxed{1/2}", "\\frac{1}{2}", 1.0),
@@ -99,7 +101,7 @@ def test_a_reward_that_hangs_fails_its_sample_and_is_counted(monkeypatch):
 
     monkeypatch.setattr(rm_types, "math_equal", hang)
     try:
-        samples = _score_through_a_rewarder("math", [("\\boxed{1}", "1", None)], timeout=0.3)
+        samples = _score_through_a_rewarder("math", [("\\boxed{1}", "1", None)], timeout=HANG_CUT_SECONDS)
     finally:
         release.set()
     (s,) = samples

@@ -1,6 +1,6 @@
 """Waits are on conditions, and timeouts are named constants (tests/support/timeouts.py).
 
-Pins: in the integration, end-to-end, chaos, bad-input and support code, no call passes a numeric
+Pins: in the unit, integration, end-to-end, chaos, bad-input and support code, no call passes a numeric
 literal as a timeout keyword (`timeout`, `timeout_s`, `timeout_seconds`, or a name ending in one of
 them such as `startup_timeout_seconds`), and no function takes one as the default of such a parameter.
 The bound is a named constant: shared in tests/support/timeouts.py, or the module's own with a comment.
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DIRS = ("tests/integration", "tests/e2e", "tests/chaos", "tests/support", "tests/bad_inputs")
+DIRS = ("tests/unit", "tests/integration", "tests/e2e", "tests/chaos", "tests/support", "tests/bad_inputs")
 SOURCES = {p.relative_to(ROOT).as_posix(): p.read_text() for d in DIRS for p in sorted((ROOT / d).rglob("*.py"))}
 SUFFIXES = ("timeout", "timeout_s", "timeout_seconds")
 
