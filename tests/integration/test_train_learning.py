@@ -4,7 +4,7 @@ Pins that model building, conversion, the default loss (PPO-clip against rollout
 the optimizer together learn: reverse4 on builtin:tiny-gpt, 32 prompts x 8 samples per step,
 sampling from the trainer's own model at T=1 with one-step-stale weights (the rollout of step k
 uses the weights before step k-1's update, as the fully async pipeline would), reward rises from
-the random-policy level (~0.07) well above it. Slow (about a minute on one core).
+the random-policy level (~0.07) well above it. Slow (1-2 minutes on one core).
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ from miles_core.train.megatron_model import forward_logits
 from miles_core.train.trainer import Trainer
 
 torch.set_num_threads(1)
+# 50 steps reach ~0.48 (last 7) from ~0.09 (first 5); 70 reached ~0.57. The bar below is the one the
+# test always had: the seeds fix the curve, so fewer steps cost margin, not flakiness.
+STEPS = 50
 
 
 @torch.no_grad()
@@ -50,7 +53,7 @@ def test_reverse4_reward_rises(tmp_path):
     rewards = []
     with Trainer(TrainSection(lr=2e-3), hf) as tr:
         stale = None
-        for step in range(70):
+        for step in range(STEPS):
             batch = rng.sample(rows, 32)
             prompts = [r["prompt"] for r in batch for _ in range(8)]
             # one-step-stale rollouts: generate with a copy of the weights from before the last update
