@@ -17,6 +17,7 @@ import asyncio
 import pytest
 
 from miles_core.engines.client import EngineClient, _Stream, parse_version
+from tests.support.timeouts import WAIT_SECONDS, await_until
 
 
 def chunk(ids, lps, version, finish=None, completion=None):
@@ -121,6 +122,8 @@ def _batch_stub(script, seen):
         except (ConnectionResetError, asyncio.CancelledError):
             seen[-1]["hung_up"] = True
             raise
+        finally:
+            seen[-1]["ended"] = True
         return resp
 
     return _stub(handler)
@@ -135,7 +138,9 @@ def _run_batch(script, **kw):
             async with EngineClient([url]) as c:
                 out = await c.generate_batch([[1, 2], [1, 2], [1, 2]], {"max_new_tokens": 4}, rids=["a", "b", "c"],
                                              on_result=lambda i, r: order.append(i), **kw)
-                await asyncio.sleep(0.3)  # the stub notices a hang-up
+                # every stream the stub served has ended: finished, or the client's hang-up noticed
+                await await_until(lambda: all(s.get("ended") for s in seen), WAIT_SECONDS, "the stub's streams' end",
+                                  interval=0.01)
                 return out, c.in_flight()
         finally:
             await runner.cleanup()
