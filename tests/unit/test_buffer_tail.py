@@ -21,7 +21,7 @@ from miles_core.buffer.objects import consumed_key
 from miles_core.metrics import names as N
 from miles_core.samples import Group, Sample, SampleStatus
 from miles_core.storage import Store
-from tests.support.timeouts import WAIT_SECONDS
+from tests.support.timeouts import WAIT_SECONDS, wait_until
 
 GET_SECONDS = 1  # a get of a group the test made available (the tail indexes within a poll)
 WAITING_GET_SECONDS = 60  # a get the test leaves waiting until a later group wakes it
@@ -48,21 +48,12 @@ def producer_writer(store, name="wprod"):
     return DurableBuffer(store, capacity_groups=2, unused_handler=DropUnused(), writer_id=name, index_commits=False)
 
 
-def wait_for(fn, timeout=WAIT_SECONDS):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_a_producers_commits_reach_the_trainer_once_each(store):
     with trainer_buffer(store) as buf, producer_writer(store) as w:
         for i in range(5):  # more than the writer's capacity of 2: it never serves, so it never fills
             w.put(group(i, "prod"))
         assert w.committed_total == 5 and w.queue_size == 0
-        assert wait_for(lambda: buf.queue_size == 5)
+        wait_until(lambda: buf.queue_size == 5, WAIT_SECONDS, "5 groups queued", interval=0.02)
         time.sleep(0.2)  # more polls: nothing is indexed twice
         got = [buf.get(timeout_seconds=GET_SECONDS).group_id for _ in range(5)]
         assert sorted(got) == sorted(f"e0-p{i}-a0-prod" for i in range(5)) and buf.queue_size == 0
@@ -77,7 +68,7 @@ def test_a_duplicate_prompt_attempt_is_refused_and_a_retry_is_not(store):
         w.put(group(3, "prod"))  # the same prompt attempt from a block taken over: a duplicate
         w.put(group(3, "prod", attempt=1))  # a retry of a rejected group: the next attempt, not a duplicate
         w.put(group(4, "prod"))
-        assert wait_for(lambda: buf.queue_size == 3)
+        wait_until(lambda: buf.queue_size == 3, WAIT_SECONDS, "3 groups queued", interval=0.02)
         got = sorted(buf.get(timeout_seconds=GET_SECONDS).group_id for _ in range(3))
         assert got == ["e0-p3-a0-trainer", "e0-p3-a1-prod", "e0-p4-a0-prod"]
         assert buf.get_metrics()[N.DUPLICATE_GROUPS_FILTERED] == 1
@@ -100,7 +91,7 @@ def test_other_writers_groups_hold_back_the_trainers_own_puts(store):
     with trainer_buffer(store, capacity=2) as buf, producer_writer(store) as w:
         w.put(group(0, "prod"))
         w.put(group(1, "prod"))
-        assert wait_for(lambda: buf.queue_size == 2)
+        wait_until(lambda: buf.queue_size == 2, WAIT_SECONDS, "2 groups queued", interval=0.02)
         import threading
 
         done = threading.Event()
@@ -140,7 +131,7 @@ def test_the_feed_counts_usable_groups_and_recent_writers(store):
                             foreign_poll_seconds=0.05, writer_id="wtrainer", max_weight_staleness=1) as buf:
         with producer_writer(store) as w:
             w.put(group(0, "prod"))  # token version 1
-        assert wait_for(lambda: buf.queue_size == 1)
+        wait_until(lambda: buf.queue_size == 1, WAIT_SECONDS, "1 groups queued", interval=0.02)
         assert buf.usable_queue_size(2) == 1 and buf.usable_queue_size(3) == 0  # staleness 2 > 1 at v3
         assert buf.usable_queue_size(None) == 1
         assert buf.recent_foreign_writers() == 1 and buf.recent_foreign_writers(seconds=0) == 0
@@ -176,7 +167,8 @@ def test_groups_indexed_while_the_trainer_gets_wake_it_and_count_in_full(store, 
         got = []
         getter = threading.Thread(target=lambda: got.append(buf.get(timeout_seconds=WAITING_GET_SECONDS).group_id), daemon=True)
         getter.start()
-        assert wait_for(lambda: len(buf._not_empty._waiters) == 1)  # and waits for the next
+        wait_until(lambda: len(buf._not_empty._waiters) == 1, WAIT_SECONDS, "a get waiting",
+                   interval=0.02)  # and waits for the next
         release.set()
         poller.join(5)
         getter.join(5)
